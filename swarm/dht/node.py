@@ -1,0 +1,148 @@
+"""Our handle on the hivemind DHT: start a node (loopback-safe defaults), store and read typed records, and open
+peer-to-peer byte streams. The rest of swarm never imports hivemind; it talks to `SwarmNode`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Optional, Sequence
+
+import hivemind
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils import ValueWithExpiration, get_dht_time
+
+logger = logging.getLogger(__name__)
+
+# Frames on our streams: 8-byte big-endian length, then the bytes. The cap stops a hostile length from making us
+# allocate without bound; the largest legitimate frame is one model's state (checked by callers against the model).
+FRAME_HEADER = struct.Struct(">Q")
+MAX_FRAME_BYTES = 16 << 30
+
+
+class NodeError(RuntimeError):
+    """The DHT node could not start or reach the swarm; the message says what to check."""
+
+
+@dataclass(frozen=True)
+class NetworkOptions:
+    """How this node listens and whether it uses NAT traversal. Defaults keep everything on loopback."""
+
+    host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    announce_maddrs: tuple[str, ...] = ()
+    identity_path: Optional[str] = None
+    nat_traversal: bool = False  # port mapping, AutoNAT, relays: off for local swarms, on for real deployments
+    client_mode: bool = False  # cannot accept inbound connections
+
+    def hivemind_kwargs(self) -> dict:
+        kwargs: dict[str, Any] = dict(
+            host_maddrs=list(self.host_maddrs),
+            nat_port_map=self.nat_traversal,
+            auto_nat=self.nat_traversal,
+            use_relay=self.nat_traversal,
+            use_auto_relay=self.nat_traversal,
+            use_ipfs=False,  # never contact public IPFS bootstrap nodes
+            client_mode=self.client_mode,
+        )
+        if self.announce_maddrs:
+            kwargs["announce_maddrs"] = list(self.announce_maddrs)
+        if self.identity_path:
+            kwargs["identity_path"] = self.identity_path
+        return kwargs
+
+
+StreamHandler = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+class SwarmNode:
+    """A DHT node (a hivemind DHT process plus its p2pd daemon) and a P2P replica bound to the caller's loop."""
+
+    def __init__(self, initial_peers: Sequence[str], options: NetworkOptions, startup_timeout: float = 30.0):
+        for maddr in initial_peers:
+            if "/p2p/" not in maddr:
+                raise NodeError(f"initial peer {maddr!r} has no /p2p/<peer id> part: copy the full multiaddr "
+                                "that `swarm-peer bootstrap` printed")
+        try:
+            self.dht = hivemind.DHT(initial_peers=list(initial_peers), start=True,
+                                    await_ready=True, startup_timeout=startup_timeout,
+                                    **options.hivemind_kwargs())
+        except Exception as e:  # noqa: BLE001 - hivemind raises many types for "could not start / reach"
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise NodeError(f"could not start the DHT node or reach {', '.join(initial_peers) or 'the swarm'}: "
+                            f"{reason}") from None
+        self.peer_id: str = self.dht.peer_id.to_base58()
+        self._p2p: Optional[P2P] = None
+
+    def visible_maddrs(self) -> list[str]:
+        """Full multiaddrs (with /p2p/<id>) that other peers pass as --initial-peers."""
+        return [str(m) for m in self.dht.get_visible_maddrs(latest=True)]
+
+    # ---- records -------------------------------------------------------------------------------------------
+    async def store(self, key: str, value: Any, ttl: float, subkey: Optional[str] = None) -> bool:
+        return bool(await self.dht.store(key, value, get_dht_time() + ttl, subkey=subkey, return_future=True))
+
+    async def get(self, key: str) -> dict[str, Any]:
+        """Subkey -> value of a dictionary record (empty if absent); a plain value is returned under key ''."""
+        found = await self.dht.get(key, latest=True, return_future=True)
+        if found is None:
+            return {}
+        value = found.value
+        if isinstance(value, dict) and value and all(isinstance(v, ValueWithExpiration) for v in value.values()):
+            return {str(sub): item.value for sub, item in value.items()}  # a dictionary record (subkeys)
+        return {"": value}
+
+    @staticmethod
+    def now() -> float:
+        return get_dht_time()
+
+    # ---- streams -------------------------------------------------------------------------------------------
+    async def p2p(self) -> P2P:
+        if self._p2p is None:
+            self._p2p = await self.dht.replicate_p2p()
+        return self._p2p
+
+    async def add_stream_handler(self, name: str, handler: StreamHandler) -> None:
+        """Serve protocol `name`; the handler gets (remote peer id, reader, writer)."""
+        p2p = await self.p2p()
+
+        async def _on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                await handler(info.peer_id.to_base58(), reader, writer)
+            except (asyncio.IncompleteReadError, ConnectionError) as e:
+                logger.debug("stream %s from %s ended early: %r", name, info.peer_id, e)
+            except Exception:  # noqa: BLE001 - a bad request must never take the peer down
+                logger.exception("handler %s failed for a request from %s", name, info.peer_id)
+            finally:
+                writer.close()
+
+        await p2p.add_binary_stream_handler(name, _on_stream)
+
+    async def open_stream(self, peer_id: str, name: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        p2p = await self.p2p()
+        _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), name)
+        return reader, writer
+
+    def shutdown(self) -> None:
+        try:
+            self.dht.shutdown()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            logger.debug("DHT shutdown raised", exc_info=True)
+
+
+async def send_frame(writer: asyncio.StreamWriter, data: bytes | memoryview) -> None:
+    writer.write(FRAME_HEADER.pack(len(data)))
+    view = memoryview(data)
+    for offset in range(0, len(view), 1 << 20):
+        writer.write(view[offset:offset + (1 << 20)])
+        await writer.drain()
+    await writer.drain()
+
+
+async def recv_frame(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BYTES) -> bytes:
+    """Read one frame; raises ValueError if the peer announces more than `max_bytes`."""
+    (length,) = FRAME_HEADER.unpack(await reader.readexactly(FRAME_HEADER.size))
+    if length > max_bytes:
+        raise ValueError(f"peer announced a {length}-byte frame, over the {max_bytes}-byte limit")
+    return await reader.readexactly(length)

@@ -1,0 +1,274 @@
+"""Training data for one peer: a tokenizer every peer derives identically from the corpus, the corpus as one flat
+token stream, and deterministic per-peer shards of fixed-length windows over it (plus fixed validation batches).
+Corpus loading and the train/validation split live in `swarm.peer.corpus` and are re-exported here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import tokenizers
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from swarm.peer.corpus import BUNDLED_CORPUS, CorpusError, Document, load_corpus, split_documents
+
+__all__ = [
+    "BUNDLED_CORPUS",
+    "EOS_TOKEN",
+    "CorpusError",
+    "Document",
+    "TokenDataset",
+    "load_corpus",
+    "load_tokenizer",
+    "split_documents",
+    "tokenizer_digest",
+]
+
+EOS_TOKEN = "<|endoftext|>"
+"""End-of-document token of the "bpe" tokenizer, also used for padding."""
+
+# Part of every cache key: bump it whenever the BPE recipe or the token-cache layout changes, so stale files
+# written by an older version are never read as current.
+_CACHE_FORMAT = 1
+_MIN_BPE_VOCAB = 256 + 1  # every byte, plus the end-of-document token
+
+
+def load_tokenizer(
+    spec: str, docs: list[Document], vocab_size: int, cache_dir: str | Path
+) -> PreTrainedTokenizerFast:
+    """Return the tokenizer named by `spec`; its eos token separates documents and is also its pad token.
+
+    spec "bpe": a byte-level BPE with at most `vocab_size` entries ("<|endoftext|>" included) trained on the
+    texts of `docs`. Training is deterministic, so peers that train on the same texts with the same
+    `tokenizers` version get byte-identical tokenizers (check with `tokenizer_digest`). The result is cached in
+    `cache_dir` as "bpe-<vocab_size>-<sha256 of texts, vocab_size and tokenizers version>.json", written
+    atomically so that peers sharing the directory may train at the same moment; later calls load it in
+    milliseconds. Any other spec is a local directory holding a saved fast tokenizer (tokenizer.json); a
+    missing pad token is set to its eos token, and `docs`, `vocab_size` and `cache_dir` are ignored.
+
+    Raises CorpusError for a vocab_size below 257 or no documents ("bpe"), or a directory that does not exist,
+    holds no tokenizer.json or cannot be loaded from it, or whose tokenizer has no eos token.
+    """
+    if spec == "bpe":
+        return _load_or_train_bpe(docs, vocab_size, Path(cache_dir))
+    path = Path(spec).expanduser()
+    if not path.is_dir():
+        raise CorpusError(f"tokenizer {spec!r} is neither 'bpe' nor an existing directory")
+    if not (path / "tokenizer.json").is_file():
+        raise CorpusError(f"tokenizer directory {str(path)!r} holds no tokenizer.json (write one with save_pretrained)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CorpusError(f"cannot load a tokenizer from {str(path)!r}: {reason}") from None
+    if not isinstance(tokenizer, PreTrainedTokenizerFast):
+        raise CorpusError(f"tokenizer in {str(path)!r} did not load as a fast (tokenizers-backed) tokenizer")
+    if tokenizer.eos_token_id is None:
+        raise CorpusError(f"tokenizer in {str(path)!r} has no eos token to separate documents")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def tokenizer_digest(tokenizer: PreTrainedTokenizerFast) -> str:
+    """sha256 hex digest of what decides how `tokenizer` maps text to ids: its vocabulary, merges, added tokens,
+    normalizer, pre-tokenizer, post-processor and decoder, plus its eos and pad tokens. Padding and truncation
+    settings, which transformers changes on the fly while encoding, are left out. Peers with equal digests
+    produce equal token ids."""
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    state.pop("padding", None)
+    state.pop("truncation", None)
+    state["eos_token"] = tokenizer.eos_token
+    state["pad_token"] = tokenizer.pad_token
+    canonical = json.dumps(state, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def _load_or_train_bpe(docs: list[Document], vocab_size: int, cache_dir: Path) -> PreTrainedTokenizerFast:
+    if vocab_size < _MIN_BPE_VOCAB:
+        raise CorpusError(f"bpe vocab_size must be at least {_MIN_BPE_VOCAB} (256 bytes + eos), got {vocab_size}")
+    if not docs:
+        raise CorpusError("cannot train a bpe tokenizer on no documents")
+    texts = [doc.text for doc in docs]
+    key = _texts_digest(texts, f"bpe/{_CACHE_FORMAT}/{vocab_size}/{tokenizers.__version__}")
+    path = cache_dir / f"bpe-{vocab_size}-{key[:24]}.json"
+    if not path.is_file():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        _write_atomically(path, lambda tmp: _train_bpe(texts, vocab_size).save(str(tmp)))
+    return PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
+
+
+def _train_bpe(texts: list[str], vocab_size: int) -> Tokenizer:
+    # Deterministic as configured (checked across processes and RAYON_NUM_THREADS=1/2/8 with tokenizers 0.23.3):
+    # ids start from the sorted 256-byte alphabet and merge ties break on pair ids. The known non-determinism
+    # (huggingface/tokenizers#1794) comes from continuing_subword_prefix / end_of_word_suffix tokens, which
+    # are created in hash-map order, so neither is used here; no dropout either.
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    return tokenizer
+
+
+class TokenDataset:
+    """The documents as one token stream (each document followed by the eos token), cut into non-overlapping
+    windows of seq_len + 1 tokens (inputs plus the shifted target); a tail shorter than a window is unused.
+
+    `tokens` is a 1-D int32 tensor and len() counts tokens. With `cache_dir`, the token stream is saved there
+    under a key of (tokenizer digest, document texts) and reloaded instead of re-tokenizing. Raises CorpusError
+    if seq_len < 1, there are no documents, or the stream is shorter than one window.
+    """
+
+    def __init__(
+        self,
+        docs: list[Document],
+        tokenizer: PreTrainedTokenizerFast,
+        seq_len: int,
+        cache_dir: str | Path | None = None,
+    ) -> None:
+        if seq_len < 1:
+            raise CorpusError(f"seq_len must be at least 1, got {seq_len}")
+        if not docs:
+            raise CorpusError("cannot build a token dataset from no documents")
+        if tokenizer.eos_token_id is None:
+            raise CorpusError("tokenizer has no eos token to separate documents")
+        self.seq_len = seq_len
+        self.tokens = _load_or_tokenize([doc.text for doc in docs], tokenizer, cache_dir)
+        self.num_windows = len(self.tokens) // (seq_len + 1)
+        if self.num_windows == 0:
+            raise CorpusError(
+                f"{len(self.tokens)} tokens do not fill one window of seq_len + 1 = {seq_len + 1} tokens"
+            )
+        self._windows = self.tokens[: self.num_windows * (seq_len + 1)].view(self.num_windows, seq_len + 1)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def batches(
+        self, shard: int, num_shards: int, batch_size: int, seed: int, start_step: int = 0
+    ) -> Iterator[torch.Tensor]:
+        """Endless int64 batches of shape (batch_size, seq_len + 1) from this peer's shard, starting at step
+        `start_step` (a restarted peer passes the number of batches it already consumed).
+
+        Shard `shard` owns windows i with i % num_shards == shard, so shards are disjoint. Its windows are
+        visited in a fresh order each epoch, a permutation drawn by a torch.Generator seeded from
+        (seed, shard, epoch); a batch that crosses an epoch boundary ends one epoch and starts the next, so no
+        window is dropped. Equal arguments give equal batches. Raises CorpusError (at the call, not at the first
+        batch) for a shard outside [0, num_shards), batch_size < 1, start_step < 0 or a shard with no windows.
+        """
+        if not 0 <= shard < num_shards:
+            raise CorpusError(f"shard must be in [0, {num_shards}), got {shard}")
+        if batch_size < 1 or start_step < 0:
+            raise CorpusError(f"need batch_size >= 1 and start_step >= 0, got {batch_size} and {start_step}")
+        shard_windows = torch.arange(shard, self.num_windows, num_shards)
+        if len(shard_windows) == 0:
+            raise CorpusError(
+                f"shard {shard} of {num_shards} gets no window: the corpus has only {self.num_windows} windows "
+                f"of {self.seq_len + 1} tokens"
+            )
+        return self._shard_stream(shard_windows, shard, batch_size, seed, start_step)
+
+    def _shard_stream(
+        self, shard_windows: torch.Tensor, shard: int, batch_size: int, seed: int, start_step: int
+    ) -> Iterator[torch.Tensor]:
+        windows_per_epoch = len(shard_windows)
+        epoch, offset = divmod(start_step * batch_size, windows_per_epoch)
+        order = shard_windows[_epoch_permutation(windows_per_epoch, seed, shard, epoch)]
+        while True:
+            picked = []
+            missing = batch_size
+            while missing:
+                taken = order[offset : offset + missing]
+                picked.append(taken)
+                missing -= len(taken)
+                offset += len(taken)
+                if offset == windows_per_epoch:
+                    epoch, offset = epoch + 1, 0
+                    order = shard_windows[_epoch_permutation(windows_per_epoch, seed, shard, epoch)]
+            yield self._windows[torch.cat(picked)].long()
+
+    def eval_batches(self, batch_size: int, max_batches: int) -> list[torch.Tensor]:
+        """Fixed validation batches: int64 tensors of shape (batch_size, seq_len + 1), the last one possibly
+        shorter, holding min(num_windows, batch_size * max_batches) windows spread evenly over the whole
+        stream (so a small budget still samples every part of the corpus). Same arguments, same batches.
+        Raises CorpusError if batch_size or max_batches is below 1."""
+        if batch_size < 1 or max_batches < 1:
+            raise CorpusError(f"need batch_size >= 1 and max_batches >= 1, got {batch_size} and {max_batches}")
+        count = min(self.num_windows, batch_size * max_batches)
+        picked = torch.arange(count) * self.num_windows // count
+        return [self._windows[chunk].long() for chunk in picked.split(batch_size)]
+
+
+def _epoch_permutation(size: int, seed: int, shard: int, epoch: int) -> torch.Tensor:
+    # Seeds come from sha256 rather than arithmetic on the three numbers, so neighbouring (seed, shard, epoch)
+    # triples do not give related generator states.
+    digest = hashlib.sha256(f"swarm.data/{seed}/{shard}/{epoch}".encode()).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    return torch.randperm(size, generator=generator)
+
+
+def _load_or_tokenize(
+    texts: list[str], tokenizer: PreTrainedTokenizerFast, cache_dir: str | Path | None
+) -> torch.Tensor:
+    if cache_dir is None:
+        return _tokenize(texts, tokenizer)
+    key = _texts_digest(texts, f"tokens/{_CACHE_FORMAT}/{tokenizer_digest(tokenizer)}")
+    path = Path(cache_dir) / f"tokens-{key[:24]}.pt"
+    if path.is_file():
+        try:
+            return torch.load(path, weights_only=True)
+        except (OSError, RuntimeError, EOFError):
+            pass  # unreadable (e.g. a disk filled up mid-write elsewhere): rebuild it below
+    tokens = _tokenize(texts, tokenizer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomically(path, lambda tmp: torch.save(tokens, tmp))
+    return tokens
+
+
+def _tokenize(texts: list[str], tokenizer: PreTrainedTokenizerFast) -> torch.Tensor:
+    # The backend's batch encoder skips transformers' per-call checks (and its max-length warnings) and
+    # encodes documents in parallel; encode_batch_fast (tokenizers >= 0.21) also skips character offsets.
+    backend = tokenizer.backend_tokenizer
+    encode_batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
+    encodings = encode_batch(texts, add_special_tokens=False)
+    eos = tokenizer.eos_token_id
+    stream: list[int] = []
+    for encoding in encodings:
+        stream.extend(encoding.ids)
+        stream.append(eos)
+    return torch.tensor(stream, dtype=torch.int32)
+
+
+def _texts_digest(texts: list[str], prefix: str) -> str:
+    digest = hashlib.sha256(prefix.encode())
+    for text in texts:
+        encoded = text.encode("utf-8")
+        # Length-prefixing keeps ["ab", "c"] and ["a", "bc"] apart.
+        digest.update(len(encoded).to_bytes(8, "little"))
+        digest.update(encoded)
+    return digest.hexdigest()
+
+
+def _write_atomically(path: Path, write) -> None:
+    """Call write(tmp) with a unique temporary path beside `path`, then rename it over `path` in one step, so
+    concurrent writers never expose a partial file (the last rename wins; their contents are identical)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -1,0 +1,350 @@
+"""The local peer: joins the swarm, fetches the recipe, loads data and model, syncs state, then runs DiLoCo
+rounds (inner AdamW steps until the swarm's progress reaches tokens_per_round, then group averaging and the
+outer step), announcing itself, checkpointing and exporting metrics until stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import signal
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from swarm import __version__
+from swarm.averaging.allreduce import AllReduceError, GroupAllReduce
+from swarm.averaging.matchmaking import form_group
+from swarm.config import PeerSettings, Recipe, RecipeError, load_recipe
+from swarm.dht.node import NetworkOptions, SwarmNode
+from swarm.dht.records import PeerRecord
+from swarm.monitoring.metrics import PeerMetrics
+from swarm.peer import checkpoint as ckpt
+from swarm.peer.announcer import Announcer, fetch_recipe
+from swarm.peer.data import TokenDataset, load_corpus, load_tokenizer, split_documents
+from swarm.peer.diloco import DiLoCo
+from swarm.peer.model import build_model, n_blocks
+from swarm.peer.state_sync import StateSyncError, download_state, serve_state
+from swarm.peer.training import (inner_step, learning_rate, make_inner_optimizer, pick_device,
+                                 validation_loss)
+from swarm.runtime import LoopThread
+
+logger = logging.getLogger("swarm.peer")
+EVAL_BATCHES = 4
+
+
+class Peer:
+    def __init__(self, settings: PeerSettings):
+        self.settings = settings
+        self.stop_event = threading.Event()
+        self.metrics = PeerMetrics()
+        self.loop: Optional[LoopThread] = None
+        self.node: Optional[SwarmNode] = None
+        self.announcer: Optional[Announcer] = None
+        self._last_checkpoint_round = -1
+
+    # ---- start-up ------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        s = self.settings
+        if s.num_threads:
+            torch.set_num_threads(s.num_threads)
+        self.device = pick_device(s.device)
+        self.loop = LoopThread()
+        self.node = SwarmNode(s.initial_peers, NetworkOptions(
+            host_maddrs=s.host_maddrs, announce_maddrs=s.announce_maddrs, identity_path=s.identity_path,
+            nat_traversal=s.nat_traversal, client_mode=s.client_mode))
+        logger.info("joined the DHT as %s", self.node.peer_id)
+        self.recipe = self.loop.run(fetch_recipe(self.node, timeout=30.0), timeout=60)
+        if s.recipe_file:
+            local = load_recipe(s.recipe_file)
+            if local.digest() != self.recipe.digest():
+                raise RecipeError(f"local recipe {s.recipe_file} differs from the swarm's in: "
+                                  f"{', '.join(local.differing_fields(self.recipe))}")
+        r = self.recipe
+        logger.info("run %s (recipe %s): codec %s, %d tokens per round", r.run_id, r.digest()[:12],
+                    r.averaging.codec, r.tokens_per_round)
+
+        started = time.monotonic()
+        docs = load_corpus(r.data.source)
+        train_docs, val_docs = split_documents(docs, r.data.val_fraction, r.data.seed)
+        tokenizer = load_tokenizer(r.data.tokenizer, train_docs, r.data.vocab_size, s.cache_dir)
+        self.train_data = TokenDataset(train_docs, tokenizer, r.data.seq_len, cache_dir=s.cache_dir)
+        self.eval_batches = TokenDataset(val_docs, tokenizer, r.data.seq_len, cache_dir=s.cache_dir).eval_batches(
+            r.data.batch_size, EVAL_BATCHES)
+        shard = s.data_shard if s.data_shard is not None else \
+            int(hashlib.sha256(self.node.peer_id.encode()).hexdigest(), 16) % r.data.num_shards
+        self.shard = shard % r.data.num_shards
+        logger.info("data: %d train docs (%d tokens), %d validation docs, shard %d/%d, prepared in %.1f s",
+                    len(train_docs), len(self.train_data.tokens), len(val_docs), self.shard, r.data.num_shards,
+                    time.monotonic() - started)
+
+        model = build_model(r.model, len(tokenizer))
+        self.model = model.to(self.device)
+        self.n_blocks = n_blocks(model)
+        self.diloco = DiLoCo(self.model, r.outer)
+        self.inner_optimizer = make_inner_optimizer(self.model, r.inner)
+        logger.info("model: %.2fM parameters, %d blocks, on %s", self.diloco.numel / 1e6, self.n_blocks,
+                    self.device)
+
+        self.allreduce = GroupAllReduce(self.node, r.run_id, r.averaging.codec, self.diloco.numel,
+                                        on_bad_peer=self._on_bad_peer)
+        self.loop.run(self.allreduce.start(), timeout=30)
+        self.loop.run(serve_state(self.node, r.run_id, self.diloco), timeout=30)
+        self.announcer = Announcer(self.node, r.run_id, self.n_blocks, self._record, self.metrics)
+        self.loop.submit(self.announcer.run())
+        port = self.metrics.serve(s.metrics_port, s.metrics_host)
+        if port is not None:
+            logger.info("metrics at http://%s:%d/metrics", s.metrics_host, port)
+        self.state, self.tokens_in_round, self.loss, self.tokens_per_s = "syncing", 0, None, 0.0
+        self.inner_steps, self.attempt = 0, 0
+        self.val_loss: Optional[float] = None
+        self._initial_state()
+
+    def _initial_state(self) -> None:
+        """Newest of: the swarm's state (downloaded from a peer), our checkpoint, a fresh seeded init."""
+        self.announcer.refresh_now(self.loop)
+        checkpoint = ckpt.load_latest(self.settings.checkpoint_dir) if self.settings.checkpoint_dir else None
+        swarm_round, digest, holders = self._swarm_reference()
+        if holders and (checkpoint is None or checkpoint.round < swarm_round or
+                        (checkpoint.round == swarm_round and checkpoint.meta.get("digest") != digest)):
+            if swarm_round > 0 or digest != self.diloco.digest():
+                self._resync(holders, reason="joining")
+                return
+        if checkpoint is not None:
+            self.diloco.load_state_tensors(checkpoint.tensors, checkpoint.round, checkpoint.tokens_seen)
+            self.inner_steps = int(checkpoint.meta.get("inner_steps", 0))
+            logger.info("resumed from checkpoint %s (round %d, %d tokens seen)", checkpoint.path,
+                        checkpoint.round, checkpoint.tokens_seen)
+        else:
+            logger.info("starting from the recipe's initial params (round 0, digest %s)", self.diloco.digest())
+
+    def _swarm_reference(self) -> tuple[int, str, list[str]]:
+        """(highest round of live peers, the digest most of them hold, the peers holding it)."""
+        live = [p for p in self.announcer.view if p.peer_id != self.node.peer_id
+                and p.state in ("training", "averaging") and p.digest]
+        if not live:
+            return 0, "", []
+        top = max(p.round for p in live)
+        at_top = [p for p in live if p.round == top]
+        counts = Counter(p.digest for p in at_top)
+        digest = min(counts, key=lambda d: (-counts[d], d))
+        return top, digest, [p.peer_id for p in at_top if p.digest == digest]
+
+    def _resync(self, holders: list[str], reason: str) -> bool:
+        self.state = "syncing"
+        for holder in holders:
+            try:
+                header = self.loop.run(download_state(self.node, holder, self.recipe.run_id, self.diloco,
+                                                      timeout=120.0), timeout=150)
+            except (StateSyncError, TimeoutError) as e:
+                logger.warning("%s", e)
+                continue
+            self.metrics.resyncs.inc()
+            self.tokens_in_round = 0
+            self.inner_optimizer = make_inner_optimizer(self.model, self.recipe.inner)
+            logger.info("synced state of round %d from %s (%s, digest %s)", header["round"], holder[-8:], reason,
+                        header["digest"])
+            return True
+        logger.warning("could not sync state from any of %d peers; continuing with my own", len(holders))
+        return False
+
+    # ---- what we announce ----------------------------------------------------------------------------------
+    def _record(self) -> PeerRecord:
+        return PeerRecord(
+            peer_id=self.node.peer_id, state=self.state, version=__version__, run_id=self.recipe.run_id,
+            round=self.diloco.round, tokens_in_round=self.tokens_in_round, block_start=0, block_end=self.n_blocks,
+            digest=self.diloco.digest(), device=self.device.type, tokens_per_s=self.tokens_per_s,
+            loss=self.loss, val_loss=self.val_loss, attempt=self.attempt, updated=self.node.now())
+
+    def _on_bad_peer(self, peer_id: str, reason: str) -> None:
+        self.metrics.bad_peers.labels(reason=reason).inc()
+        logger.warning("peer %s sent a bad contribution (%s); it is excluded from this round", peer_id, reason)
+
+    # ---- main loop -----------------------------------------------------------------------------------------
+    def run(self) -> int:
+        """Train until max_rounds or a stop signal; returns the number of rounds averaged."""
+        s, r = self.settings, self.recipe
+        batches = self.train_data.batches(self.shard, r.data.num_shards, r.data.batch_size, r.data.seed,
+                                          start_step=self.inner_steps)
+        rounds_done, attempt = 0, 0
+        tokens_per_step = r.data.batch_size * r.data.seq_len
+        retry_after_tokens = 0
+        window_start, window_tokens = time.monotonic(), 0
+        round_started = time.monotonic()
+        self.state = "training"
+        self.metrics.set_state(self.state)
+        logger.info("training round %d", self.diloco.round)
+        while not self.stop_event.is_set():
+            swarm_tokens = self.announcer.swarm_progress(self.diloco.round, self.tokens_in_round)
+            lr = learning_rate(r.inner, self.diloco.tokens_seen + swarm_tokens, r.total_tokens)
+            loss = inner_step(self.model, self.inner_optimizer, next(batches), self.device, lr, r.inner.grad_clip)
+            self.inner_steps += 1
+            self.metrics.inner_steps.inc()
+            self.metrics.tokens.inc(tokens_per_step)
+            window_tokens += tokens_per_step
+            if not torch.isfinite(torch.tensor(loss)):
+                self._recover("non-finite loss")
+                continue
+            self.tokens_in_round += tokens_per_step
+            self.loss = loss
+            self.metrics.train_loss.set(loss)
+            elapsed = time.monotonic() - window_start
+            if elapsed >= 2.0:
+                self.tokens_per_s = window_tokens / elapsed
+                self.metrics.tokens_per_second.set(self.tokens_per_s)
+                window_start, window_tokens = time.monotonic(), 0
+
+            behind = self._swarm_reference()
+            if behind[0] > self.diloco.round and behind[2]:
+                logger.info("the swarm is at round %d and I am at %d: re-syncing", behind[0], self.diloco.round)
+                if self._resync(behind[2], reason="behind the swarm"):
+                    attempt, retry_after_tokens = 0, 0
+                self.state = "training"
+                continue
+            swarm_tokens = self.announcer.swarm_progress(self.diloco.round, self.tokens_in_round)
+            if swarm_tokens < r.tokens_per_round or self.tokens_in_round < retry_after_tokens:
+                continue
+
+            outcome = self._average(attempt)
+            if outcome is None:
+                attempt += 1
+                # Keep training before the next try, so a lonely or failing swarm does not spin on matchmaking.
+                retry_after_tokens = self.tokens_in_round + max(r.tokens_per_round // 4, tokens_per_step)
+                self.state = "training"
+                continue
+            attempt, retry_after_tokens = 0, 0
+            rounds_done += 1
+            self.metrics.round_seconds.set(time.monotonic() - round_started)
+            round_started = time.monotonic()
+            if s.max_rounds and rounds_done >= s.max_rounds:
+                break
+            self.state = "training"
+            self.metrics.set_state(self.state)
+        if s.checkpoint_dir and self.diloco.round > 0 and self._last_checkpoint_round != self.diloco.round:
+            self._checkpoint()
+        return rounds_done
+
+    def _average(self, attempt: int) -> Optional[bool]:
+        """One averaging attempt of the current round; True if the outer step was applied, None if not."""
+        r = self.recipe
+        self.state = "averaging"
+        self.metrics.set_state(self.state)
+        self.announcer.refresh_now(self.loop)
+        round_no = self.diloco.round
+        pseudo_gradient = self.diloco.pseudo_gradient()
+        norm = float(pseudo_gradient.norm())
+        if not torch.isfinite(torch.tensor(norm)) or norm > r.outer.max_pseudo_grad_norm:
+            self._recover(f"pseudo-gradient norm {norm:.3g} over the recipe's bound")
+            return None
+        expected = {p.peer_id for p in self.announcer.view if p.round == round_no
+                    and p.state in ("training", "averaging") and p.digest == self.diloco.digest()}
+        # Peers that failed this round together retry together: follow the highest attempt number announced.
+        attempt = max([attempt] + self.announcer.attempts(round_no))
+        self.attempt = attempt
+        started = time.monotonic()
+        try:
+            group = self.loop.run(form_group(
+                self.node, r.run_id, round_no, attempt, self.diloco.digest(), expected,
+                r.averaging.min_group_size, r.averaging.target_group_size, r.averaging.matchmaking_timeout),
+                timeout=3 * r.averaging.matchmaking_timeout + 30)
+        except TimeoutError:
+            group = None
+        if group is None:
+            self.metrics.averaging_failures.labels(reason="no_group").inc()
+            logger.info("round %d: no group formed (attempt %d); training on", round_no, attempt)
+            return None
+        weight = self.tokens_in_round
+        try:
+            result = self.loop.run(self.allreduce.run(group, pseudo_gradient, weight, r.averaging.allreduce_timeout),
+                                   timeout=r.averaging.allreduce_timeout + 10)
+        except (AllReduceError, TimeoutError) as e:
+            reason = getattr(e, "reason", "timeout")
+            self.metrics.averaging_failures.labels(reason=reason).inc()
+            logger.warning("round %d: averaging failed (%s): %s; nothing applied, training on", round_no, reason, e)
+            return None
+        global_before = self._flat_global() if self.settings.trace_dir else None
+        self.diloco.outer_step(result.average, int(result.total_weight))
+        self.tokens_in_round = 0
+        self.metrics.allreduce_seconds.observe(result.seconds)
+        self.metrics.group_size.set(result.group_size)
+        self.metrics.bytes_sent.inc(result.bytes_sent)
+        self.metrics.bytes_received.inc(result.bytes_received)
+        self.metrics.outer_round.set(self.diloco.round)
+        self.val_loss = validation_loss(self.model, self.eval_batches, self.device)
+        self.metrics.val_loss.set(self.val_loss)
+        logger.info("round %d: averaged with %d peers in %.2f s (%.1f MB sent), matchmaking %.1f s; "
+                    "val loss %.4f, train loss %.4f, digest %s", round_no, result.group_size, result.seconds,
+                    result.bytes_sent / 1e6, time.monotonic() - started - result.seconds, self.val_loss,
+                    self.loss or float("nan"), self.diloco.digest())
+        if self.settings.trace_dir:
+            self._trace(round_no, group, pseudo_gradient, weight, result, global_before)
+        if self.settings.checkpoint_dir and self.diloco.round % r.checkpoint_every == 0:
+            self._checkpoint()
+        self.announcer.refresh_now(self.loop)
+        return True
+
+    def _recover(self, why: str) -> None:
+        """Never send a diverged pseudo-gradient: drop local progress and restart the round from global."""
+        logger.warning("%s: discarding this round's local progress and restarting from the global params", why)
+        self.metrics.averaging_failures.labels(reason="diverged").inc()
+        self.diloco.reset_local()
+        self.inner_optimizer = make_inner_optimizer(self.model, self.recipe.inner)
+        self.tokens_in_round = 0
+
+    def _flat_global(self) -> torch.Tensor:
+        with self.diloco.lock:
+            return torch.cat([p.view(-1) for p in self.diloco.global_params]).clone()
+
+    def _trace(self, round_no, group, pseudo_gradient, weight, result, global_before) -> None:
+        import json
+
+        from safetensors.torch import save_file
+
+        directory = Path(self.settings.trace_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file({"pseudo_gradient": pseudo_gradient.contiguous(), "average": result.average.contiguous(),
+                   "global_before": global_before, "global_after": self._flat_global()},
+                  str(directory / f"round-{round_no:06d}.safetensors"))
+        (directory / f"round-{round_no:06d}.json").write_text(json.dumps({
+            "peer_id": self.node.peer_id, "round": round_no, "weight": weight, "members": list(group.members),
+            "group_id": group.group_id, "total_weight": result.total_weight, "loss": self.loss,
+            "val_loss": self.val_loss, "digest": self.diloco.digest()}))
+
+    def _checkpoint(self) -> None:
+        path = ckpt.save_checkpoint(
+            self.settings.checkpoint_dir, self.diloco.round, self.diloco.tokens_seen, self.diloco.state_tensors(),
+            {"digest": self.diloco.digest(), "recipe": self.recipe.digest(), "loss": self.loss,
+             "val_loss": self.val_loss, "inner_steps": self.inner_steps, "version": __version__},
+            keep=self.settings.keep_checkpoints)
+        self._last_checkpoint_round = self.diloco.round
+        self.metrics.checkpoint_round.set(self.diloco.round)
+        logger.info("checkpoint written: %s", path)
+
+    # ---- shutdown ------------------------------------------------------------------------------------------
+    def install_signal_handlers(self) -> None:
+        def _handler(signum, frame):
+            if self.stop_event.is_set():
+                raise KeyboardInterrupt  # a second Ctrl-C: stop now
+            logger.info("stopping after the current step (signal %d); Ctrl-C again to stop at once", signum)
+            self.stop_event.set()
+
+        signal.signal(signal.SIGINT, _handler)
+        signal.signal(signal.SIGTERM, _handler)
+
+    def shutdown(self) -> None:
+        self.state = "offline"
+        if self.announcer is not None and self.loop is not None:
+            try:
+                self.loop.run(self.announcer.announce_offline(), timeout=10)
+            except Exception:  # noqa: BLE001 - the record expires on its own
+                logger.debug("could not announce offline", exc_info=True)
+        if self.node is not None:
+            self.node.shutdown()
+        if self.loop is not None:
+            self.loop.close()
+        logger.info("stopped")

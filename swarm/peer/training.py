@@ -1,0 +1,73 @@
+"""The inner loop's pieces: device choice, one AdamW step (bf16 autocast on CUDA), the warm-up + cosine
+learning-rate schedule over the run's tokens, and validation loss."""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+
+from swarm.config import InnerRecipe
+
+
+def pick_device(requested: str) -> torch.device:
+    """'auto' -> CUDA when available, else CPU; 'cuda' without a GPU is a clear error."""
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was requested but torch sees no CUDA GPU: use --device cpu or auto")
+    return torch.device(requested)
+
+
+def learning_rate(inner: InnerRecipe, tokens: int, total_tokens: int) -> float:
+    """Linear warm-up over `warmup_tokens`, then cosine decay to `min_lr_ratio * lr` at `total_tokens`."""
+    if inner.warmup_tokens and tokens < inner.warmup_tokens:
+        return inner.lr * max(tokens, 1) / inner.warmup_tokens
+    span = max(total_tokens - inner.warmup_tokens, 1)
+    progress = min(max(tokens - inner.warmup_tokens, 0) / span, 1.0)
+    floor = inner.min_lr_ratio * inner.lr
+    return floor + (inner.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def make_inner_optimizer(model: torch.nn.Module, inner: InnerRecipe) -> torch.optim.Optimizer:
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]  # norms and biases are not decayed
+    return torch.optim.AdamW([{"params": decay, "weight_decay": inner.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=inner.lr, betas=(inner.beta1, inner.beta2))
+
+
+def _autocast(device: torch.device):
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+
+
+def lm_loss(model: torch.nn.Module, batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Mean next-token cross-entropy of a (batch, seq_len + 1) token tensor."""
+    batch = batch.to(device, non_blocking=True)
+    with _autocast(device):
+        logits = model(input_ids=batch[:, :-1]).logits
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+
+def inner_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor,
+               device: torch.device, lr: float, grad_clip: float) -> float:
+    """One AdamW step; returns the loss (may be NaN/inf: the caller decides what to do then)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss = lm_loss(model, batch, device)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+@torch.no_grad()
+def validation_loss(model: torch.nn.Module, batches: list[torch.Tensor], device: torch.device) -> float:
+    model.eval()
+    try:
+        return sum(float(lm_loss(model, batch, device)) for batch in batches) / max(len(batches), 1)
+    finally:
+        model.train()

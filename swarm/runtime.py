@@ -1,0 +1,55 @@
+"""One asyncio event loop per process, run in a background thread and wrapped once for synchronous callers.
+
+The training loop stays synchronous; network work (DHT calls, streams, handlers) runs on this loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from typing import Awaitable, Optional, TypeVar
+
+T = TypeVar("T")
+
+
+class LoopThread:
+    """An asyncio loop in a daemon thread. `run` blocks for a result; `submit` returns a concurrent Future."""
+
+    def __init__(self, name: str = "swarm-loop"):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def submit(self, coro: Awaitable[T]) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Awaitable[T], timeout: Optional[float] = None) -> T:
+        """Run `coro` on the loop and wait for it; raises TimeoutError after `timeout` seconds (and cancels it)."""
+        future = self.submit(coro)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"timed out after {timeout} s") from None
+
+    def close(self) -> None:
+        if not self.loop.is_running():
+            return
+
+        async def _cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            self.submit(_cancel_all()).result(5)
+        except Exception:  # noqa: BLE001 - shutting down: nothing left to report to
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)

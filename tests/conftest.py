@@ -1,0 +1,132 @@
+"""Fixtures for tests that start real swarm processes on 127.0.0.1 through the `swarm-peer` CLI, and kill every
+process they started (by PID and process group) when the test ends."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).parent
+TINY_RECIPE = TESTS / "recipes" / "tiny.yaml"
+MADDR = re.compile(r"--initial-peers (\S+)")
+
+
+class SwarmProcess:
+    """A `python -m swarm ...` child in its own session, with its output captured line by line."""
+
+    def __init__(self, argv: list[str], name: str, log_dir: Path):
+        self.name = name
+        self.lines: list[str] = []
+        self.log_path = log_dir / f"{name}.log"
+        self.process = subprocess.Popen([sys.executable, "-m", "swarm", *argv], stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        with open(self.log_path, "w") as log:
+            for line in self.process.stdout:
+                self.lines.append(line)
+                log.write(line)
+                log.flush()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        """Wait until a line matches `pattern` (regex); fails the test with the output if it does not."""
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        seen = 0
+        while time.monotonic() < deadline:
+            while seen < len(self.lines):
+                match = regex.search(self.lines[seen])
+                if match:
+                    return match
+                seen += 1
+            if self.process.poll() is not None and seen >= len(self.lines):
+                self._reader.join(2)
+                if seen >= len(self.lines):
+                    break
+            time.sleep(0.05)
+        raise AssertionError(f"{self.name}: no line matching {pattern!r} within {timeout} s; output:\n"
+                             + self.output()[-4000:])
+
+    def wait(self, timeout: float) -> int:
+        try:
+            code = self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.name} did not exit within {timeout} s; output:\n"
+                                 + self.output()[-4000:]) from None
+        self._reader.join(5)
+        return code
+
+    def session_alive(self) -> bool:
+        """Whether any process of this child's session (e.g. its p2pd daemons) is still running."""
+        try:
+            os.killpg(self.process.pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+    def kill(self) -> None:
+        for target in (lambda: os.killpg(self.process.pid, signal.SIGKILL), self.process.kill):
+            try:
+                target()
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    """One tokenizer cache for the whole session, so each run trains the test tokenizer once."""
+    return tmp_path_factory.mktemp("swarm-cache")
+
+
+@pytest.fixture
+def swarm(tmp_path, cache_dir):
+    """Start swarm processes; every one of them (and its session) is killed at the end of the test."""
+    started: list[SwarmProcess] = []
+
+    class Launcher:
+        workdir = tmp_path
+
+        def bootstrap(self, *extra: str, recipe: Path | None = TINY_RECIPE, name: str = "bootstrap"):
+            argv = ["bootstrap", *(["--recipe", str(recipe)] if recipe else []), *extra]
+            process = SwarmProcess(argv, name, tmp_path)
+            started.append(process)
+            maddr = process.wait_for(MADDR.pattern, 60).group(1)
+            return process, maddr
+
+        def peer(self, maddr: str, *extra: str, name: str):
+            argv = ["join", "--initial-peers", maddr, "--device", "cpu", "--num-threads", "1",
+                    "--cache-dir", str(cache_dir), *extra]
+            process = SwarmProcess(argv, name, tmp_path)
+            started.append(process)
+            return process
+
+        def run(self, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-m", "swarm", *argv], capture_output=True, text=True,
+                                  timeout=timeout)
+
+    yield Launcher()
+    for process in started:
+        process.kill()
+    for process in started:
+        try:
+            process.process.wait(10)
+        except subprocess.TimeoutExpired:
+            pass

@@ -1,0 +1,69 @@
+"""End to end: a bootstrap and two peers, started through the real CLI on 127.0.0.1, train 3 DiLoCo rounds.
+Checks what the peers end with against an independent computation from their round traces."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.slow
+ROUNDS = 3
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # the tiny recipe keeps the DiLoCo defaults
+
+
+def _traces(directory: Path) -> dict[int, tuple[dict, dict]]:
+    out = {}
+    for meta_path in sorted(directory.glob("round-*.json")):
+        meta = json.loads(meta_path.read_text())
+        out[meta["round"]] = (meta, load_file(str(meta_path.with_suffix(".safetensors"))))
+    return out
+
+
+def test_two_peers_train_three_rounds_with_exact_averages(swarm):
+    bootstrap, maddr = swarm.bootstrap()
+    peers = [swarm.peer(maddr, "--max-rounds", str(ROUNDS), "--trace-dir", str(swarm.workdir / f"trace{i}"),
+                        "--checkpoint-dir", str(swarm.workdir / f"ckpt{i}"), "--metrics-port", "0", name=f"peer{i}")
+             for i in range(2)]
+    for peer in peers:
+        assert peer.wait(240) == 0, peer.output()[-3000:]
+        assert not peer.session_alive(), f"{peer.name} left processes behind (p2pd?)"
+
+    traces = [_traces(swarm.workdir / f"trace{i}") for i in range(2)]
+    assert sorted(traces[0]) == sorted(traces[1]) == list(range(ROUNDS)), "every peer averaged every round"
+    momentum = None
+    for round_no in range(ROUNDS):
+        (meta_a, tensors_a), (meta_b, tensors_b) = traces[0][round_no], traces[1][round_no]
+        assert meta_a["members"] == meta_b["members"] and len(meta_a["members"]) == 2
+        assert meta_a["weight"] > 0 and meta_b["weight"] > 0
+        # The exact weighted mean, computed here from what each peer says it contributed.
+        total = meta_a["weight"] + meta_b["weight"]
+        expected = (tensors_a["pseudo_gradient"] * meta_a["weight"]
+                    + tensors_b["pseudo_gradient"] * meta_b["weight"]) / total
+        assert meta_a["total_weight"] == meta_b["total_weight"] == total
+        torch.testing.assert_close(tensors_a["average"], expected, rtol=1e-5, atol=1e-7)
+        assert torch.equal(tensors_a["average"], tensors_b["average"]), "peers must hold bit-identical averages"
+        assert torch.equal(tensors_a["global_before"], tensors_b["global_before"])
+        assert torch.equal(tensors_a["global_after"], tensors_b["global_after"])
+        # The outer Nesterov step by hand: buf = m * buf + g; p -= lr * (g + m * buf).
+        grad = tensors_a["average"]
+        momentum = grad.clone() if momentum is None else OUTER_MOMENTUM * momentum + grad
+        by_hand = tensors_a["global_before"] - OUTER_LR * (grad + OUTER_MOMENTUM * momentum)
+        torch.testing.assert_close(tensors_a["global_after"], by_hand, rtol=1e-5, atol=1e-6)
+        if round_no:
+            assert torch.equal(tensors_a["global_before"], traces[0][round_no - 1][1]["global_after"])
+    val = [traces[0][r][0]["val_loss"] for r in range(ROUNDS)]
+    assert val[-1] < val[0], f"validation loss did not fall: {val}"
+    first_train_loss = float(next(line for line in peers[0].lines if "train loss" in line)
+                             .split("train loss ")[1].split(",")[0])
+    assert first_train_loss < 6.3, "the tiny model starts near ln(512)=6.24 and must have learned something"
+    for i in range(2):
+        assert len(list((swarm.workdir / f"ckpt{i}").glob("round-*"))) >= 1
+
+    bootstrap.process.send_signal(signal.SIGTERM)
+    assert bootstrap.wait(30) == 0
+    assert not bootstrap.session_alive()
