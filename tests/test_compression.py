@@ -31,7 +31,7 @@ from swarm.compression.index_coding import (
     gaps_to_indices,
     indices_to_gaps,
 )
-from swarm.compression.wire import FIXED_HEADER_LEN
+from swarm.compression.wire import FIXED_HEADER_LEN, pack_payload
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -312,6 +312,17 @@ def test_index_gaps_round_trip_in_the_smallest_coding(positions, coding):
     assert chosen == coding
     decoded = decode_gaps(chosen, coded, len(positions), numel=2**31)
     assert torch.equal(gaps_to_indices(decoded), indices)
+
+
+def test_topk_positions_past_the_end_are_refused():
+    # Each gap (200) is within the tensor, but together they point past its 300 elements.
+    forged = pack_payload(
+        codec="topk", src_dtype=torch.float32, shape=(300,), numel=300, block_size=16, variant=VARINT, aux=2,
+        sections=[torch.tensor([0.01]), torch.tensor([0xC8, 0x01, 0xC8, 0x01], dtype=torch.uint8),
+                  torch.tensor([1, -1], dtype=torch.int8)],
+    )
+    with pytest.raises(CodecError, match="index beyond"):
+        get_codec("topk").decode(forged)
 
 
 def test_malformed_varints_are_refused():

@@ -1,0 +1,55 @@
+"""Recipe validation: good recipes load, bad ones fail with one line naming the field."""
+
+import json
+
+import pytest
+
+from swarm.config import Recipe, RecipeError, load_recipe, parse_recipe, recipe_from_json
+
+
+def test_default_recipe_is_the_demo_run():
+    recipe = Recipe()
+    assert recipe.run_id == "swarm-demo" and recipe.outer.lr == 0.7 and recipe.outer.momentum == 0.9
+    assert recipe.averaging.codec == "fp16"
+    assert recipe_from_json(recipe.canonical_json()) == recipe
+    assert len(recipe.digest()) == 64
+
+
+@pytest.mark.parametrize("data, field", [
+    ({"inner": {"lr": -1}}, "inner.lr"),
+    ({"inner": {"lrr": 0.1}}, "inner.lrr"),
+    ({"averaging": {"codec": "int3"}}, "averaging.codec"),
+    ({"averaging": {"min_group_size": 4, "target_group_size": 2}}, "averaging"),
+    ({"tokens_per_round": 0}, "tokens_per_round"),
+    ({"run_id": "has space"}, "run_id"),
+    ({"model": {"hidden_size": 100, "num_heads": 3}}, "model"),
+    ({"data": {"seq_len": 512}, "model": {"max_seq_len": 256}}, "(top level)"),
+    ({"outer": {"momentum": 1.5}}, "outer.momentum"),
+])
+def test_bad_recipe_names_the_field(data, field):
+    with pytest.raises(RecipeError) as excinfo:
+        parse_recipe(data, origin="run.yaml")
+    message = str(excinfo.value)
+    assert f"field '{field}'" in message and "\n" not in message and message.startswith("run.yaml")
+
+
+def test_load_recipe_files(tmp_path):
+    yaml_path = tmp_path / "run.yaml"
+    yaml_path.write_text("run_id: mine\ninner:\n  lr: 0.002\n")
+    assert load_recipe(yaml_path).inner.lr == 0.002
+    json_path = tmp_path / "run.json"
+    json_path.write_text(json.dumps({"tokens_per_round": 1000}))
+    assert load_recipe(json_path).tokens_per_round == 1000
+    (tmp_path / "broken.yaml").write_text("inner: [unclosed")
+    with pytest.raises(RecipeError, match="cannot parse recipe"):
+        load_recipe(tmp_path / "broken.yaml")
+    with pytest.raises(RecipeError, match="cannot read recipe"):
+        load_recipe(tmp_path / "missing.yaml")
+
+
+def test_differing_fields_and_digest():
+    a = Recipe()
+    b = parse_recipe({"inner": {"lr": 0.01}, "tokens_per_round": 5})
+    assert a.differing_fields(b) == ["inner.lr", "tokens_per_round"]
+    assert a.digest() != b.digest()
+    assert a.digest() == Recipe().digest()

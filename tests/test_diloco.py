@@ -1,0 +1,79 @@
+"""The DiLoCo outer step against a hand computation, the lr schedule, and the all-reduce partition."""
+
+import pytest
+import torch
+
+from swarm.averaging.allreduce import partition
+from swarm.config import InnerRecipe, OuterRecipe
+from swarm.peer.diloco import DiLoCo
+from swarm.peer.training import learning_rate
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+
+
+def test_pseudo_gradient_is_global_minus_local():
+    model = _model()
+    diloco = DiLoCo(model, OuterRecipe())
+    start = diloco.pseudo_gradient()
+    assert start.shape == (diloco.numel,) and torch.count_nonzero(start) == 0
+    with torch.no_grad():
+        for p in model.parameters():
+            p.sub_(0.25)
+    assert torch.allclose(diloco.pseudo_gradient(), torch.full((diloco.numel,), 0.25))
+
+
+def test_outer_nesterov_step_matches_hand_computation():
+    model = _model()
+    diloco = DiLoCo(model, OuterRecipe(lr=0.7, momentum=0.9, nesterov=True))
+    theta = torch.cat([p.detach().view(-1) for p in model.parameters()]).clone()
+    g1 = torch.linspace(-1, 1, diloco.numel)
+    g2 = torch.linspace(2, -3, diloco.numel)
+    diloco.outer_step(g1, tokens=100)
+    # Nesterov SGD, by hand: buf_1 = g1; theta_1 = theta_0 - lr * (g1 + m * buf_1)
+    buf = g1.clone()
+    theta = theta - 0.7 * (g1 + 0.9 * buf)
+    assert torch.allclose(torch.cat([p.view(-1) for p in diloco.global_params]), theta, atol=1e-6)
+    diloco.outer_step(g2, tokens=50)
+    buf = 0.9 * buf + g2
+    theta = theta - 0.7 * (g2 + 0.9 * buf)
+    assert torch.allclose(torch.cat([p.view(-1) for p in diloco.global_params]), theta, atol=1e-6)
+    # Local params were reset to the new global params; round and tokens advanced.
+    assert torch.allclose(torch.cat([p.detach().view(-1) for p in model.parameters()]), theta, atol=1e-6)
+    assert diloco.round == 2 and diloco.tokens_seen == 150
+
+
+def test_state_round_trip_restores_params_and_momentum():
+    a, b = DiLoCo(_model(), OuterRecipe()), DiLoCo(torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)),
+                                                   OuterRecipe())
+    a.outer_step(torch.ones(a.numel), tokens=10)
+    b.load_state_tensors(a.state_tensors(), a.round, a.tokens_seen)
+    assert a.digest() == b.digest() and b.round == 1
+    grad = torch.randn(a.numel)
+    a.outer_step(grad, 1)
+    b.outer_step(grad, 1)
+    assert a.digest() == b.digest(), "momentum must travel with the state"
+    with pytest.raises(ValueError):
+        b.load_state_tensors({}, 0, 0)
+    with pytest.raises(ValueError):
+        a.outer_step(torch.ones(3), 1)
+
+
+def test_learning_rate_warmup_then_cosine():
+    inner = InnerRecipe(lr=1e-3, warmup_tokens=1000, min_lr_ratio=0.1)
+    assert learning_rate(inner, 500, 10_000) == pytest.approx(5e-4)
+    assert learning_rate(inner, 1000, 10_000) == pytest.approx(1e-3)
+    assert learning_rate(inner, 5500, 10_000) == pytest.approx(1e-4 + 0.9e-3 * 0.5)
+    assert learning_rate(inner, 10_000, 10_000) == pytest.approx(1e-4)
+    assert learning_rate(inner, 50_000, 10_000) == pytest.approx(1e-4)
+
+
+@pytest.mark.parametrize("numel, parts", [(10, 3), (7, 7), (5, 8), (1_000_003, 4)])
+def test_partition_covers_everything_once(numel, parts):
+    bounds = partition(numel, parts)
+    assert len(bounds) == parts and bounds[0][0] == 0 and bounds[-1][1] == numel
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    sizes = [end - start for start, end in bounds]
+    assert max(sizes) - min(sizes) <= 1
