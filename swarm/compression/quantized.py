@@ -180,6 +180,7 @@ class Int8Codec(Codec):
     name = "int8"
     levels = INT8_LEVELS
     max_abs_code = INT8_MAX_ABS_CODE
+    _codes_of = None  # the code section holds one int8 code per element
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
@@ -204,8 +205,6 @@ class Int8Codec(Codec):
         require_positive_numel(numel)
         return (header_len(1, 2) + 4 * ceil_div(numel, self.block_size) + self._coded_len(numel)) / numel
 
-    _codes_of = None  # one int8 code per element
-
     def _coded_len(self, numel: int) -> int:
         return numel
 
@@ -223,12 +222,11 @@ class Int4Codec(Int8Codec):
     name = "int4"
     levels = INT4_LEVELS
     max_abs_code = INT4_MAX_ABS_CODE
+    _codes_of = staticmethod(unpack_nibbles_to_odd)
 
     def _encode_flat(self, flat: torch.Tensor) -> tuple[dict, list[torch.Tensor]]:
         scales, codes = quantize_blockwise(flat, self.block_size, INT4_LEVELS, midrise=True)
         return {"block_size": self.block_size}, [scales, pack_nibbles(codes)]
-
-    _codes_of = staticmethod(unpack_nibbles_to_odd)
 
     def _coded_len(self, numel: int) -> int:
         return ceil_div(numel, 2)

@@ -88,7 +88,7 @@ class TopKCodec(Codec):
         """Number of entries kept from a tensor of `numel` elements (0 only for an empty tensor)."""
         if numel == 0:
             return 0
-        # round() first so that 0.01 * 100 (= 1.0000000000000002 in some products) keeps 1, not 2.
+        # round() first, so float noise (0.07 * 100 is 7.000000000000001) does not keep one entry too many.
         return min(numel, max(1, math.ceil(round(self.fraction * numel, 6))))
 
     def select(self, flat: torch.Tensor) -> torch.Tensor:
