@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import sys
-import time
 from typing import Optional, Sequence
 
 from swarm import __version__
@@ -89,11 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--trace-dir", metavar="DIR",
                       help="write every round's pseudo-gradient, average and global params as safetensors, to "
                            "audit the averaging")
-    join.add_argument("--client-mode", action="store_true",
-                      help="do not accept inbound connections (behind NAT without port forwarding)")
+    join.add_argument("--inject-fault", metavar="PHASE@ROUND",
+                      help="for tests and drills: SIGKILL this peer at a phase (matchmaking, send, reduce, commit) "
+                           "of a round, or send bad data (garbage, nan, short) in it")
 
     status = sub.add_parser("status", help="print the swarm's peers and totals",
-                            description="Read the swarm's announcements from the DHT and print them.")
+                            description="Read the swarm's announcements from the DHT and print each peer (state, "
+                                        "blocks, device, tokens/s, bandwidth, round, loss, last seen) and the "
+                                        "totals: peers, compute, peers per block, blocks hosted by nobody, "
+                                        "whether training peers agree on the params digest.")
     status.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR",
                         help="multiaddr(s) of any peer of the swarm")
     status.add_argument("--json", action="store_true", help="print JSON for scripts")
@@ -162,13 +165,17 @@ def _join(args: argparse.Namespace) -> int:
             keep_checkpoints=args.keep_checkpoints, max_rounds=args.max_rounds, recipe_file=args.recipe,
             data_shard=args.data_shard, trace_dir=args.trace_dir, host_maddrs=tuple(args.host_maddrs),
             announce_maddrs=tuple(args.announce_maddrs), identity_path=args.identity_path,
-            nat_traversal=args.nat_traversal, client_mode=args.client_mode,
+            nat_traversal=args.nat_traversal, inject_fault=args.inject_fault,
             **({"cache_dir": args.cache_dir} if args.cache_dir else {}))
     except pydantic.ValidationError as e:
         err = e.errors()[0]
         logger.error("bad flag --%s: %s", str(err["loc"][0]).replace("_", "-"), err["msg"])
         return 2
-    peer = Peer(settings)
+    try:
+        peer = Peer(settings)
+    except ValueError as e:
+        logger.error("%s", e)
+        return 2
     peer.install_signal_handlers()
     try:
         peer.start()
@@ -185,17 +192,22 @@ def _join(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     from swarm.dht.node import NetworkOptions, NodeError, SwarmNode
-    from swarm.monitoring.swarm_view import read_swarm
+    from swarm.monitoring.swarm_view import read_swarm, recipe_blocks, render_status
     from swarm.peer.announcer import fetch_recipe
     from swarm.runtime import LoopThread
 
+    if args.json:  # scripts parse stdout: keep log lines off it
+        for handler in logging.getLogger().handlers:
+            if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+                handler.setStream(sys.stderr)
     loop = LoopThread()
     node = None
     try:
+        # A client-mode node on loopback only reads: it never stores others' records or accepts connections.
         node = SwarmNode(args.initial_peers, NetworkOptions(client_mode=True))
         recipe = loop.run(fetch_recipe(node, timeout=15), timeout=30)
-        summary = loop.run(read_swarm(node, recipe.run_id), timeout=30)
-    except NodeError as e:
+        summary = loop.run(read_swarm(node, recipe.run_id, recipe_blocks(recipe)), timeout=30)
+    except (NodeError, TimeoutError) as e:
         logger.error("%s", e)
         return 1
     finally:
@@ -205,16 +217,8 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"run_id": recipe.run_id, "recipe_digest": recipe.digest(), **summary.to_json()},
                          indent=1))
-        return 0
-    now = time.time()
-    print(f"run {recipe.run_id} (recipe {recipe.digest()[:12]}), round {summary.round}, "
-          f"{sum(v for k, v in summary.by_state.items() if k != 'offline')} peers online, "
-          f"{summary.tokens_per_s:.0f} tokens/s, params digests {'agree' if summary.digests_agree else 'DIFFER'}")
-    print(f"{'peer':<14}{'state':<11}{'blocks':<9}{'device':<8}{'tok/s':>8}{'round':>7}{'loss':>8}{'seen':>7}")
-    for p in summary.peers:
-        loss = f"{p.loss:.3f}" if p.loss is not None else "-"
-        print(f"{p.peer_id[-12:]:<14}{p.state:<11}{f'{p.block_start}-{p.block_end}':<9}{p.device:<8}"
-              f"{p.tokens_per_s:>8.0f}{p.round:>7}{loss:>8}{max(now - p.updated, 0):>6.0f}s")
+    else:
+        print(render_status(summary, recipe.run_id, recipe.digest()))
     return 0
 
 

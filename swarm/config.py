@@ -86,7 +86,10 @@ class AveragingRecipe(_Section):
     min_group_size: int = Field(1, ge=1, le=4096, description="fewer peers than this: skip averaging")
     target_group_size: int = Field(16, ge=1, le=4096)
     matchmaking_timeout: float = Field(15.0, gt=0, le=3600, description="seconds to wait for the group")
-    allreduce_timeout: float = Field(60.0, gt=0, le=86400, description="seconds for one all-reduce")
+    allreduce_timeout: float = Field(60.0, gt=0, le=86400, description="ceiling of each all-reduce phase's timeout")
+    min_phase_timeout: float = Field(5.0, gt=0, le=86400,
+                                     description="floor of each phase's timeout; in between, timeouts follow "
+                                                 "3x the slowest of the last rounds")
 
     @model_validator(mode="after")
     def _sizes(self) -> "AveragingRecipe":
@@ -199,4 +202,4 @@ class PeerSettings(BaseModel):
     announce_maddrs: tuple[str, ...] = ()
     identity_path: Optional[str] = None
     nat_traversal: bool = False
-    client_mode: bool = False
+    inject_fault: Optional[str] = Field(None, description="testing: PHASE@ROUND, see swarm/averaging/faults.py")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from swarm.averaging.allreduce import partition
+from swarm.averaging.partition import partition
 from swarm.config import InnerRecipe, OuterRecipe
 from swarm.peer.diloco import DiLoCo
 from swarm.peer.training import learning_rate

@@ -12,13 +12,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import msgpack
 import torch
 
+from swarm.averaging.faults import FaultPlan
 from swarm.averaging.matchmaking import Group
+from swarm.averaging.partition import partition
 from swarm.compression import CodecError, get_codec
 from swarm.dht.node import SwarmNode, recv_frame, send_frame
 
@@ -28,32 +31,41 @@ MAX_PENDING_GROUPS = 8
 
 
 class AllReduceError(RuntimeError):
-    """The round failed for this peer; `reason` is a short metric label (timeout, peer_failed, bad_data, ...)."""
+    """The attempt failed and nothing was applied. `reason` is a short metric label. `suspects` did not deliver
+    (not waited for in the retry, but welcome if they show up); `rejected` sent bad data (left out of this round)."""
 
-    def __init__(self, reason: str, message: str):
+    def __init__(self, reason: str, message: str, suspects: set[str], rejected: set[str] = frozenset()):
         super().__init__(message)
-        self.reason = reason
+        self.reason, self.suspects, self.rejected = reason, set(suspects), set(rejected)
+
+
+class AdaptiveDeadlines:
+    """Per-phase timeouts that follow the measured durations of recent all-reduces: a multiple of the slowest
+    recent round, clamped to [floor, ceiling] from the recipe. Slow swarms do not time out every round; fast
+    swarms do not wait long for a dead peer."""
+
+    def __init__(self, floor: float, ceiling: float, factor: float = 3.0, window: int = 8):
+        self.floor, self.ceiling, self.factor = floor, ceiling, factor
+        self.recent: deque[float] = deque(maxlen=window)
+
+    def record(self, seconds: float) -> None:
+        self.recent.append(seconds)
+
+    def phase_timeout(self) -> float:
+        if not self.recent:
+            return self.ceiling  # nothing measured yet: be patient
+        return min(max(self.factor * max(self.recent), self.floor), self.ceiling)
 
 
 @dataclass
 class AllReduceResult:
     average: torch.Tensor  # flat fp32, identical on every member
+    delivered: torch.Tensor  # our vector as the reducers decoded it: what error feedback compares against
     total_weight: float
     group_size: int
     bytes_sent: int
     bytes_received: int
     seconds: float
-
-
-def partition(numel: int, n_parts: int) -> list[tuple[int, int]]:
-    """Contiguous [start, end) ranges covering `numel` elements in `n_parts` near-equal parts."""
-    base, extra = divmod(numel, n_parts)
-    bounds, start = [], 0
-    for index in range(n_parts):
-        end = start + base + (1 if index < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
 
 
 @dataclass
@@ -73,9 +85,11 @@ class _Mailbox:
 class GroupAllReduce:
     """Serves the all-reduce protocol of one run on a node and runs all-reduces for its peer."""
 
-    def __init__(self, node: SwarmNode, run_id: str, codec_name: str, max_numel: int,
-                 on_bad_peer: Optional[Callable[[str, str], None]] = None):
+    def __init__(self, node: SwarmNode, run_id: str, codec_name: str, max_numel: int, deadlines: AdaptiveDeadlines,
+                 on_bad_peer: Optional[Callable[[str, str], None]] = None, faults: Optional[FaultPlan] = None):
         self.node, self.codec = node, get_codec(codec_name)
+        self.deadlines = deadlines
+        self.faults = faults or FaultPlan()
         self.protocol = f"swarm.{run_id}.allreduce"
         self.max_numel = max_numel
         self.on_bad_peer = on_bad_peer or (lambda peer, reason: None)
@@ -113,92 +127,172 @@ class GroupAllReduce:
             writer.close()
         return len(payload)
 
-    async def run(self, group: Group, vector: torch.Tensor, weight: float, timeout: float) -> AllReduceResult:
-        """Average `vector` (flat fp32) over `group`, weighted by `weight`; raises AllReduceError on failure."""
+    async def run(self, group: Group, vector: torch.Tensor, weight: float) -> AllReduceResult:
+        """Average `vector` (flat fp32) over `group`, weighted by `weight`; raises AllReduceError on failure,
+        naming the members suspected of causing it, so the caller can retry at once without them."""
         try:
-            return await asyncio.wait_for(self._run(group, vector, weight), timeout)
-        except asyncio.TimeoutError:
-            raise AllReduceError("timeout", f"all-reduce of round {group.round} timed out after {timeout:.0f} s") \
-                from None
+            result = await self._run(group, vector, weight)
         finally:
             self._mailboxes.pop(group.group_id, None)
+        self.deadlines.record(result.seconds)
+        return result
 
     async def _run(self, group: Group, vector: torch.Tensor, weight: float) -> AllReduceResult:
         started = time.monotonic()
         me, members = self.node.peer_id, group.members
-        index, n = members.index(me), len(members)
+        others = [m for m in members if m != me]
+        index = members.index(me)
         vector = vector.detach().to(torch.float32).contiguous().view(-1)
-        bounds = partition(vector.numel(), n)
+        bounds = partition(vector.numel(), group.shares)
         mailbox = self._mailbox(group.group_id)
         base = {"group_id": group.group_id, "round": group.round}
-        sent = received = 0
+        phase_timeout = self.deadlines.phase_timeout()
+        stats = {"sent": 0, "received": 0}
 
-        # Phase 1: scatter part j to its reducer j.
-        sends = [self._send(members[j], {**base, "phase": "part", "weight": float(weight)},
-                            self.codec.encode(vector[bounds[j][0]:bounds[j][1]]))
-                 for j in range(n) if j != index]
+        # Phase 1: scatter part j to its reducer j (members with an empty share reduce nothing).
+        bad = self.faults.bad_data(group.round)
+        payloads = {members[j]: self._outgoing(vector[bounds[j][0]:bounds[j][1]], bad)
+                    for j in range(len(members)) if j != index and bounds[j][1] > bounds[j][0]}
+        unresponsive = await self._send_all(
+            {peer: ({**base, "phase": "part", "weight": float(weight)}, payload)
+             for peer, payload in payloads.items()}, stats, die_after_first=("send", group.round))
         start, end = bounds[index]
-        total = vector[start:end] * weight
-        total_weight = float(weight)
-        contributions, nbytes = await self._gather(mailbox, "part", [m for m in members if m != me], sends)
-        sent += nbytes
-        for sender, (header, payload) in contributions.items():
-            received += len(payload)
-            part = self._decode(sender, payload, end - start)
-            sender_weight = header.get("weight")
-            if not isinstance(sender_weight, (int, float)) or not 0 <= sender_weight < 1e18:
-                self.on_bad_peer(sender, "bad_weight")
-                raise AllReduceError("bad_data", f"peer {sender[-8:]} sent an invalid weight {sender_weight!r}")
-            total += part * sender_weight
-            total_weight += sender_weight
-        if total_weight <= 0:
-            raise AllReduceError("bad_data", "the group's total weight is zero: nobody trained this round")
-        my_average = total / total_weight
-        encoded_average = self.codec.encode(my_average)
-        my_average = self.codec.decode(encoded_average, max_numel=end - start)  # what everyone else will hold
-
-        # Phase 2: send the averaged part back to every member, naming who is in it.
-        avg_header = {**base, "phase": "avg", "contributors": list(members), "total_weight": total_weight}
-        sends = [self._send(m, avg_header, encoded_average) for m in members if m != me]
-        averages, nbytes = await self._gather(mailbox, "avg", [m for m in members if m != me], sends)
-        sent += nbytes
         result = torch.empty_like(vector)
-        result[start:end] = my_average
+        headers: dict[str, dict] = {}  # each reducer's account of its part, ours included
+        if end > start:
+            contributors, rejected, total_weight = [me], [], float(weight)
+            total = vector[start:end] * weight
+            parts = await self._collect(mailbox, "part", others, phase_timeout)
+            self.faults.maybe_die("reduce", group.round)
+            for sender, (header, payload) in parts.items():
+                stats["received"] += len(payload)
+                part, sender_weight = self._validated(sender, header, payload, end - start)
+                if part is None:
+                    rejected.append(sender)
+                    continue
+                total += part * sender_weight
+                total_weight += sender_weight
+                contributors.append(sender)
+            if total_weight <= 0:
+                raise AllReduceError("bad_data", "the group's total weight is zero: nobody trained this round",
+                                     set())
+            encoded_average = self.codec.encode(total / total_weight)
+            result[start:end] = self.codec.decode(encoded_average, max_numel=end - start)  # as the others get it
+            # Phase 2: send the averaged part back to every member, naming who is in it and who was rejected.
+            headers[me] = {**base, "phase": "avg", "contributors": sorted(contributors), "rejected": sorted(rejected),
+                           "total_weight": total_weight}
+            unresponsive |= await self._send_all({peer: (headers[me], encoded_average) for peer in others}, stats)
+
+        reducers = [members[j] for j in range(len(members)) if j != index and bounds[j][1] > bounds[j][0]]
+        averages = await self._collect(mailbox, "avg", reducers, phase_timeout)
+        unresponsive |= set(reducers) - set(averages)
         for sender, (header, payload) in averages.items():
-            received += len(payload)
+            stats["received"] += len(payload)
             j = members.index(sender)
-            if header.get("contributors") != list(members) or header.get("total_weight") != total_weight:
-                # The all-or-nothing rule: a part averaged over another set of peers must not be applied.
-                raise AllReduceError("partial", f"part {j} from {sender[-8:]} was averaged over a different set "
-                                                "of peers or weights; discarding the whole round")
-            result[bounds[j][0]:bounds[j][1]] = self._decode(sender, payload, bounds[j][1] - bounds[j][0])
+            try:
+                result[bounds[j][0]:bounds[j][1]] = self._decode(sender, payload, bounds[j][1] - bounds[j][0])
+                headers[sender] = header
+            except AllReduceError:
+                unresponsive.add(sender)
+        # The all-or-nothing rule: if any part was averaged without some member, no part is applied anywhere.
+        # Every member sees the same reducers' accounts, so all agree on whom to leave out of the retry:
+        # peers whose data a reducer rejected (banned for this round) and peers that did not deliver.
+        rejected, weights = set(), set()
+        for sender, header in headers.items():
+            named, refused = header.get("contributors"), header.get("rejected", [])
+            if not isinstance(named, list) or not isinstance(refused, list) or not set(named) <= set(members):
+                self.on_bad_peer(sender, "bad_header")
+                unresponsive.add(sender)
+                continue
+            rejected |= set(refused) & set(members)
+            unresponsive |= set(members) - set(named) - set(refused)
+            weights.add(header.get("total_weight"))
+        if rejected or unresponsive:
+            raise AllReduceError(
+                "bad_data" if rejected else "partial",
+                f"round {group.round}: parts were averaged without "
+                f"{', '.join(p[-8:] for p in sorted(rejected | unresponsive))}; nothing applied",
+                unresponsive - {me}, rejected - {me})
+        if len(weights) != 1 or not isinstance(next(iter(weights)), float):
+            raise AllReduceError("partial", f"round {group.round}: reducers disagree on the total weight "
+                                 f"{sorted(map(str, weights))}; nothing applied", set())
+        group_weight = next(iter(weights))
 
         # Phase 3: commit only once every member holds every part.
-        sends = [self._send(m, {**base, "phase": "commit"}, b"") for m in members if m != me]
-        await self._gather(mailbox, "commit", [m for m in members if m != me], sends)
-        return AllReduceResult(result, total_weight, n, sent, received, time.monotonic() - started)
+        self.faults.maybe_die("commit", group.round)
+        unconfirmed = await self._send_all({peer: ({**base, "phase": "commit"}, b"") for peer in others}, stats)
+        commits = await self._collect(mailbox, "commit", others, phase_timeout)
+        unconfirmed |= set(others) - set(commits)
+        if unconfirmed:
+            raise AllReduceError("commit", f"round {group.round}: {len(unconfirmed)} member(s) did not confirm; "
+                                 "nothing applied", unconfirmed)
+        delivered = vector.clone()
+        if self.codec.name != "none":
+            for j, member in enumerate(members):
+                if member in payloads:
+                    delivered[bounds[j][0]:bounds[j][1]] = self.codec.decode(payloads[member])
+        return AllReduceResult(result, delivered, group_weight, len(members), stats["sent"], stats["received"],
+                               time.monotonic() - started)
 
-    async def _gather(self, mailbox: _Mailbox, phase: str, senders: list[str], sends: list) -> tuple[dict, int]:
-        """Run our sends and wait for one message of `phase` from each sender; any failure fails the round.
-        Returns {sender: (header, payload)} and the payload bytes we sent."""
-        send_tasks = [asyncio.ensure_future(s) for s in sends]
+    def _outgoing(self, part: torch.Tensor, bad: Optional[str]) -> bytes:
+        """The encoded part, or (under fault injection) a named kind of bad data."""
+        if bad == "garbage":
+            return b"\x00garbage" * 8
+        if bad == "nan":  # a well-formed fp32 payload whose values are NaN
+            payload = bytearray(get_codec("none").encode(torch.zeros_like(part)))
+            payload[len(payload) - 4 * part.numel():] = torch.full_like(part, float("nan")).numpy().tobytes()
+            return bytes(payload)
+        if bad == "short":
+            return self.codec.encode(part[: max(part.numel() // 2, 1)])
+        return self.codec.encode(part)
+
+    async def _send_all(self, messages: dict[str, tuple[dict, bytes]], stats: dict,
+                        die_after_first: Optional[tuple[str, int]] = None) -> set[str]:
+        """Send every message concurrently; returns the peers we could not reach (a dead peer must not stop
+        us from delivering to the live ones, who need our data to finish quickly)."""
+        async def one(peer: str, header: dict, payload: bytes) -> Optional[str]:
+            try:
+                stats["sent"] += await self._send(peer, header, payload)
+                if die_after_first is not None:
+                    self.faults.maybe_die(*die_after_first)  # dies with some parts delivered, others not
+                return None
+            except Exception as e:  # noqa: BLE001 - any transport error means that peer is gone for this round
+                logger.info("could not send %s to %s: %s", header.get("phase"), peer[-8:],
+                            str(e).splitlines()[0] if str(e) else type(e).__name__)
+                return peer
+
+        results = await asyncio.gather(*(one(peer, *message) for peer, message in messages.items()))
+        return {peer for peer in results if peer is not None}
+
+    async def _collect(self, mailbox: _Mailbox, phase: str, senders: list[str], timeout: float) -> dict:
+        """Messages of `phase` from `senders` that arrive within `timeout` s: {sender: (header, payload)}."""
+        slots = {sender: mailbox.slot(phase, sender) for sender in senders}
+        if slots:
+            await asyncio.wait(list(slots.values()), timeout=timeout)
+        return {sender: slot.result() for sender, slot in slots.items() if slot.done()}
+
+    def _validated(self, sender: str, header: dict, payload: bytes,
+                   numel: int) -> tuple[Optional[torch.Tensor], float]:
+        """A contribution's decoded part and weight, or (None, 0) if it is bad: the sender is then left out of
+        this part, which every member sees in the contributor list, so the round is redone without it."""
+        sender_weight = header.get("weight")
+        if isinstance(sender_weight, bool) or not isinstance(sender_weight, (int, float)) or \
+                not 0 <= sender_weight < 1e18:
+            self.on_bad_peer(sender, "bad_weight")
+            return None, 0.0
         try:
-            results = await asyncio.gather(*send_tasks)
-        except Exception as e:  # noqa: BLE001 - any transport error means that peer is gone for this round
-            for task in send_tasks:
-                task.cancel()
-            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise AllReduceError("peer_failed", f"sending {phase} to a group member failed: {reason}") from None
-        return {sender: await mailbox.slot(phase, sender) for sender in senders}, sum(results)
+            return self._decode(sender, payload, numel), float(sender_weight)
+        except AllReduceError:
+            return None, 0.0
 
     def _decode(self, sender: str, payload: bytes, numel: int) -> torch.Tensor:
         try:
             part = self.codec.decode(payload, max_numel=numel)
         except CodecError as e:
             self.on_bad_peer(sender, "undecodable")
-            raise AllReduceError("bad_data", f"peer {sender[-8:]} sent undecodable data: {e}") from None
+            raise AllReduceError("bad_data", f"peer {sender[-8:]} sent undecodable data: {e}", {sender}) from None
         if part.numel() != numel or not torch.isfinite(part).all():
             self.on_bad_peer(sender, "bad_values")
             raise AllReduceError("bad_data", f"peer {sender[-8:]} sent {part.numel()} values (expected {numel}) "
-                                             "or non-finite values")
+                                             "or non-finite values", {sender})
         return part

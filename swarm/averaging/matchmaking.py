@@ -1,7 +1,8 @@
-"""Group formation for one outer round: peers that reached the averaging point announce themselves under the
-round's key, wait for the peers they expect, and adopt the member list published by the group's leader (the
-smallest peer id among the candidates). Every member checks the same group id in the all-reduce, so a peer
-whose view differed fails that round cleanly instead of averaging with the wrong set.
+"""Group formation for one averaging attempt of an outer round: peers that reached the averaging point announce
+themselves (params digest, measured bandwidth, whether they accept connections) under the attempt's key, wait for
+the peers they expect, and adopt the member list and reduction shares published by the group's leader (the
+smallest peer id among the candidates). Every member checks the same group id in the all-reduce, so a peer whose
+view differed fails that attempt cleanly instead of averaging with the wrong set.
 """
 
 from __future__ import annotations
@@ -9,17 +10,26 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
+from swarm.averaging.partition import optimal_shares
 from swarm.dht.node import SwarmNode
 from swarm.dht.records import final_key, group_key
 
 logger = logging.getLogger(__name__)
-POLL_SECONDS = 0.2
+POLL_SECONDS = 0.1
 SETTLE_SECONDS = 0.4
+
+
+@dataclass(frozen=True)
+class Candidate:
+    digest: str
+    bandwidth: float  # bytes/s this peer measured on recent all-reduces (or its probe)
+    client: bool  # cannot accept inbound connections: it contributes but reduces nothing
 
 
 @dataclass(frozen=True)
@@ -27,86 +37,121 @@ class Group:
     round: int
     attempt: int
     members: tuple[str, ...]  # sorted peer ids
+    shares: tuple[float, ...]  # fraction of the vector each member reduces
     group_id: str
 
     @classmethod
-    def of(cls, round_no: int, attempt: int, members: Iterable[str]) -> "Group":
-        ordered = tuple(sorted(set(members)))
-        digest = hashlib.sha256(f"{round_no}|{attempt}|{'|'.join(ordered)}".encode()).hexdigest()[:32]
-        return cls(round_no, attempt, ordered, digest)
+    def of(cls, round_no: int, attempt: int, members: Sequence[str], shares: Sequence[float]) -> "Group":
+        ordered = tuple(members)
+        text = f"{round_no}|{attempt}|{'|'.join(ordered)}|{','.join(f'{s:.9f}' for s in shares)}"
+        return cls(round_no, attempt, ordered, tuple(shares), hashlib.sha256(text.encode()).hexdigest()[:32])
 
 
-def choose_members(entries: dict[str, str], target_size: int) -> list[str]:
+def choose_members(candidates: dict[str, Candidate], target_size: int) -> list[str]:
     """Candidates that share the most common params digest (ties: the smallest digest), sorted by peer id and
     capped at `target_size`. A pure function, so every peer with the same view picks the same members."""
-    if not entries:
+    if not candidates:
         return []
-    counts = Counter(entries.values())
+    counts = Counter(c.digest for c in candidates.values())
     best = min(counts, key=lambda digest: (-counts[digest], digest))
-    return sorted(peer for peer, digest in entries.items() if digest == best)[:target_size]
+    return sorted(peer for peer, c in candidates.items() if c.digest == best)[:target_size]
 
 
-async def _read_entries(node: SwarmNode, key: str) -> dict[str, str]:
+def _parse_candidate(value: object) -> Optional[Candidate]:
+    if not isinstance(value, dict) or not isinstance(value.get("digest"), str):
+        return None
+    bandwidth, client = value.get("bandwidth", 0.0), value.get("client", False)
+    if not isinstance(bandwidth, (int, float)) or not math.isfinite(bandwidth) or bandwidth < 0:
+        return None
+    return Candidate(value["digest"], float(bandwidth), bool(client))
+
+
+async def _read_candidates(node: SwarmNode, key: str, excluded: set[str]) -> dict[str, Candidate]:
     raw = await node.get(key)
-    return {peer: value["digest"] for peer, value in raw.items()
-            if isinstance(value, dict) and isinstance(value.get("digest"), str)}
+    parsed = {peer: _parse_candidate(value) for peer, value in raw.items() if peer not in excluded}
+    return {peer: c for peer, c in parsed.items() if c is not None}
 
 
-async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, digest: str, expected: set[str],
-                     min_size: int, target_size: int, timeout: float) -> Optional[Group]:
-    """Find this round's group; None if no group of at least `min_size` formed within about `timeout` s.
+async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, me_as: Candidate,
+                     expected: set[str], min_size: int, target_size: int, timeout: float,
+                     excluded: Iterable[str] = (), not_waiting_for: Iterable[str] = ()) -> tuple[Optional[Group], int]:
+    """Find this attempt's group: (group, others seen), with group None if no group of at least `min_size`
+    formed within about `timeout` s. A peer that saw nobody else may retry under the same attempt number.
 
     `expected` are peers believed to be in this round (from their announcements): we wait for them, but never
-    past the deadline, so a peer that crashed only delays the round."""
+    past the deadline, so a peer that crashed only delays the round. `excluded` peers (they sent bad data earlier
+    in this round) are neither waited for nor accepted, nor followed as leaders; `not_waiting_for` peers (they did
+    not deliver in an earlier attempt) are not waited for, but accepted if they show up."""
     me = node.peer_id
-    started = time.monotonic()
-    deadline = started + timeout
+    excluded = set(excluded) - {me}
+    expected = set(expected) - excluded - set(not_waiting_for)
+    deadline = time.monotonic() + timeout
     key = group_key(run_id, round_no, attempt)
-    await node.store(key, {"digest": digest}, ttl=3 * timeout + 30, subkey=me)
+    ttl = 3 * timeout + 30
+    await node.store(key, {"digest": me_as.digest, "bandwidth": me_as.bandwidth, "client": me_as.client},
+                     ttl=ttl, subkey=me)
 
-    entries: dict[str, str] = {me: digest}
     while True:
-        entries = {**await _read_entries(node, key), me: digest}
-        if len(entries) >= target_size or (expected <= set(entries) and len(entries) >= min_size):
+        candidates = {**await _read_candidates(node, key, excluded), me: me_as}
+        if len(candidates) >= target_size or (expected <= set(candidates) and len(candidates) >= min_size):
             break
         if time.monotonic() >= deadline:
+            # Stragglers: let entries written at this moment reach every reader before deciding.
+            await asyncio.sleep(SETTLE_SECONDS)
+            candidates = {**await _read_candidates(node, key, excluded), me: me_as}
             break
         await asyncio.sleep(POLL_SECONDS)
-    await asyncio.sleep(SETTLE_SECONDS)  # let entries written at the same moment reach every reader
-    entries = {**await _read_entries(node, key), me: digest}
-    members = choose_members(entries, target_size)
+    seen = len(candidates) - 1
+    members = choose_members(candidates, target_size)
     if me not in members:
-        logger.info("round %d: my params digest is not the group's; skipping this round", round_no)
-        return None
+        logger.info("round %d: my params digest is not the group's; skipping this attempt", round_no)
+        return None, seen
+    if len(members) < min_size:
+        return None, seen
     if members[0] == me:
-        await node.store(final_key(run_id, round_no, attempt), {"members": members}, ttl=3 * timeout + 30, subkey=me)
+        try:
+            shares = optimal_shares([candidates[m].bandwidth or 1.0 for m in members],
+                                    [not candidates[m].client for m in members])
+        except ValueError as e:
+            logger.warning("round %d: %s", round_no, e)
+            return None, seen
+        await node.store(final_key(run_id, round_no, attempt), {"members": members, "shares": shares},
+                         ttl=ttl, subkey=me)
 
     final_deadline = time.monotonic() + max(5.0, timeout / 2)
     while time.monotonic() < final_deadline:
-        finals = await _read_finals(node, run_id, round_no, attempt)
+        finals = await _read_finals(node, run_id, round_no, attempt, excluded)
         if finals:
-            await asyncio.sleep(SETTLE_SECONDS)  # a smaller-id leader may be writing at this moment
-            finals = await _read_finals(node, run_id, round_no, attempt)
+            if min(finals) != members[0]:
+                # Our views differ: a smaller-id leader may be writing at this moment, so wait and re-read.
+                await asyncio.sleep(SETTLE_SECONDS)
+                finals = await _read_finals(node, run_id, round_no, attempt, excluded)
             leader = min(finals)
-            chosen = finals[leader]
+            chosen, shares = finals[leader]
             if me not in chosen:
                 logger.info("round %d: leader %s formed a group without me", round_no, leader[-8:])
-                return None
+                return None, seen
             if len(chosen) < min_size:
-                return None
-            return Group.of(round_no, attempt, chosen)
+                return None, seen
+            return Group.of(round_no, attempt, chosen, shares), seen
         await asyncio.sleep(POLL_SECONDS)
     logger.info("round %d: no group leader published a group in time", round_no)
-    return None
+    return None, seen
 
 
-async def _read_finals(node: SwarmNode, run_id: str, round_no: int, attempt: int) -> dict[str, list[str]]:
+async def _read_finals(node: SwarmNode, run_id: str, round_no: int, attempt: int,
+                       excluded: set[str]) -> dict[str, tuple[list[str], list[float]]]:
     raw = await node.get(final_key(run_id, round_no, attempt))
     finals = {}
     for writer, value in raw.items():
-        members = value.get("members") if isinstance(value, dict) else None
-        # Only a leader may publish: its own id must be the smallest member.
+        if writer in excluded or not isinstance(value, dict):
+            continue
+        members, shares = value.get("members"), value.get("shares")
+        # Only a leader may publish: its own id must be the smallest member; shares must be a distribution.
         if (isinstance(members, list) and members and all(isinstance(m, str) for m in members)
-                and min(members) == writer):
-            finals[writer] = members
+                and members == sorted(set(members)) and members[0] == writer
+                and isinstance(shares, list) and len(shares) == len(members)
+                and all(isinstance(s, (int, float)) and math.isfinite(s) and s >= 0 for s in shares)
+                and abs(sum(shares) - 1) < 1e-6 and not excluded & set(members)):
+            finals[writer] = (members, [float(s) for s in shares])
     return finals

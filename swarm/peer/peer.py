@@ -18,8 +18,10 @@ from typing import Optional
 import torch
 
 from swarm import __version__
-from swarm.averaging.allreduce import AllReduceError, GroupAllReduce
-from swarm.averaging.matchmaking import form_group
+from swarm.averaging.allreduce import AdaptiveDeadlines, AllReduceError, GroupAllReduce
+from swarm.averaging.faults import FaultPlan
+from swarm.averaging.matchmaking import Candidate, form_group
+from swarm.compression import ErrorFeedback
 from swarm.config import PeerSettings, Recipe, RecipeError, load_recipe
 from swarm.dht.node import NetworkOptions, SwarmNode
 from swarm.dht.records import PeerRecord
@@ -29,6 +31,7 @@ from swarm.peer.announcer import Announcer, fetch_recipe
 from swarm.peer.data import TokenDataset, load_corpus, load_tokenizer, split_documents
 from swarm.peer.diloco import DiLoCo
 from swarm.peer.model import build_model, n_blocks
+from swarm.peer.probe import describe_device, measure_tokens_per_s  # issue #3
 from swarm.peer.state_sync import StateSyncError, download_state, serve_state
 from swarm.peer.training import (inner_step, learning_rate, make_inner_optimizer, pick_device,
                                  validation_loss)
@@ -36,11 +39,13 @@ from swarm.runtime import LoopThread
 
 logger = logging.getLogger("swarm.peer")
 EVAL_BATCHES = 4
+DEFAULT_BANDWIDTH = 12.5e6  # bytes/s (100 Mbit/s) until the first all-reduce measures the real link
 
 
 class Peer:
     def __init__(self, settings: PeerSettings):
         self.settings = settings
+        self.faults = FaultPlan(settings.inject_fault)
         self.stop_event = threading.Event()
         self.metrics = PeerMetrics()
         self.loop: Optional[LoopThread] = None
@@ -57,7 +62,7 @@ class Peer:
         self.loop = LoopThread()
         self.node = SwarmNode(s.initial_peers, NetworkOptions(
             host_maddrs=s.host_maddrs, announce_maddrs=s.announce_maddrs, identity_path=s.identity_path,
-            nat_traversal=s.nat_traversal, client_mode=s.client_mode))
+            nat_traversal=s.nat_traversal))
         logger.info("joined the DHT as %s", self.node.peer_id)
         self.recipe = self.loop.run(fetch_recipe(self.node, timeout=30.0), timeout=60)
         if s.recipe_file:
@@ -87,21 +92,34 @@ class Peer:
         self.model = model.to(self.device)
         self.n_blocks = n_blocks(model)
         self.diloco = DiLoCo(self.model, r.outer)
+        self.error_feedback = ErrorFeedback()
         self.inner_optimizer = make_inner_optimizer(self.model, r.inner)
         logger.info("model: %.2fM parameters, %d blocks, on %s", self.diloco.numel / 1e6, self.n_blocks,
                     self.device)
 
-        self.allreduce = GroupAllReduce(self.node, r.run_id, r.averaging.codec, self.diloco.numel,
-                                        on_bad_peer=self._on_bad_peer)
+        self.allreduce = GroupAllReduce(
+            self.node, r.run_id, r.averaging.codec, self.diloco.numel,
+            AdaptiveDeadlines(r.averaging.min_phase_timeout, r.averaging.allreduce_timeout),
+            on_bad_peer=self._on_bad_peer, faults=self.faults)
         self.loop.run(self.allreduce.start(), timeout=30)
         self.loop.run(serve_state(self.node, r.run_id, self.diloco), timeout=30)
         self.announcer = Announcer(self.node, r.run_id, self.n_blocks, self._record, self.metrics)
+        # -- issue #3: what we announce about ourselves. Every peer trains the whole model for now, so its
+        # capacity is all blocks and the chosen range is [0, n_blocks); routing will lower it.
+        self.device_info = describe_device(self.device)
+        self.block_range = self.loop.run(self.announcer.choose_blocks(capacity=self.n_blocks), timeout=30)
+        probe_tokens_per_s = measure_tokens_per_s(self.model, r.data.batch_size, r.data.seq_len, self.device)
+        # -- end issue #3
         self.loop.submit(self.announcer.run())
         port = self.metrics.serve(s.metrics_port, s.metrics_host)
         if port is not None:
             logger.info("metrics at http://%s:%d/metrics", s.metrics_host, port)
-        self.state, self.tokens_in_round, self.loss, self.tokens_per_s = "syncing", 0, None, 0.0
+        self.state, self.tokens_in_round, self.loss, self.tokens_per_s = "syncing", 0, None, probe_tokens_per_s
         self.inner_steps, self.attempt = 0, 0
+        self.bandwidth = DEFAULT_BANDWIDTH
+        self._excluded: set[str] = set()  # sent bad data this round: left out until the round is over
+        self._unresponsive: set[str] = set()  # did not deliver in the last attempt: not waited for in the next
+        self._excluded_round = -1
         self.val_loss: Optional[float] = None
         self._initial_state()
 
@@ -117,6 +135,10 @@ class Peer:
                 return
         if checkpoint is not None:
             self.diloco.load_state_tensors(checkpoint.tensors, checkpoint.round, checkpoint.tokens_seen)
+            residual = {key.split(".", 1)[1]: value for key, value in checkpoint.tensors.items()
+                        if key.startswith("error_feedback.")}
+            if residual and residual.get("residual", torch.empty(0)).numel() == self.diloco.numel:
+                self.error_feedback.load_state_dict(residual)
             self.inner_steps = int(checkpoint.meta.get("inner_steps", 0))
             logger.info("resumed from checkpoint %s (round %d, %d tokens seen)", checkpoint.path,
                         checkpoint.round, checkpoint.tokens_seen)
@@ -146,6 +168,7 @@ class Peer:
                 continue
             self.metrics.resyncs.inc()
             self.tokens_in_round = 0
+            self.error_feedback.reset()  # our local progress is gone, and with it what we owed the swarm
             self.inner_optimizer = make_inner_optimizer(self.model, self.recipe.inner)
             logger.info("synced state of round %d from %s (%s, digest %s)", header["round"], holder[-8:], reason,
                         header["digest"])
@@ -157,8 +180,10 @@ class Peer:
     def _record(self) -> PeerRecord:
         return PeerRecord(
             peer_id=self.node.peer_id, state=self.state, version=__version__, run_id=self.recipe.run_id,
-            round=self.diloco.round, tokens_in_round=self.tokens_in_round, block_start=0, block_end=self.n_blocks,
-            digest=self.diloco.digest(), device=self.device.type, tokens_per_s=self.tokens_per_s,
+            round=self.diloco.round, tokens_in_round=self.tokens_in_round, block_start=self.block_range[0],
+            block_end=self.block_range[1], digest=self.diloco.digest(), device=self.device.type,
+            device_name=self.device_info.name, device_memory=self.device_info.memory_bytes,  # issue #3
+            tokens_per_s=self.tokens_per_s,
             loss=self.loss, val_loss=self.val_loss, attempt=self.attempt, updated=self.node.now())
 
     def _on_bad_peer(self, peer_id: str, reason: str) -> None:
@@ -211,11 +236,14 @@ class Peer:
                 continue
 
             outcome = self._average(attempt)
-            if outcome is None:
-                attempt += 1
-                # Keep training before the next try, so a lonely or failing swarm does not spin on matchmaking.
-                retry_after_tokens = self.tokens_in_round + max(r.tokens_per_round // 4, tokens_per_step)
+            if outcome is not True:
+                if outcome != "alone":  # nobody else used this attempt's keys: they stay clean for a retry
+                    attempt += 1
                 self.state = "training"
+                if outcome == "retry":  # a member failed mid-round: redo the round at once without it
+                    continue
+                # No group: keep training before the next try, so a lonely swarm does not spin on matchmaking.
+                retry_after_tokens = self.tokens_in_round + max(r.tokens_per_round // 4, tokens_per_step)
                 continue
             attempt, retry_after_tokens = 0, 0
             rounds_done += 1
@@ -229,48 +257,63 @@ class Peer:
             self._checkpoint()
         return rounds_done
 
-    def _average(self, attempt: int) -> Optional[bool]:
-        """One averaging attempt of the current round; True if the outer step was applied, None if not."""
+    def _average(self, attempt: int) -> bool | str | None:
+        """One averaging attempt of the current round: True if the outer step was applied; "retry" if the
+        all-reduce failed with known suspects (retry at once without them); "alone" if no other peer showed up;
+        None if no group formed otherwise."""
         r = self.recipe
         self.state = "averaging"
         self.metrics.set_state(self.state)
-        self.announcer.refresh_now(self.loop)
         round_no = self.diloco.round
-        pseudo_gradient = self.diloco.pseudo_gradient()
+        if self._excluded_round != round_no:
+            self._excluded, self._unresponsive, self._excluded_round = set(), set(), round_no
+        # Peers that failed this round together retry together: follow the highest attempt number announced.
+        self.attempt = attempt = max([attempt] + self.announcer.attempts(round_no))
+        self.announcer.refresh_now(self.loop)
+        # Lossy codecs: add back what the codec dropped from our last contribution (error feedback).
+        pseudo_gradient = self.error_feedback.compensate(self.diloco.pseudo_gradient())
         norm = float(pseudo_gradient.norm())
         if not torch.isfinite(torch.tensor(norm)) or norm > r.outer.max_pseudo_grad_norm:
             self._recover(f"pseudo-gradient norm {norm:.3g} over the recipe's bound")
             return None
+        digest = self.diloco.digest()
         expected = {p.peer_id for p in self.announcer.view if p.round == round_no
-                    and p.state in ("training", "averaging") and p.digest == self.diloco.digest()}
-        # Peers that failed this round together retry together: follow the highest attempt number announced.
-        attempt = max([attempt] + self.announcer.attempts(round_no))
-        self.attempt = attempt
+                    and p.state in ("training", "averaging") and p.digest == digest}
         started = time.monotonic()
+        self.faults.maybe_die("matchmaking", round_no)
         try:
-            group = self.loop.run(form_group(
-                self.node, r.run_id, round_no, attempt, self.diloco.digest(), expected,
-                r.averaging.min_group_size, r.averaging.target_group_size, r.averaging.matchmaking_timeout),
+            group, others_seen = self.loop.run(form_group(
+                self.node, r.run_id, round_no, attempt,
+                Candidate(digest, self.bandwidth, client=False), expected,
+                r.averaging.min_group_size, r.averaging.target_group_size, r.averaging.matchmaking_timeout,
+                excluded=self._excluded, not_waiting_for=self._unresponsive),
                 timeout=3 * r.averaging.matchmaking_timeout + 30)
         except TimeoutError:
-            group = None
+            group, others_seen = None, 1
         if group is None:
             self.metrics.averaging_failures.labels(reason="no_group").inc()
             logger.info("round %d: no group formed (attempt %d); training on", round_no, attempt)
-            return None
+            return None if others_seen else "alone"
         weight = self.tokens_in_round
         try:
-            result = self.loop.run(self.allreduce.run(group, pseudo_gradient, weight, r.averaging.allreduce_timeout),
+            result = self.loop.run(self.allreduce.run(group, pseudo_gradient, weight),
                                    timeout=r.averaging.allreduce_timeout + 10)
         except (AllReduceError, TimeoutError) as e:
             reason = getattr(e, "reason", "timeout")
             self.metrics.averaging_failures.labels(reason=reason).inc()
-            logger.warning("round %d: averaging failed (%s): %s; nothing applied, training on", round_no, reason, e)
-            return None
+            logger.warning("round %d: averaging failed (%s): %s", round_no, reason, e)
+            suspects, rejected = getattr(e, "suspects", set()), getattr(e, "rejected", set())
+            self._excluded |= rejected
+            self._unresponsive = suspects  # only for the next attempt: a slow peer is welcome back
+            return "retry" if suspects | rejected else None
+        self.error_feedback.update(pseudo_gradient, result.delivered)
         global_before = self._flat_global() if self.settings.trace_dir else None
         self.diloco.outer_step(result.average, int(result.total_weight))
         self.tokens_in_round = 0
         self.metrics.allreduce_seconds.observe(result.seconds)
+        if result.seconds > 0 and result.bytes_sent:
+            # What we moved per second on the last round: a lower bound on our link, refined every round.
+            self.bandwidth = 0.5 * self.bandwidth + 0.5 * (result.bytes_sent + result.bytes_received) / result.seconds
         self.metrics.group_size.set(result.group_size)
         self.metrics.bytes_sent.inc(result.bytes_sent)
         self.metrics.bytes_received.inc(result.bytes_received)
@@ -294,6 +337,7 @@ class Peer:
         self.metrics.averaging_failures.labels(reason="diverged").inc()
         self.diloco.reset_local()
         self.inner_optimizer = make_inner_optimizer(self.model, self.recipe.inner)
+        self.error_feedback.reset()
         self.tokens_in_round = 0
 
     def _flat_global(self) -> torch.Tensor:
@@ -316,8 +360,10 @@ class Peer:
             "val_loss": self.val_loss, "digest": self.diloco.digest()}))
 
     def _checkpoint(self) -> None:
+        tensors = self.diloco.state_tensors()
+        tensors.update({f"error_feedback.{k}": v for k, v in self.error_feedback.state_dict().items()})
         path = ckpt.save_checkpoint(
-            self.settings.checkpoint_dir, self.diloco.round, self.diloco.tokens_seen, self.diloco.state_tensors(),
+            self.settings.checkpoint_dir, self.diloco.round, self.diloco.tokens_seen, tensors,
             {"digest": self.diloco.digest(), "recipe": self.recipe.digest(), "loss": self.loss,
              "val_loss": self.val_loss, "inner_steps": self.inner_steps, "version": __version__},
             keep=self.settings.keep_checkpoints)

@@ -1,0 +1,305 @@
+#!/usr/bin/env python3
+"""Benchmark and check harness for the group all-reduce: N worker processes (optionally each in its own network
+namespace with shaped bandwidth) average seeded random vectors through our GroupAllReduce, or through hivemind's
+DecentralizedAverager for comparison. Prints a table, then one JSON line.
+
+    python scripts/allreduce_bench.py --peers 4 --size-mb 100                 # loopback
+    python scripts/allreduce_bench.py --peers 4 --size-mb 25 --netns --mbit 25,50,100,200 --engine both
+    python scripts/allreduce_bench.py --peers 3 --numel 1000000 --codec int8 --save DIR   # used by the tests
+
+With --save, every worker writes its input vectors, weights and results to DIR so a test can check them against
+the exact weighted mean computed independently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def _vector(index: int, round_no: int, numel: int):
+    import torch
+
+    generator = torch.Generator().manual_seed(1000 * index + round_no)
+    return torch.randn(numel, generator=generator)
+
+
+def _weight(index: int) -> float:
+    return float(index + 1)  # unequal weights, so a test can tell weighted from plain means
+
+
+# ---------------------------------------------------------------- worker: one peer ---------------------------
+def worker(args: argparse.Namespace) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    if args.engine == "hivemind":
+        return _hivemind_worker(args)
+    from swarm.averaging.allreduce import AdaptiveDeadlines, AllReduceError, GroupAllReduce
+    from swarm.averaging.matchmaking import Candidate, form_group
+    from swarm.dht.node import NetworkOptions, SwarmNode
+    from swarm.runtime import LoopThread
+
+    loop = LoopThread()
+    node = SwarmNode([args.initial_peers], NetworkOptions(host_maddrs=(args.host_maddr,)))
+    codecs = args.codec.split(",")  # round r uses codecs[r % len(codecs)]
+    allreduces = {name: GroupAllReduce(node, f"bench-{name}", name, args.numel, AdaptiveDeadlines(30.0, 300.0))
+                  for name in codecs}
+    for allreduce in allreduces.values():
+        loop.run(allreduce.start())
+    bandwidth = args.bandwidth_hint or 12.5e6
+    for round_no in range(args.rounds):
+        codec = codecs[round_no % len(codecs)]
+        allreduce = allreduces[codec]
+        vector = _vector(args.index, round_no, args.numel)
+        started = time.monotonic()
+        group, _ = loop.run(form_group(node, "bench", round_no, 0, Candidate("same", bandwidth, False), set(),
+                                       args.peers, args.peers, timeout=120.0))
+        matched = time.monotonic()
+        if group is None:
+            print(json.dumps({"index": args.index, "round": round_no, "error": "no group"}), flush=True)
+            continue
+        try:
+            result = loop.run(allreduce.run(group, vector, _weight(args.index)))
+        except AllReduceError as e:
+            print(json.dumps({"index": args.index, "round": round_no, "error": str(e)}), flush=True)
+            continue
+        done = time.monotonic()
+        if args.save:
+            torch.save({"codec": codec, "vector": vector, "weight": _weight(args.index), "average": result.average,
+                        "members": list(group.members), "shares": list(group.shares), "peer_id": node.peer_id},
+                       Path(args.save) / f"peer{args.index}-round{round_no}.pt")
+        print(json.dumps({"index": args.index, "round": round_no, "seconds": done - started,
+                          "allreduce_seconds": done - matched, "bytes_sent": result.bytes_sent,
+                          "group": len(group.members)}), flush=True)
+    node.shutdown()
+    loop.close()
+
+
+def _hivemind_worker(args: argparse.Namespace) -> None:
+    import hivemind
+    import torch
+    from hivemind.averaging import DecentralizedAverager
+
+    dht = hivemind.DHT(initial_peers=[args.initial_peers], start=True, host_maddrs=[args.host_maddr],
+                       nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False, use_ipfs=False)
+    tensor = torch.zeros(args.numel)
+    averager = DecentralizedAverager([tensor], dht, prefix="bench", start=True, target_group_size=args.peers,
+                                     min_group_size=args.peers, min_matchmaking_time=1.0, request_timeout=30.0,
+                                     next_chunk_timeout=30.0, allreduce_timeout=300.0,
+                                     bandwidth=args.bandwidth_hint or None)
+    for round_no in range(args.rounds):
+        with averager.get_tensors() as tensors:
+            tensors[0].copy_(_vector(args.index, round_no, args.numel))
+        started = time.monotonic()
+        gathered = averager.step(weight=_weight(args.index), timeout=300)
+        done = time.monotonic()
+        print(json.dumps({"index": args.index, "round": round_no, "seconds": done - started,
+                          "group": len(gathered) if gathered else 0,
+                          **({} if gathered else {"error": "hivemind step failed"})}), flush=True)
+    averager.shutdown()
+    dht.shutdown()
+
+
+# ---------------------------------------------------------------- network namespaces -------------------------
+class Namespaces:
+    """A hub namespace with a bridge and one namespace per peer, joined by veth pairs; `tc tbf` limits each
+    peer's upload (on its side of the veth) and download (on the hub side). Addresses are inside these
+    namespaces only (10.231.0.0/24), made and removed by this object. Needs root and `ip netns`."""
+
+    SUBNET = "10.231.0"
+
+    def __init__(self, count: int, mbits: list[float]):
+        self.tag = f"{os.getpid() % 100000}"
+        self.hub = f"swh{self.tag}"
+        self.names = [f"swp{self.tag}-{i}" for i in range(count)]
+        self.mbits = mbits
+        self.created: list[str] = []
+
+    def _ip(self, *argv: str) -> None:
+        subprocess.run(["ip", *argv], check=True, capture_output=True, text=True)
+
+    def address(self, index: int) -> str:
+        return f"{self.SUBNET}.{index + 10}"
+
+    def __enter__(self) -> "Namespaces":
+        try:
+            self._ip("netns", "add", self.hub)
+            self.created.append(self.hub)
+            self._ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
+            self._ip("-n", self.hub, "link", "set", "br0", "up")
+            self._ip("-n", self.hub, "link", "set", "lo", "up")
+            for index, name in enumerate(self.names):
+                self._ip("netns", "add", name)
+                self.created.append(name)
+                outer, inner = f"h{index}", f"p{index}"
+                self._ip("-n", self.hub, "link", "add", outer, "type", "veth", "peer", "name", inner, "netns", name)
+                self._ip("-n", self.hub, "link", "set", outer, "master", "br0")
+                self._ip("-n", self.hub, "link", "set", outer, "up")
+                self._ip("-n", name, "addr", "add", f"{self.address(index)}/24", "dev", inner)
+                self._ip("-n", name, "link", "set", inner, "up")
+                self._ip("-n", name, "link", "set", "lo", "up")
+                mbit = self.mbits[index] if index < len(self.mbits) else 0
+                if mbit > 0:
+                    burst = max(int(mbit * 1e6 / 8 / 100), 16 * 1024)  # ~10 ms of traffic
+                    for namespace, device in ((name, inner), (self.hub, outer)):
+                        subprocess.run(["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", device, "root",
+                                        "tbf", "rate", f"{mbit}mbit", "burst", str(burst), "latency", "200ms"],
+                                       check=True, capture_output=True, text=True)
+        except (subprocess.CalledProcessError, FileNotFoundError) as e:
+            self.__exit__(None, None, None)
+            detail = e.stderr.strip() if isinstance(e, subprocess.CalledProcessError) else str(e)
+            raise RuntimeError(f"cannot build network namespaces: {detail}") from None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name in reversed(self.created):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        self.created.clear()
+
+    def prefix(self, index: int) -> list[str]:
+        return ["ip", "netns", "exec", self.names[index]]
+
+
+def netns_available() -> str | None:
+    """None if namespaces can be made here, else the reason they cannot."""
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    try:
+        with Namespaces(1, [10]):
+            return None
+    except RuntimeError as e:
+        return str(e)
+
+
+# ---------------------------------------------------------------- coordinator --------------------------------
+def run(args: argparse.Namespace, engine: str) -> dict:
+    """Start a bootstrap and `args.peers` workers; return per-round timings."""
+    from swarm.dht.node import NetworkOptions, SwarmNode
+
+    mbits = [float(x) for x in args.mbit.split(",")] if args.mbit else []
+    if mbits and len(mbits) < args.peers:
+        mbits += [mbits[-1]] * (args.peers - len(mbits))
+    namespaces = Namespaces(args.peers + 1, mbits + [0.0]) if args.netns else None
+    if namespaces:
+        namespaces.__enter__()
+    processes = []
+    try:
+        boot_host = f"/ip4/{namespaces.address(args.peers)}/tcp/0" if namespaces else "/ip4/127.0.0.1/tcp/0"
+        if namespaces:  # the bootstrap DHT node lives in its own unshaped namespace
+            boot = subprocess.Popen(namespaces.prefix(args.peers) + [sys.executable, __file__, "dht",
+                                                                    "--host-maddr", boot_host],
+                                    stdout=subprocess.PIPE, text=True)
+            processes.append(boot)
+            maddr = boot.stdout.readline().strip()
+            node = None
+        else:
+            node = SwarmNode([], NetworkOptions())
+            maddr = node.visible_maddrs()[0]
+        for index in range(args.peers):
+            host = f"/ip4/{namespaces.address(index)}/tcp/0" if namespaces else "/ip4/127.0.0.1/tcp/0"
+            hint = mbits[index] * 1e6 / 8 if mbits and args.bandwidth_hints else 0.0
+            argv = [sys.executable, __file__, "worker", "--initial-peers", maddr, "--index", str(index),
+                    "--peers", str(args.peers), "--numel", str(args.numel), "--codec", args.codec,
+                    "--rounds", str(args.rounds), "--engine", engine, "--host-maddr", host,
+                    "--bandwidth-hint", str(hint)] + (["--save", args.save] if args.save else [])
+            prefix = namespaces.prefix(index) if namespaces else []
+            processes.append(subprocess.Popen(prefix + argv, stdout=subprocess.PIPE, text=True,
+                                              env={**os.environ, "PYTHONUNBUFFERED": "1"}))
+        rows = []
+        for process in processes[-args.peers:]:
+            out, _ = process.communicate(timeout=args.timeout)
+            rows += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        if node is not None:
+            node.shutdown()
+        return {"engine": engine, "rows": rows}
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        if namespaces:
+            namespaces.__exit__(None, None, None)
+
+
+def summarize(result: dict, args: argparse.Namespace) -> dict:
+    rows = [r for r in result["rows"] if "error" not in r]
+    errors = [r for r in result["rows"] if "error" in r]
+    warm = [r for r in rows if r["round"] > 0] or rows  # round 0 includes connection set-up
+    per_round = {}
+    for row in warm:
+        per_round.setdefault(row["round"], []).append(row["seconds"])
+    round_times = [max(times) for times in per_round.values()]  # a round ends when its slowest member ends
+    seconds = statistics.median(round_times) if round_times else float("nan")
+    size_bytes = args.numel * 4
+    return {"engine": result["engine"], "peers": args.peers, "size_mb": size_bytes / 1e6, "codec": args.codec,
+            "netns": bool(args.netns), "mbit": args.mbit or "", "round_seconds": seconds,
+            "gb_per_s": size_bytes / seconds / 1e9 if round_times else None, "errors": len(errors)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="mode")
+    w = sub.add_parser("worker")
+    w.add_argument("--initial-peers", required=True)
+    w.add_argument("--index", type=int, required=True)
+    w.add_argument("--peers", type=int, required=True)
+    w.add_argument("--numel", type=int, required=True)
+    w.add_argument("--codec", default="none")
+    w.add_argument("--rounds", type=int, default=1)
+    w.add_argument("--engine", default="swarm")
+    w.add_argument("--host-maddr", default="/ip4/127.0.0.1/tcp/0")
+    w.add_argument("--bandwidth-hint", type=float, default=0.0)
+    w.add_argument("--save")
+    d = sub.add_parser("dht")
+    d.add_argument("--host-maddr", required=True)
+    for p in (parser,):
+        p.add_argument("--peers", type=int, default=4)
+        p.add_argument("--size-mb", type=float, default=100.0, help="vector size in MB of fp32")
+        p.add_argument("--numel", type=int, help="vector size in elements (overrides --size-mb)")
+        p.add_argument("--codec", default="none")
+        p.add_argument("--rounds", type=int, default=3, help="round 0 is a warm-up and not timed")
+        p.add_argument("--engine", choices=("swarm", "hivemind", "both"), default="swarm")
+        p.add_argument("--netns", action="store_true", help="one network namespace per peer (root)")
+        p.add_argument("--mbit", help="per-peer link rates in Mbit/s, e.g. 25,50,100,200 (needs --netns)")
+        p.add_argument("--bandwidth-hints", action="store_true",
+                       help="tell each engine its peer's link rate (our partition and hivemind's `bandwidth`)")
+        p.add_argument("--save", help="directory for inputs and results (for tests)")
+        p.add_argument("--timeout", type=float, default=600.0)
+    args = parser.parse_args()
+    if args.mode == "worker":
+        return worker(args)
+    if args.mode == "dht":
+        from swarm.dht.node import NetworkOptions, SwarmNode
+
+        node = SwarmNode([], NetworkOptions(host_maddrs=(args.host_maddr,)))
+        print(node.visible_maddrs()[0], flush=True)
+        sys.stdin.read() if not sys.stdin.isatty() else None
+        time.sleep(1e9)
+        return None
+    args.numel = args.numel or int(args.size_mb * 1e6 / 4)
+    if args.mbit and not args.netns:
+        parser.error("--mbit needs --netns")
+    engines = ("swarm", "hivemind") if args.engine == "both" else (args.engine,)
+    summaries = [summarize(run(args, engine), args) for engine in engines]
+    print(f"{'engine':<10}{'peers':>6}{'MB':>8}{'codec':>7}{'links (Mbit/s)':>18}{'round s':>10}{'GB/s':>8}"
+          f"{'errors':>8}")
+    for s in summaries:
+        gbps = f"{s['gb_per_s']:.3f}" if s["gb_per_s"] else "-"
+        print(f"{s['engine']:<10}{s['peers']:>6}{s['size_mb']:>8.1f}{s['codec']:>7}{s['mbit'] or 'loopback':>18}"
+              f"{s['round_seconds']:>10.2f}{gbps:>8}{s['errors']:>8}")
+    print(json.dumps(summaries))
+
+
+if __name__ == "__main__":
+    main()

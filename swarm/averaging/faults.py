@@ -1,0 +1,38 @@
+"""Deterministic fault injection for tests and drills: `--inject-fault PHASE@ROUND` makes this peer SIGKILL itself
+at a named phase of a named round, or send a named kind of bad data in that round, so tests can assert exactly
+what survivors end with and that the fault really fired."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from typing import Optional
+
+logger = logging.getLogger(__name__)
+KILL_PHASES = ("matchmaking", "send", "reduce", "commit")
+BAD_DATA = ("garbage", "nan", "short")
+
+
+class FaultPlan:
+    def __init__(self, spec: Optional[str] = None):
+        self.phase: Optional[str] = None
+        self.round = -1
+        if spec:
+            phase, _, round_text = spec.partition("@")
+            if phase not in KILL_PHASES + BAD_DATA or not round_text.isdigit():
+                raise ValueError(f"--inject-fault {spec!r}: expected PHASE@ROUND with PHASE one of "
+                                 f"{', '.join(KILL_PHASES + BAD_DATA)}")
+            self.phase, self.round = phase, int(round_text)
+
+    def maybe_die(self, phase: str, round_no: int) -> None:
+        if self.phase == phase and self.round == round_no:
+            print(f"FAULT INJECTED: SIGKILL at {phase} of round {round_no}", flush=True)
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def bad_data(self, round_no: int) -> Optional[str]:
+        if self.phase in BAD_DATA and self.round == round_no:
+            return self.phase
+        return None

@@ -1,0 +1,73 @@
+"""Fault tolerance with real peers: one of three peers is SIGKILLed at a named phase of an averaging round, or
+sends bad data; the survivors must finish that round without it, hold bit-identical params equal to the exact
+weighted mean of their own contributions, and go on to the next round."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.slow
+PEER_ID = r"joined the DHT as (\S+)"
+
+
+def _trace(directory: Path, round_no: int) -> tuple[dict, dict]:
+    meta = json.loads((directory / f"round-{round_no:06d}.json").read_text())
+    return meta, load_file(str(directory / f"round-{round_no:06d}.safetensors"))
+
+
+def _start_three(swarm, fault: str, rounds: int):
+    """The faulty peer starts first, so it is surely in the swarm when its fault round comes."""
+    _, maddr = swarm.bootstrap()
+    faulty = swarm.peer(maddr, "--max-rounds", str(rounds), "--inject-fault", fault, name="faulty")
+    faulty.wait_for("training round 0", 120)
+    survivors = [swarm.peer(maddr, "--max-rounds", str(rounds), "--trace-dir", str(swarm.workdir / f"trace{i}"),
+                            name=f"survivor{i}") for i in range(2)]
+    return faulty, survivors
+
+
+def _check_survivors_averaged_without(swarm, survivors, fault_round: int, rounds: int) -> None:
+    ids = sorted(p.wait_for(PEER_ID, 5).group(1) for p in survivors)
+    for peer in survivors:
+        assert peer.wait(180) == 0, peer.output()[-3000:]
+    (meta_a, ta), (meta_b, tb) = (_trace(swarm.workdir / f"trace{i}", fault_round) for i in range(2))
+    assert meta_a["members"] == meta_b["members"] == ids, "the round must be redone with the survivors only"
+    total = meta_a["weight"] + meta_b["weight"]
+    expected = (ta["pseudo_gradient"] * meta_a["weight"] + tb["pseudo_gradient"] * meta_b["weight"]) / total
+    torch.testing.assert_close(ta["average"], expected, rtol=1e-5, atol=1e-7)
+    assert torch.equal(ta["average"], tb["average"]) and torch.equal(ta["global_after"], tb["global_after"])
+    # ...and the swarm went on: both survivors averaged the following rounds together.
+    last_a, last_b = _trace(swarm.workdir / "trace0", rounds - 1), _trace(swarm.workdir / "trace1", rounds - 1)
+    assert torch.equal(last_a[1]["global_after"], last_b[1]["global_after"])
+
+
+@pytest.mark.parametrize("phase", ["matchmaking", "send", "reduce", "commit"])
+def test_sigkill_during_round_survivors_finish_without_it(swarm, phase):
+    fault_round, rounds = 1, 3
+    faulty, survivors = _start_three(swarm, f"{phase}@{fault_round}", rounds)
+    faulty.wait_for(f"FAULT INJECTED: SIGKILL at {phase} of round {fault_round}", 150)
+    killed_at = time.monotonic()
+    assert faulty.wait(10) == -9, "the fault must really have fired"
+    for peer in survivors:
+        peer.wait_for(rf"round {fault_round}: averaged with 2 peers", 60)
+    # Matchmaking timeout (10 s) or phase timeout (5 s floor) plus a retry; the issue's bound is timeout + 5 s.
+    assert time.monotonic() - killed_at < 10 + 5 + 5
+    _check_survivors_averaged_without(swarm, survivors, fault_round, rounds)
+
+
+@pytest.mark.parametrize("bad", ["nan", "garbage", "short"])
+def test_bad_data_is_excluded_and_reported(swarm, bad):
+    fault_round, rounds = 1, 3
+    faulty, survivors = _start_three(swarm, f"{bad}@{fault_round}", rounds)
+    faulty_id = faulty.wait_for(PEER_ID, 5).group(1)
+    for peer in survivors:
+        peer.wait_for(rf"round {fault_round}: averaged with 2 peers", 150)
+    _check_survivors_averaged_without(swarm, survivors, fault_round, rounds)
+    reported = "".join(p.output() for p in survivors)
+    assert re.search(rf"peer {faulty_id} sent a bad contribution", reported), "the bad peer is logged by id"
