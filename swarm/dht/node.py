@@ -1,18 +1,25 @@
-"""Our handle on the hivemind DHT: start a node (loopback-safe defaults), store and read typed records, and open
-peer-to-peer byte streams. The rest of swarm never imports hivemind; it talks to `SwarmNode`.
+"""Our handle on the hivemind DHT: start a node (loopback-safe defaults) whose RSA identity also signs its
+records, store and read typed records under the swarm's validation rules, and open peer-to-peer byte streams.
+The rest of swarm never imports hivemind; it talks to `SwarmNode`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import struct
+import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Optional, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Optional, Sequence
 
 import hivemind
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import ValueWithExpiration, get_dht_time
+from hivemind.utils.multiaddr import Multiaddr
+
+from swarm.dht.records import RECIPE_KEY, RECIPE_RULE
+from swarm.dht.validation import Identity, IdentityError, KeyRule, SwarmValidator, make_validators
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +27,7 @@ logger = logging.getLogger(__name__)
 # allocate without bound; the largest legitimate frame is one model's state (checked by callers against the model).
 FRAME_HEADER = struct.Struct(">Q")
 MAX_FRAME_BYTES = 16 << 30
+REJOIN_SECONDS = 5.0  # how often a node checks that its initial peers are still in its routing table
 
 
 class NodeError(RuntimeError):
@@ -32,7 +40,7 @@ class NetworkOptions:
 
     host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
     announce_maddrs: tuple[str, ...] = ()
-    identity_path: Optional[str] = None
+    identity_path: Optional[str] = None  # RSA key: fixes the peer id and signs this node's records
     nat_traversal: bool = False  # port mapping, AutoNAT, relays: off for local swarms, on for real deployments
     client_mode: bool = False  # cannot accept inbound connections
 
@@ -48,8 +56,6 @@ class NetworkOptions:
         )
         if self.announce_maddrs:
             kwargs["announce_maddrs"] = list(self.announce_maddrs)
-        if self.identity_path:
-            kwargs["identity_path"] = self.identity_path
         return kwargs
 
 
@@ -64,15 +70,38 @@ class SwarmNode:
             if "/p2p/" not in maddr:
                 raise NodeError(f"initial peer {maddr!r} has no /p2p/<peer id> part: copy the full multiaddr "
                                 "that `swarm-peer bootstrap` printed")
+        # The peers we were told to trust, e.g. to pick the run owner's recipe (last /p2p/ part: through relays too).
+        self.initial_peer_ids: tuple[str, ...] = tuple(m.rsplit("/p2p/", 1)[1].split("/")[0] for m in initial_peers)
+        self._initial_peers = tuple(initial_peers)
+        self._last_rejoin = time.monotonic()
+        try:
+            self.identity = Identity.load_or_create(options.identity_path) if options.identity_path \
+                else Identity.ephemeral()
+        except IdentityError as e:
+            raise NodeError(str(e)) from None
+        kwargs = options.hivemind_kwargs()
+        kwargs["identity_path"] = self.identity.path
+        if self.identity.ephemeral:
+            kwargs["check_if_identity_free"] = False  # a key made a moment ago is free; the check costs a p2pd start
         try:
             self.dht = hivemind.DHT(initial_peers=list(initial_peers), start=True,
                                     await_ready=True, startup_timeout=startup_timeout,
-                                    **options.hivemind_kwargs())
+                                    record_validators=make_validators(self.identity, {RECIPE_KEY: RECIPE_RULE}),
+                                    **kwargs)
         except Exception as e:  # noqa: BLE001 - hivemind raises many types for "could not start / reach"
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise NodeError(f"could not start the DHT node or reach {', '.join(initial_peers) or 'the swarm'}: "
                             f"{reason}") from None
+        finally:
+            self.identity.discard_file()  # p2pd has read it; a temporary key must not outlive the node on disk
         self.peer_id: str = self.dht.peer_id.to_base58()
+        if self.peer_id != self.identity.peer_id:
+            self.dht.shutdown()
+            raise NodeError(f"p2pd runs as {self.peer_id} but the identity key gives {self.identity.peer_id}: "
+                            "records could not be signed")
+        # Our entries under protected keys go here: hivemind signs them with our key, others cannot forge them.
+        self.owned_subkey: str = self.identity.owned_subkey
+        self._protected: set[str] = {RECIPE_KEY}
         self._p2p: Optional[P2P] = None
 
     def visible_maddrs(self) -> list[str]:
@@ -92,6 +121,23 @@ class SwarmNode:
         if isinstance(value, dict) and value and all(isinstance(v, ValueWithExpiration) for v in value.values()):
             return {str(sub): item.value for sub, item in value.items()}  # a dictionary record (subkeys)
         return {"": value}
+
+    def protect(self, rules: Mapping[str, KeyRule]) -> None:
+        """From now on, accept only owned, signed entries under these keys (as every honest node does)."""
+        new = {key: rule for key, rule in rules.items() if key not in self._protected}
+        if new:
+            self.dht.add_validators([SwarmValidator(new)])
+            self._protected.update(new)
+
+    async def rejoin(self) -> list[str]:
+        """Reconnect to initial peers that dropped out of our routing table, e.g. a bootstrap that restarted: it
+        comes back with an empty table, and nodes that removed it while it was down would never call it again.
+        Does nothing if called again within REJOIN_SECONDS. Returns the peer ids reconnected."""
+        if not self._initial_peers or time.monotonic() - self._last_rejoin < REJOIN_SECONDS:
+            return []
+        self._last_rejoin = time.monotonic()
+        coroutine = functools.partial(_rejoin, initial_peers=self._initial_peers)
+        return await self.dht.run_coroutine(coroutine, return_future=True)
 
     @staticmethod
     def now() -> float:
@@ -129,6 +175,29 @@ class SwarmNode:
             self.dht.shutdown()
         except Exception:  # noqa: BLE001 - best effort at exit
             logger.debug("DHT shutdown raised", exc_info=True)
+
+
+async def _rejoin(_dht: hivemind.DHT, node: Any, initial_peers: tuple[str, ...]) -> list[str]:
+    """Runs in the DHT process: dial and ping each initial peer missing from the routing table; a ping also
+    asks that peer to add us to its table."""
+    rejoined = []
+    for maddr in initial_peers:
+        address, peer_id_text = maddr.rsplit("/p2p/", 1)
+        peer_id = PeerID.from_base58(peer_id_text)
+        if node.protocol.routing_table.get(peer_id=peer_id) is not None:
+            continue
+        try:
+            # p2pd may have dropped the address after the disconnect; hivemind has no public call for this.
+            await node.p2p._client.connect(peer_id, [Multiaddr(address)])
+            if await node.protocol.call_ping(peer_id) is None:
+                continue
+        except Exception as e:  # noqa: BLE001 - still unreachable: try again later
+            logger.debug("initial peer %s is still unreachable: %r", peer_id_text, e)
+            continue
+        if peer_id in node.blacklist:
+            node.blacklist.register_success(peer_id)  # lift the back-off from its downtime
+        rejoined.append(peer_id_text)
+    return rejoined
 
 
 async def send_frame(writer: asyncio.StreamWriter, data: bytes | memoryview) -> None:

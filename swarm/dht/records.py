@@ -1,17 +1,29 @@
 """What peers write into the DHT: the run recipe (written by the bootstrap) and each peer's announcement
-(state, round, progress, params digest, hosted blocks, capacity). Readers validate every record and skip, and
-count, malformed ones; unknown fields are ignored so peers of different versions can share a swarm.
+(state, round, progress, params digest, hosted blocks, device, throughput, bandwidth). Both sit under owned,
+signed subkeys (see validation.py); readers validate every record and skip, and count, malformed ones; unknown
+fields are ignored so peers of different versions can share a swarm.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import MISSING, asdict, dataclass, fields
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
+
+from swarm.config import Recipe, RecipeError, recipe_from_json
+from swarm.dht.validation import KeyRule, subkey_owner
 
 RECIPE_KEY = "swarm.recipe"
 PEER_STATES = ("joining", "syncing", "training", "averaging", "offline")
 MAX_STRING = 256
+MAX_FIELDS = 64  # a record with more keys than this is padding, not a newer version
+# Bounds far above any real device or link, so only broken or hostile values fail them.
+MAX_TOKENS_PER_S = 1e12
+MAX_BANDWIDTH = 1e13  # bytes/s
+MAX_MEMORY = 1 << 50  # bytes
+# Lifetimes and sizes every node enforces when it stores or receives these records (validation.KeyRule).
+RECIPE_RULE = KeyRule(max_ttl=3600.0, max_bytes=256 << 10)
+PEER_RECORD_RULE = KeyRule(max_ttl=600.0, max_bytes=8 << 10)
 
 
 def peers_key(run_id: str) -> str:
@@ -24,6 +36,11 @@ def group_key(run_id: str, round_no: int, attempt: int) -> str:
 
 def final_key(run_id: str, round_no: int, attempt: int) -> str:
     return f"swarm.{run_id}.final.{round_no}.{attempt}"
+
+
+def protected_keys(run_id: str) -> dict[str, KeyRule]:
+    """A run's keys that accept only owned, signed entries (a node protects them once it knows the run)."""
+    return {peers_key(run_id): PEER_RECORD_RULE}
 
 
 class InvalidRecord(ValueError):
@@ -43,8 +60,12 @@ class PeerRecord:
     block_start: int
     block_end: int
     digest: str = ""
-    device: str = "cpu"
-    tokens_per_s: float = 0.0
+    device: str = "cpu"  # torch device type: cpu or cuda
+    device_name: str = ""  # GPU (or CPU) model
+    device_memory: int = 0  # bytes of GPU memory (system memory for a CPU peer)
+    tokens_per_s: float = 0.0  # a start-up probe's measurement until real training measures it
+    bandwidth_up: float = 0.0  # bytes/s, measured on real all-reduce traffic; 0 until measured
+    bandwidth_down: float = 0.0
     loss: Optional[float] = None
     val_loss: Optional[float] = None
     attempt: int = 0  # averaging attempts of this round so far: peers that failed together retry together
@@ -60,6 +81,8 @@ class PeerRecord:
         """Validate a decoded record; raises InvalidRecord naming the bad field. Unknown keys are ignored."""
         if not isinstance(value, dict):
             raise InvalidRecord(f"record is a {type(value).__name__}, not a mapping")
+        if len(value) > MAX_FIELDS:
+            raise InvalidRecord(f"record has {len(value)} fields, more than {MAX_FIELDS}")
         known = {f.name: f for f in fields(cls) if f.name != "peer_id"}
         kwargs: dict[str, Any] = {"peer_id": _string(peer_id, "peer_id")}
         for name, spec in known.items():
@@ -73,24 +96,33 @@ class PeerRecord:
         return record
 
     def _check(self, n_blocks: Optional[int]) -> None:
-        for name in ("state", "version", "run_id", "digest", "device"):
+        for name in ("state", "version", "run_id", "digest", "device", "device_name"):
             _string(getattr(self, name), name)
         if self.state not in PEER_STATES:
             raise InvalidRecord(f"state {self.state!r} is not one of {PEER_STATES}")
         for name in ("round", "tokens_in_round", "block_start", "block_end", "attempt"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 62:
-                raise InvalidRecord(f"{name} must be a non-negative integer, got {value!r}")
+            _integer(getattr(self, name), name, 1 << 62)
+        _integer(self.device_memory, "device_memory", MAX_MEMORY)
         if not self.block_start < self.block_end or (n_blocks is not None and self.block_end > n_blocks):
             raise InvalidRecord(f"block range [{self.block_start}, {self.block_end}) is outside the model")
-        for name in ("tokens_per_s", "updated"):
+        for name, bound in (("tokens_per_s", MAX_TOKENS_PER_S), ("bandwidth_up", MAX_BANDWIDTH),
+                            ("bandwidth_down", MAX_BANDWIDTH), ("updated", math.inf)):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise InvalidRecord(f"{name} must be a finite non-negative number, got {value!r}")
+            if not _is_number(value) or not math.isfinite(value) or not 0 <= value <= bound:
+                raise InvalidRecord(f"{name} must be a finite number in [0, {bound:g}], got {value!r}")
         for name in ("loss", "val_loss"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, (int, float)) or not math.isfinite(value)):
+            if value is not None and (not _is_number(value) or not math.isfinite(value)):
                 raise InvalidRecord(f"{name} must be a finite number or null, got {value!r}")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _integer(value: Any, name: str, bound: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < bound:
+        raise InvalidRecord(f"{name} must be an integer in [0, {bound}), got {value!r}")
 
 
 def _string(value: Any, name: str) -> str:
@@ -99,13 +131,72 @@ def _string(value: Any, name: str) -> str:
     return value
 
 
-def parse_peer_records(raw: dict[str, Any], n_blocks: Optional[int] = None) -> tuple[list[PeerRecord], int]:
-    """Valid records sorted by peer id, and how many were rejected."""
+def parse_peer_records(raw: dict[Any, Any], n_blocks: Optional[int] = None) -> tuple[list[PeerRecord], int]:
+    """Valid records sorted by peer id, and how many entries were rejected. `raw` maps subkeys to values as the
+    DHT returns them; an entry counts only under an owned subkey (`<peer id>[owner:<key>]`), whose peer id
+    becomes the record's."""
     records, rejected = [], 0
-    for peer_id, value in raw.items():
+    for subkey, value in raw.items():
+        peer_id = subkey_owner(subkey)
+        if peer_id is None:
+            rejected += 1
+            continue
         try:
             records.append(PeerRecord.from_wire(peer_id, value, n_blocks))
         except (InvalidRecord, TypeError):
             rejected += 1
     records.sort(key=lambda r: r.peer_id)
     return records, rejected
+
+
+def recipe_value(recipe: Recipe) -> dict:
+    """What the run owner publishes under its owned subkey of RECIPE_KEY."""
+    return {"json": recipe.canonical_json(), "digest": recipe.digest()}
+
+
+def parse_recipes(raw: dict[Any, Any]) -> tuple[dict[str, Recipe], dict[str, str]]:
+    """Recipes published under RECIPE_KEY, by owner peer id, and the owners whose entry is unusable (with why).
+    Entries outside owned subkeys are dropped: anyone may write those, so they say nothing about the run."""
+    recipes: dict[str, Recipe] = {}
+    problems: dict[str, str] = {}
+    for subkey, value in raw.items():
+        owner = subkey_owner(subkey)
+        if owner is None:
+            continue
+        if not isinstance(value, dict) or not isinstance(value.get("json"), str):
+            problems[owner] = "its recipe record is malformed"
+            continue
+        try:
+            recipe = recipe_from_json(value["json"])
+        except RecipeError as e:
+            problems[owner] = str(e)
+            continue
+        if recipe.digest() != value.get("digest"):
+            problems[owner] = "its recipe does not match its published hash"
+            continue
+        recipes[owner] = recipe
+    return recipes, problems
+
+
+def choose_recipe(recipes: dict[str, Recipe], problems: dict[str, str],
+                  trusted: Sequence[str]) -> Optional[tuple[str, Recipe]]:
+    """The run owner and recipe to follow: the one published by a peer we were told to trust (our
+    --initial-peers, normally the bootstrap); failing that, the only one published, if exactly one is. None if
+    none is published yet. Raises RecipeError when the choice is ambiguous or the trusted owner's recipe is
+    broken, naming what to do."""
+    for owner in trusted:
+        if owner in problems:
+            raise RecipeError(f"the recipe published by {owner} is unusable: {problems[owner]}; ask the run host")
+    chosen = {owner: recipes[owner] for owner in trusted if owner in recipes}
+    if not chosen:
+        chosen = dict(recipes)
+        if len(chosen) > 1:
+            raise RecipeError(f"{len(chosen)} peers ({', '.join(sorted(chosen))}) publish a run recipe and none of "
+                              "them is in --initial-peers: pass the bootstrap's multiaddr as --initial-peers")
+    if len({recipe.digest() for recipe in chosen.values()}) > 1:
+        raise RecipeError(f"--initial-peers {', '.join(sorted(chosen))} publish different recipes: pass the "
+                          "multiaddr of one run's bootstrap")
+    if not chosen:
+        return None
+    owner = min(chosen)
+    return owner, chosen[owner]

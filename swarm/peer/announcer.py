@@ -1,5 +1,6 @@
-"""The peer's heartbeat: re-publish its announcement with an expiry, read everyone else's into a validated
-swarm view (from which the trainer reads global progress), and announce OFFLINE on shutdown."""
+"""The peer's heartbeat: re-publish its announcement (under its own signed subkey) with an expiry, read everyone
+else's into a validated swarm view (from which the trainer reads global progress and picks its blocks), and
+announce OFFLINE on shutdown. Also publishing and fetching the run owner's signed recipe."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import random
 import time
 from typing import Callable
 
-from swarm.config import Recipe, RecipeError, recipe_from_json
+from swarm.config import Recipe, RecipeError
 from swarm.dht.node import SwarmNode
-from swarm.dht.records import RECIPE_KEY, PeerRecord, parse_peer_records, peers_key
+from swarm.dht.records import (RECIPE_KEY, PeerRecord, choose_recipe, parse_peer_records, parse_recipes, peers_key,
+                               protected_keys, recipe_value)
 from swarm.monitoring.metrics import PeerMetrics
+from swarm.peer.block_selection import choose_block_range
 from swarm.runtime import LoopThread
 
 logger = logging.getLogger(__name__)
@@ -28,11 +31,20 @@ class Announcer:
         self.view: list[PeerRecord] = []
 
     async def refresh(self) -> None:
-        await self.node.store(self.key, self.record().to_wire(), ttl=RECORD_TTL, subkey=self.node.peer_id)
+        await self.node.store(self.key, self.record().to_wire(), ttl=RECORD_TTL, subkey=self.node.owned_subkey)
+        await self.read_view()
+
+    async def read_view(self) -> list[PeerRecord]:
         records, rejected = parse_peer_records(await self.node.get(self.key), self.n_blocks)
         if rejected:
             self.metrics.invalid_records.inc(rejected)
         self.view = records
+        return records
+
+    async def choose_blocks(self, capacity: int) -> tuple[int, int]:
+        """The block range [start, end) to host: where the swarm (without us) has the least throughput."""
+        others = [p for p in await self.read_view() if p.peer_id != self.node.peer_id]
+        return choose_block_range(others, self.n_blocks, capacity)
 
     def refresh_now(self, loop: LoopThread) -> None:
         """Publish our record and re-read the view before returning (used at state changes)."""
@@ -44,6 +56,8 @@ class Announcer:
     async def run(self) -> None:
         while True:
             try:
+                for peer_id in await self.node.rejoin():
+                    logger.info("reconnected to initial peer %s", peer_id)
                 await self.refresh()
             except asyncio.CancelledError:
                 raise
@@ -53,7 +67,7 @@ class Announcer:
 
     async def announce_offline(self) -> None:
         record = self.record()
-        await self.node.store(self.key, record.to_wire(), ttl=RECORD_TTL, subkey=self.node.peer_id)
+        await self.node.store(self.key, record.to_wire(), ttl=RECORD_TTL, subkey=self.node.owned_subkey)
 
     def swarm_progress(self, round_no: int, my_tokens: int) -> int:
         """Tokens the swarm processed in `round_no`: ours (live) plus what the other peers announced."""
@@ -66,14 +80,19 @@ class Announcer:
 
 
 async def fetch_recipe(node: SwarmNode, timeout: float) -> Recipe:
-    """The run recipe the bootstrap published; RecipeError if none appears within `timeout` or it is invalid."""
+    """The run recipe, as its owner signed it: the owner among our --initial-peers, or the only one published
+    (see records.choose_recipe). RecipeError if none appears within `timeout`, or it is invalid or ambiguous.
+    From then on this node protects the run's keys."""
     deadline = time.monotonic() + timeout
     while True:
-        found = (await node.get(RECIPE_KEY)).get("")
-        if isinstance(found, dict) and isinstance(found.get("json"), str):
-            recipe = recipe_from_json(found["json"])
-            if recipe.digest() != found.get("digest"):
-                raise RecipeError("the swarm's recipe does not match its published hash; ask the run host")
+        recipes, problems = parse_recipes(await node.get(RECIPE_KEY))
+        chosen = choose_recipe(recipes, problems, node.initial_peer_ids)
+        if chosen is not None:
+            owner, recipe = chosen
+            if owner not in node.initial_peer_ids:
+                logger.info("following the recipe of %s, the only run owner in the DHT (not one of "
+                            "--initial-peers)", owner)
+            node.protect(protected_keys(recipe.run_id))
             return recipe
         if time.monotonic() >= deadline:
             raise RecipeError("found no run recipe in the DHT: is --initial-peers a `swarm-peer bootstrap` node "
@@ -82,4 +101,6 @@ async def fetch_recipe(node: SwarmNode, timeout: float) -> Recipe:
 
 
 async def publish_recipe(node: SwarmNode, recipe: Recipe, ttl: float) -> None:
-    await node.store(RECIPE_KEY, {"json": recipe.canonical_json(), "digest": recipe.digest()}, ttl=ttl)
+    """Publish the recipe under our owned subkey: this node becomes the run owner (peers trust it by peer id)."""
+    node.protect(protected_keys(recipe.run_id))
+    await node.store(RECIPE_KEY, recipe_value(recipe), ttl=ttl, subkey=node.owned_subkey)

@@ -1,0 +1,36 @@
+"""Which contiguous blocks a joining peer hosts: the range where the swarm is weakest, as Petals'
+`block_selection.py` does. Pure functions of the swarm view, so every peer with the same view computes the same.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from swarm.dht.records import PeerRecord
+
+
+def block_throughputs(view: Sequence[PeerRecord], n_blocks: int) -> list[float]:
+    """Tokens/s hosted on each block: the sum over live peers of the throughput of each peer hosting it.
+
+    Peers are summed in peer-id order, so the float result does not depend on the order of the view."""
+    throughputs = [0.0] * n_blocks
+    for peer in sorted(view, key=lambda p: p.peer_id):
+        if peer.state == "offline":
+            continue
+        for block in range(max(peer.block_start, 0), min(peer.block_end, n_blocks)):
+            throughputs[block] += peer.tokens_per_s
+    return throughputs
+
+
+def choose_block_range(view: Sequence[PeerRecord], n_blocks: int, capacity: int) -> tuple[int, int]:
+    """The range [start, start + min(capacity, n_blocks)) whose hosted throughput is lowest.
+
+    Windows compare by their blocks' throughputs sorted ascending (the weakest block first, then the next), and
+    ties go to the lowest start, so an empty swarm gives [0, capacity). `view` should exclude the caller's own
+    record. Raises ValueError if `n_blocks` or `capacity` is not positive."""
+    if n_blocks <= 0 or capacity <= 0:
+        raise ValueError(f"n_blocks ({n_blocks}) and capacity ({capacity}) must be positive")
+    length = min(capacity, n_blocks)
+    throughputs = block_throughputs(view, n_blocks)
+    start = min(range(n_blocks - length + 1), key=lambda i: (sorted(throughputs[i:i + length]), i))
+    return start, start + length
