@@ -108,6 +108,9 @@ class Recipe(_Section):
     outer: OuterRecipe = OuterRecipe()
     averaging: AveragingRecipe = AveragingRecipe()
     tokens_per_round: int = Field(32_768, gt=0, description="swarm-wide tokens between two outer steps")
+    inner_steps_per_round: Optional[int] = Field(
+        None, gt=0, description="if set, every peer averages after exactly this many inner steps (classic "
+                                "DiLoCo, reproducible) instead of when the swarm reaches tokens_per_round")
     total_tokens: int = Field(50_000_000, gt=0, description="length of the run, for the lr schedule")
     checkpoint_every: int = Field(1, gt=0, description="write a checkpoint every this many rounds")
 

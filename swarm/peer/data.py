@@ -10,6 +10,7 @@ import json
 import os
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import tokenizers
@@ -272,3 +273,26 @@ def _write_atomically(path: Path, write) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class RunData:
+    """What a peer trains and evaluates on, prepared identically on every peer from the recipe's data section."""
+
+    train: TokenDataset
+    eval_batches: list[torch.Tensor]
+    vocab_size: int
+    n_train_docs: int
+    n_val_docs: int
+
+
+def prepare_run_data(source: str, tokenizer_spec: str, vocab_size: int, val_fraction: float, seq_len: int,
+                     batch_size: int, seed: int, cache_dir: str | Path, eval_batches: int = 4) -> RunData:
+    """Corpus -> whole-document split -> tokenizer (trained or loaded, cached) -> token datasets.
+    Raises CorpusError with one line on any problem with the data."""
+    docs = load_corpus(source)
+    train_docs, val_docs = split_documents(docs, val_fraction, seed)
+    tokenizer = load_tokenizer(tokenizer_spec, train_docs, vocab_size, cache_dir)
+    train = TokenDataset(train_docs, tokenizer, seq_len, cache_dir=cache_dir)
+    evaluation = TokenDataset(val_docs, tokenizer, seq_len, cache_dir=cache_dir).eval_batches(batch_size, eval_batches)
+    return RunData(train, evaluation, len(tokenizer), len(train_docs), len(val_docs))

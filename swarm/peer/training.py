@@ -31,6 +31,12 @@ def learning_rate(inner: InnerRecipe, tokens: int, total_tokens: int) -> float:
     return floor + (inner.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def schedule_tokens(tokens_seen: int, tokens_in_round: int, last_group_size: int) -> int:
+    """The swarm's position in the lr schedule: tokens averaged so far plus this round's, estimated as ours times
+    the size of the last group (every peer computes it from its own state, so runs are reproducible)."""
+    return tokens_seen + tokens_in_round * max(last_group_size, 1)
+
+
 def make_inner_optimizer(model: torch.nn.Module, inner: InnerRecipe) -> torch.optim.Optimizer:
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]  # norms and biases are not decayed

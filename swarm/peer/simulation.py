@@ -1,0 +1,104 @@
+"""DiLoCo and data-parallel training simulated in one process, with exactly the pieces a real peer uses (model
+construction, data shards, inner step, lr schedule, outer optimizer, codecs with error feedback). The benchmark
+compares algorithms with it, and a test checks that a real swarm computes the same global params.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from swarm.compression import ErrorFeedback, get_codec
+from swarm.config import Recipe
+from swarm.peer.data import RunData
+from swarm.peer.diloco import DiLoCo
+from swarm.peer.model import build_model
+from swarm.peer.training import (inner_step, learning_rate, make_inner_optimizer, schedule_tokens,
+                                 validation_loss)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SimulationResult:
+    global_params: list[torch.Tensor]  # after the last round (DiLoCo) or step (data-parallel)
+    val_losses: list[float] = field(default_factory=list)  # after each round
+    bytes_per_worker: float = 0.0  # payload each worker sent, butterfly all-reduce accounting
+    tokens: int = 0
+
+
+def _allreduce_bytes(payload_bytes: float, workers: int) -> float:
+    """Bytes one worker sends in a butterfly all-reduce of a payload: its parts for the others, then its averaged
+    part for everyone: 2 (M-1)/M of the payload. Zero for a single worker."""
+    return 2 * (workers - 1) / workers * payload_bytes if workers > 1 else 0.0
+
+
+def simulate_diloco(recipe: Recipe, data: RunData, shards: list[int], rounds: int, inner_steps: int,
+                    codec_name: Optional[str] = None, device: str = "cpu") -> SimulationResult:
+    """M = len(shards) workers, each `inner_steps` AdamW steps on its shard per round, then the token-weighted
+    average of their pseudo-gradients (through `codec_name`, with error feedback) and the outer step."""
+    codec = get_codec(codec_name or recipe.averaging.codec)
+    workers = [build_model(recipe.model, data.vocab_size).to(device) for _ in shards]
+    diloco = DiLoCo(workers[0], recipe.outer)  # global params + outer optimizer; worker 0's model is its local
+    optimizers = [make_inner_optimizer(model, recipe.inner) for model in workers]
+    batches = [data.train.batches(shard, recipe.data.num_shards, recipe.data.batch_size, recipe.data.seed)
+               for shard in shards]
+    feedback = [ErrorFeedback() for _ in shards]
+    tokens_per_step = recipe.data.batch_size * recipe.data.seq_len
+    result = SimulationResult(diloco.global_params)
+    group_size = 1
+    for round_no in range(rounds):
+        contributions = []
+        for index, model in enumerate(workers):
+            if index:  # worker 0's local params are reset by the outer step; the others copy global
+                with torch.no_grad():
+                    for local, global_ in zip(model.parameters(), diloco.global_params):
+                        local.copy_(global_)
+            for step in range(inner_steps):
+                lr = learning_rate(recipe.inner, schedule_tokens(diloco.tokens_seen, step * tokens_per_step,
+                                                                 group_size), recipe.total_tokens)
+                inner_step(model, optimizers[index], next(batches[index]), torch.device(device), lr,
+                           recipe.inner.grad_clip)
+            with torch.no_grad():
+                pseudo_gradient = torch.cat([(g - l.detach().cpu().float()).view(-1)
+                                             for g, l in zip(diloco.global_params, model.parameters())])
+            to_send = feedback[index].compensate(pseudo_gradient)
+            payload = codec.encode(to_send)
+            delivered = codec.decode(payload) if codec.name != "none" else to_send
+            feedback[index].update(to_send, delivered)
+            contributions.append((delivered, inner_steps * tokens_per_step, len(payload)))
+        total_weight = sum(weight for _, weight, _ in contributions)
+        average = sum(vector * weight for vector, weight, _ in contributions) / total_weight
+        if codec.name != "none":
+            average = codec.decode(codec.encode(average))  # the reducers send the average through the codec too
+        diloco.outer_step(average, total_weight)
+        group_size = len(shards)
+        result.bytes_per_worker += _allreduce_bytes(contributions[0][2], len(shards))
+        result.tokens += total_weight
+        result.val_losses.append(validation_loss(workers[0], data.eval_batches, torch.device(device)))
+        logger.info("diloco M=%d round %d: val loss %.4f", len(shards), round_no, result.val_losses[-1])
+    return result
+
+
+def simulate_data_parallel(recipe: Recipe, data: RunData, shards: list[int], steps: int,
+                           eval_every: int, device: str = "cpu") -> SimulationResult:
+    """The baseline: gradients averaged every step, i.e. one model trained on the M workers' batches together."""
+    model = build_model(recipe.model, data.vocab_size).to(device)
+    optimizer = make_inner_optimizer(model, recipe.inner)
+    batches = [data.train.batches(shard, recipe.data.num_shards, recipe.data.batch_size, recipe.data.seed)
+               for shard in shards]
+    tokens_per_step = recipe.data.batch_size * recipe.data.seq_len * len(shards)
+    params = sum(p.numel() for p in model.parameters())
+    result = SimulationResult([p.detach() for p in model.parameters()])
+    for step in range(steps):
+        lr = learning_rate(recipe.inner, step * tokens_per_step, recipe.total_tokens)
+        inner_step(model, optimizer, torch.cat([next(b) for b in batches]), torch.device(device), lr,
+                   recipe.inner.grad_clip)
+        result.bytes_per_worker += _allreduce_bytes(4 * params, len(shards))  # fp32 gradients every step
+        result.tokens += tokens_per_step
+        if (step + 1) % eval_every == 0:
+            result.val_losses.append(validation_loss(model, data.eval_batches, torch.device(device)))
+    return result
