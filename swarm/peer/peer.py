@@ -28,12 +28,12 @@ from swarm.dht.records import PeerRecord
 from swarm.monitoring.metrics import PeerMetrics
 from swarm.peer import checkpoint as ckpt
 from swarm.peer.announcer import Announcer, fetch_recipe
-from swarm.peer.data import TokenDataset, load_corpus, load_tokenizer, split_documents
+from swarm.peer.data import prepare_run_data
 from swarm.peer.diloco import DiLoCo
 from swarm.peer.model import build_model, n_blocks
 from swarm.peer.probe import describe_device, measure_tokens_per_s  # issue #3
 from swarm.peer.state_sync import StateSyncError, download_state, serve_state
-from swarm.peer.training import (inner_step, learning_rate, make_inner_optimizer, pick_device,
+from swarm.peer.training import (inner_step, learning_rate, make_inner_optimizer, pick_device, schedule_tokens,
                                  validation_loss)
 from swarm.runtime import LoopThread
 
@@ -75,20 +75,17 @@ class Peer:
                     r.averaging.codec, r.tokens_per_round)
 
         started = time.monotonic()
-        docs = load_corpus(r.data.source)
-        train_docs, val_docs = split_documents(docs, r.data.val_fraction, r.data.seed)
-        tokenizer = load_tokenizer(r.data.tokenizer, train_docs, r.data.vocab_size, s.cache_dir)
-        self.train_data = TokenDataset(train_docs, tokenizer, r.data.seq_len, cache_dir=s.cache_dir)
-        self.eval_batches = TokenDataset(val_docs, tokenizer, r.data.seq_len, cache_dir=s.cache_dir).eval_batches(
-            r.data.batch_size, EVAL_BATCHES)
+        data = prepare_run_data(r.data.source, r.data.tokenizer, r.data.vocab_size, r.data.val_fraction,
+                                r.data.seq_len, r.data.batch_size, r.data.seed, s.cache_dir, EVAL_BATCHES)
+        self.train_data, self.eval_batches = data.train, data.eval_batches
         shard = s.data_shard if s.data_shard is not None else \
             int(hashlib.sha256(self.node.peer_id.encode()).hexdigest(), 16) % r.data.num_shards
         self.shard = shard % r.data.num_shards
         logger.info("data: %d train docs (%d tokens), %d validation docs, shard %d/%d, prepared in %.1f s",
-                    len(train_docs), len(self.train_data.tokens), len(val_docs), self.shard, r.data.num_shards,
+                    data.n_train_docs, len(self.train_data.tokens), data.n_val_docs, self.shard, r.data.num_shards,
                     time.monotonic() - started)
 
-        model = build_model(r.model, len(tokenizer))
+        model = build_model(r.model, data.vocab_size)
         self.model = model.to(self.device)
         self.n_blocks = n_blocks(model)
         self.diloco = DiLoCo(self.model, r.outer)
@@ -115,7 +112,7 @@ class Peer:
         if port is not None:
             logger.info("metrics at http://%s:%d/metrics", s.metrics_host, port)
         self.state, self.tokens_in_round, self.loss, self.tokens_per_s = "syncing", 0, None, probe_tokens_per_s
-        self.inner_steps, self.attempt = 0, 0
+        self.inner_steps, self.attempt, self.steps_in_round, self.last_group_size = 0, 0, 0, 1
         self.bandwidth = DEFAULT_BANDWIDTH
         self._excluded: set[str] = set()  # sent bad data this round: left out until the round is over
         self._unresponsive: set[str] = set()  # did not deliver in the last attempt: not waited for in the next
@@ -167,7 +164,7 @@ class Peer:
                 logger.warning("%s", e)
                 continue
             self.metrics.resyncs.inc()
-            self.tokens_in_round = 0
+            self.tokens_in_round = self.steps_in_round = 0
             self.error_feedback.reset()  # our local progress is gone, and with it what we owed the swarm
             self.inner_optimizer = make_inner_optimizer(self.model, self.recipe.inner)
             logger.info("synced state of round %d from %s (%s, digest %s)", header["round"], holder[-8:], reason,
@@ -205,10 +202,11 @@ class Peer:
         self.metrics.set_state(self.state)
         logger.info("training round %d", self.diloco.round)
         while not self.stop_event.is_set():
-            swarm_tokens = self.announcer.swarm_progress(self.diloco.round, self.tokens_in_round)
-            lr = learning_rate(r.inner, self.diloco.tokens_seen + swarm_tokens, r.total_tokens)
+            lr = learning_rate(r.inner, schedule_tokens(self.diloco.tokens_seen, self.tokens_in_round,
+                                                        self.last_group_size), r.total_tokens)
             loss = inner_step(self.model, self.inner_optimizer, next(batches), self.device, lr, r.inner.grad_clip)
             self.inner_steps += 1
+            self.steps_in_round += 1
             self.metrics.inner_steps.inc()
             self.metrics.tokens.inc(tokens_per_step)
             window_tokens += tokens_per_step
@@ -231,8 +229,11 @@ class Peer:
                     attempt, retry_after_tokens = 0, 0
                 self.state = "training"
                 continue
-            swarm_tokens = self.announcer.swarm_progress(self.diloco.round, self.tokens_in_round)
-            if swarm_tokens < r.tokens_per_round or self.tokens_in_round < retry_after_tokens:
+            if r.inner_steps_per_round:
+                due = self.steps_in_round >= r.inner_steps_per_round
+            else:
+                due = self.announcer.swarm_progress(self.diloco.round, self.tokens_in_round) >= r.tokens_per_round
+            if not due or self.tokens_in_round < retry_after_tokens:
                 continue
 
             outcome = self._average(attempt)
@@ -309,7 +310,7 @@ class Peer:
         self.error_feedback.update(pseudo_gradient, result.delivered)
         global_before = self._flat_global() if self.settings.trace_dir else None
         self.diloco.outer_step(result.average, int(result.total_weight))
-        self.tokens_in_round = 0
+        self.tokens_in_round, self.steps_in_round, self.last_group_size = 0, 0, result.group_size
         self.metrics.allreduce_seconds.observe(result.seconds)
         if result.seconds > 0 and result.bytes_sent:
             # What we moved per second on the last round: a lower bound on our link, refined every round.
@@ -338,7 +339,7 @@ class Peer:
         self.diloco.reset_local()
         self.inner_optimizer = make_inner_optimizer(self.model, self.recipe.inner)
         self.error_feedback.reset()
-        self.tokens_in_round = 0
+        self.tokens_in_round = self.steps_in_round = 0
 
     def _flat_global(self) -> torch.Tensor:
         with self.diloco.lock:
