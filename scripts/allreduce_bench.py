@@ -17,9 +17,11 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -199,7 +201,7 @@ def run(args: argparse.Namespace, engine: str) -> dict:
         if namespaces:  # the bootstrap DHT node lives in its own unshaped namespace
             boot = subprocess.Popen(namespaces.prefix(args.peers) + [sys.executable, __file__, "dht",
                                                                     "--host-maddr", boot_host],
-                                    stdout=subprocess.PIPE, text=True)
+                                    stdout=subprocess.PIPE, text=True, start_new_session=True)
             processes.append(boot)
             maddr = boot.stdout.readline().strip()
             node = None
@@ -215,7 +217,7 @@ def run(args: argparse.Namespace, engine: str) -> dict:
                     "--bandwidth-hint", str(hint)] + (["--save", args.save] if args.save else [])
             prefix = namespaces.prefix(index) if namespaces else []
             processes.append(subprocess.Popen(prefix + argv, stdout=subprocess.PIPE, text=True,
-                                              env={**os.environ, "PYTHONUNBUFFERED": "1"}))
+                                              env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True))
         rows = []
         for process in processes[-args.peers:]:
             out, _ = process.communicate(timeout=args.timeout)
@@ -224,10 +226,12 @@ def run(args: argparse.Namespace, engine: str) -> dict:
             node.shutdown()
         return {"engine": engine, "rows": rows}
     finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+        for process in processes:  # each in its own session: `ip netns exec` may fork, so kill the group
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait()
         if namespaces:
             namespaces.__exit__(None, None, None)
 
@@ -284,8 +288,7 @@ def main() -> None:
 
         node = SwarmNode([], NetworkOptions(host_maddrs=(args.host_maddr,)))
         print(node.visible_maddrs()[0], flush=True)
-        sys.stdin.read() if not sys.stdin.isatty() else None
-        time.sleep(1e9)
+        threading.Event().wait()  # serve until the coordinator kills us
         return None
     args.numel = args.numel or int(args.size_mb * 1e6 / 4)
     if args.mbit and not args.netns:

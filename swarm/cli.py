@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--keep-checkpoints", type=int, default=3, metavar="N",
                       help="how many recent checkpoints to keep (default 3)")
     join.add_argument("--max-rounds", type=int, metavar="N", help="stop after averaging this many outer rounds")
+    join.add_argument("--until-round", type=int, metavar="N",
+                      help="stop once the global round reaches N (all peers of a swarm stop at the same round)")
     join.add_argument("--recipe", metavar="FILE",
                       help="refuse to start unless the swarm's recipe equals this file's (names the differences)")
     join.add_argument("--cache-dir", metavar="DIR",
@@ -157,12 +159,14 @@ def _join(args: argparse.Namespace) -> int:
     from swarm.peer.peer import Peer
 
     _positive("--max-rounds", args.max_rounds)
+    _positive("--until-round", args.until_round)
     _positive("--num-threads", args.num_threads)
     try:
         settings = PeerSettings(
             initial_peers=tuple(args.initial_peers), device=args.device, num_threads=args.num_threads,
             metrics_port=args.metrics_port, metrics_host=args.metrics_host, checkpoint_dir=args.checkpoint_dir,
-            keep_checkpoints=args.keep_checkpoints, max_rounds=args.max_rounds, recipe_file=args.recipe,
+            keep_checkpoints=args.keep_checkpoints, max_rounds=args.max_rounds,
+            until_round=args.until_round, recipe_file=args.recipe,
             data_shard=args.data_shard, trace_dir=args.trace_dir, host_maddrs=tuple(args.host_maddrs),
             announce_maddrs=tuple(args.announce_maddrs), identity_path=args.identity_path,
             nat_traversal=args.nat_traversal, inject_fault=args.inject_fault,

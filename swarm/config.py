@@ -196,7 +196,8 @@ class PeerSettings(BaseModel):
     metrics_host: str = "127.0.0.1"
     checkpoint_dir: Optional[str] = None
     keep_checkpoints: int = Field(3, ge=1)
-    max_rounds: Optional[int] = Field(None, gt=0, description="stop after this many outer rounds")
+    max_rounds: Optional[int] = Field(None, gt=0, description="stop after averaging this many outer rounds")
+    until_round: Optional[int] = Field(None, gt=0, description="stop once the swarm's global round reaches this")
     recipe_file: Optional[str] = Field(None, description="local recipe that must equal the swarm's")
     cache_dir: str = Field(str(Path.home() / ".cache" / "swarm"), description="tokenizer and token cache")
     data_shard: Optional[int] = Field(None, ge=0, description="data shard (default: derived from the peer id)")

@@ -79,7 +79,7 @@ def run_demo(args: argparse.Namespace) -> int:
         logger.info("swarm metrics: http://127.0.0.1:%d/metrics", ports[0])
         peers = []
         for index in range(args.peers):
-            peers.append(spawn(["join", "--initial-peers", maddr, "--max-rounds", str(args.rounds),
+            peers.append(spawn(["join", "--initial-peers", maddr, "--until-round", str(args.rounds),
                                 "--num-threads", str(threads), "--device", "cpu",
                                 "--metrics-port", str(ports[index + 1]),
                                 "--checkpoint-dir", str(workdir / f"peer{index}" / "checkpoints")] + recipe,

@@ -25,9 +25,9 @@ def _trace(directory: Path, round_no: int) -> tuple[dict, dict]:
 def _start_three(swarm, fault: str, rounds: int):
     """The faulty peer starts first, so it is surely in the swarm when its fault round comes."""
     _, maddr = swarm.bootstrap()
-    faulty = swarm.peer(maddr, "--max-rounds", str(rounds), "--inject-fault", fault, name="faulty")
+    faulty = swarm.peer(maddr, "--until-round", str(rounds), "--inject-fault", fault, name="faulty")
     faulty.wait_for("training round 0", 120)
-    survivors = [swarm.peer(maddr, "--max-rounds", str(rounds), "--trace-dir", str(swarm.workdir / f"trace{i}"),
+    survivors = [swarm.peer(maddr, "--until-round", str(rounds), "--trace-dir", str(swarm.workdir / f"trace{i}"),
                             name=f"survivor{i}") for i in range(2)]
     return faulty, survivors
 

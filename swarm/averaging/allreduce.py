@@ -57,6 +57,10 @@ class AdaptiveDeadlines:
         return min(max(self.factor * max(self.recent), self.floor), self.ceiling)
 
 
+class GroupConflict(RuntimeError):
+    """A member is averaging the same round and attempt in a different group."""
+
+
 @dataclass
 class AllReduceResult:
     average: torch.Tensor  # flat fp32, identical on every member
@@ -94,6 +98,7 @@ class GroupAllReduce:
         self.max_numel = max_numel
         self.on_bad_peer = on_bad_peer or (lambda peer, reason: None)
         self._mailboxes: dict[str, _Mailbox] = {}
+        self._running: dict[tuple[int, int], str] = {}  # (round, attempt) -> group id we are averaging in
 
     async def start(self) -> None:
         await self.node.add_stream_handler(self.protocol, self._on_stream)
@@ -111,7 +116,14 @@ class GroupAllReduce:
         if not isinstance(header, dict) or header.get("phase") not in ("part", "avg", "commit"):
             raise ValueError(f"malformed all-reduce header from {remote}")
         payload = await recv_frame(reader, max_bytes=16 + 8 * self.max_numel + MAX_HEADER_BYTES)
-        slot = self._mailbox(str(header.get("group_id")))
+        group_id = str(header.get("group_id"))
+        running = self._running.get((header.get("round"), header.get("attempt")))
+        if running is not None and running != group_id:
+            # We average this round and attempt in another group: tell the sender at once, so it does not wait
+            # out its timeout for a group that leader races made inconsistent.
+            await send_frame(writer, b"conflict")
+            return
+        slot = self._mailbox(group_id)
         future = slot.slot(header["phase"], remote)  # keyed by the authenticated sender, not a claimed one
         if not future.done():
             future.set_result((header, payload))
@@ -122,7 +134,8 @@ class GroupAllReduce:
         try:
             await send_frame(writer, msgpack.packb(header))
             await send_frame(writer, payload)
-            await recv_frame(reader, 16)
+            if await recv_frame(reader, 16) == b"conflict":
+                raise GroupConflict(f"{peer[-8:]} is averaging this round in another group")
         finally:
             writer.close()
         return len(payload)
@@ -130,10 +143,14 @@ class GroupAllReduce:
     async def run(self, group: Group, vector: torch.Tensor, weight: float) -> AllReduceResult:
         """Average `vector` (flat fp32) over `group`, weighted by `weight`; raises AllReduceError on failure,
         naming the members suspected of causing it, so the caller can retry at once without them."""
+        self._running[(group.round, group.attempt)] = group.group_id
         try:
             result = await self._run(group, vector, weight)
+        except GroupConflict as e:
+            raise AllReduceError("conflict", f"round {group.round}: {e}; nothing applied", set()) from None
         finally:
             self._mailboxes.pop(group.group_id, None)
+            self._running.pop((group.round, group.attempt), None)
         self.deadlines.record(result.seconds)
         return result
 
@@ -145,7 +162,7 @@ class GroupAllReduce:
         vector = vector.detach().to(torch.float32).contiguous().view(-1)
         bounds = partition(vector.numel(), group.shares)
         mailbox = self._mailbox(group.group_id)
-        base = {"group_id": group.group_id, "round": group.round}
+        base = {"group_id": group.group_id, "round": group.round, "attempt": group.attempt}
         phase_timeout = self.deadlines.phase_timeout()
         stats = {"sent": 0, "received": 0}
 
@@ -256,6 +273,8 @@ class GroupAllReduce:
                 if die_after_first is not None:
                     self.faults.maybe_die(*die_after_first)  # dies with some parts delivered, others not
                 return None
+            except GroupConflict:
+                raise
             except Exception as e:  # noqa: BLE001 - any transport error means that peer is gone for this round
                 logger.info("could not send %s to %s: %s", header.get("phase"), peer[-8:],
                             str(e).splitlines()[0] if str(e) else type(e).__name__)

@@ -118,7 +118,8 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
         await node.store(final_key(run_id, round_no, attempt), {"members": members, "shares": shares},
                          ttl=ttl, subkey=me)
 
-    final_deadline = time.monotonic() + max(5.0, timeout / 2)
+    # Wait as long as the leader may still be waiting for its own candidates (it may have started later).
+    final_deadline = time.monotonic() + timeout + 2 * SETTLE_SECONDS
     while time.monotonic() < final_deadline:
         finals = await _read_finals(node, run_id, round_no, attempt, excluded)
         if finals:

@@ -1,0 +1,104 @@
+#!/usr/bin/env python3
+"""Does DiLoCo learn as well as data-parallel training? Simulates, in one process and with the same code a real
+peer runs (swarm/peer/simulation.py), at the same total tokens and the same inner batch per worker:
+
+  (a) data-parallel: gradients averaged every step (M workers = one batch of M x B sequences)
+  (b) DiLoCo M workers, H inner steps per round, fp32 pseudo-gradients
+  (c) as (b) with int8, (d) as (b) with int4 (both with error feedback)
+  (e) DiLoCo with a single worker (M=1), H steps per round
+
+on the bundled corpus, and prints final validation loss and bytes each worker sent (butterfly all-reduce
+accounting), then one JSON line.
+
+    python scripts/bench_diloco.py                         # M=4, H=50, 6 rounds: a few minutes on 2 cores
+    python scripts/bench_diloco.py --rounds 2 --inner-steps 10   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from swarm.config import parse_recipe  # noqa: E402
+from swarm.peer.data import prepare_run_data  # noqa: E402
+from swarm.peer.simulation import simulate_data_parallel, simulate_diloco  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", type=int, default=4, help="M")
+    parser.add_argument("--inner-steps", type=int, default=50, help="H")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8, help="inner batch per worker (sequences)")
+    parser.add_argument("--lr", type=float, default=2e-3, help="inner AdamW lr (also the data-parallel lr)")
+    parser.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov lr for M workers (DiLoCo: 0.7)")
+    parser.add_argument("--outer-lr-single", type=float, default=0.7,
+                        help="outer lr for the M=1 run (a single worker's pseudo-gradient is not averaged down, "
+                             "so it may need a smaller one)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "swarm-bench-cache"))
+    parser.add_argument("--only", help="comma-separated subset of a,b,c,d,e")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    m, h, rounds = args.workers, args.inner_steps, args.rounds
+    total_tokens = m * h * rounds * args.batch * args.seq_len
+    recipe = parse_recipe({
+        "run_id": "bench",
+        "model": {"hidden_size": args.hidden, "intermediate_size": int(args.hidden * 8 / 3) // 8 * 8,
+                  "num_layers": args.layers, "num_heads": 4, "max_seq_len": args.seq_len},
+        "data": {"seq_len": args.seq_len, "batch_size": args.batch, "vocab_size": 4096},
+        "inner": {"lr": args.lr, "warmup_tokens": total_tokens // 20},
+        "outer": {"lr": args.outer_lr},
+        "total_tokens": total_tokens,
+    })
+    single = recipe.model_copy(update={"outer": recipe.outer.model_copy(update={"lr": args.outer_lr_single})})
+    data = prepare_run_data(recipe.data.source, recipe.data.tokenizer, recipe.data.vocab_size,
+                            recipe.data.val_fraction, recipe.data.seq_len, recipe.data.batch_size, recipe.data.seed,
+                            args.cache_dir, eval_batches=16)
+    shards = list(range(m))
+    configs = {
+        "a": ("data-parallel", lambda: simulate_data_parallel(recipe, data, shards, steps=h * rounds, eval_every=h)),
+        "b": (f"DiLoCo M={m} H={h} fp32", lambda: simulate_diloco(recipe, data, shards, rounds, h, "none")),
+        "c": (f"DiLoCo M={m} H={h} int8", lambda: simulate_diloco(recipe, data, shards, rounds, h, "int8")),
+        "d": (f"DiLoCo M={m} H={h} int4", lambda: simulate_diloco(recipe, data, shards, rounds, h, "int4")),
+        "e": (f"DiLoCo M=1 H={h} lr {args.outer_lr_single}",
+              lambda: simulate_diloco(single, data, [0], rounds * m, h, "none")),
+    }
+    chosen = args.only.split(",") if args.only else list(configs)
+    rows = []
+    for key in chosen:
+        name, run = configs[key]
+        started = time.monotonic()
+        result = run()
+        rows.append({"config": key, "name": name, "val_loss": result.val_losses[-1], "tokens": result.tokens,
+                     "bytes_per_worker": result.bytes_per_worker, "seconds": time.monotonic() - started})
+        print(f"  {name}: val loss {result.val_losses[-1]:.4f} ({time.monotonic() - started:.0f} s)", flush=True)
+    by_key = {row["config"]: row for row in rows}
+    params = sum(p.numel() for p in result.global_params)
+    print(f"\n{params / 1e6:.2f}M-parameter Llama, {total_tokens:,} tokens, M={m}, H={h}, batch {args.batch}x"
+          f"{args.seq_len} per worker")
+    print(f"{'config':<28}{'val loss':>10}{'vs (a)':>9}{'vs (b)':>9}{'MB sent/worker':>16}{'less than (a)':>15}")
+    for row in rows:
+        vs_a = f"{(row['val_loss'] / by_key['a']['val_loss'] - 1) * 100:+.2f}%" if "a" in by_key else "-"
+        vs_b = f"{(row['val_loss'] / by_key['b']['val_loss'] - 1) * 100:+.2f}%" if "b" in by_key else "-"
+        less = (f"{by_key['a']['bytes_per_worker'] / row['bytes_per_worker']:.0f}x"
+                if "a" in by_key and row["bytes_per_worker"] else "-")
+        row.update(vs_a=vs_a, vs_b=vs_b)
+        print(f"{row['name']:<28}{row['val_loss']:>10.4f}{vs_a:>9}{vs_b:>9}{row['bytes_per_worker'] / 1e6:>16.1f}"
+              f"{less:>15}")
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
