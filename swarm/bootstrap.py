@@ -1,33 +1,35 @@
-"""`swarm-peer bootstrap`: a long-lived DHT entry point that publishes the run recipe and exports the swarm's
-metrics as it sees them in the DHT."""
+"""`swarm-peer bootstrap`: a long-lived DHT entry point that publishes the run recipe, reads the swarm from the DHT
+every few seconds, and serves it on --metrics-port as Prometheus metrics (/metrics), a status page (/) and JSON
+(/api/swarm)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
-import signal
 import threading
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, ProcessCollector
 
 from swarm.config import Recipe, load_recipe
 from swarm.dht.node import NetworkOptions, NodeError, SwarmNode
-from swarm.monitoring.swarm_view import SwarmExporter, read_swarm
+from swarm.monitoring.http import MonitoringServer
+from swarm.monitoring.metrics import SwarmGauges
+from swarm.monitoring.status_page import REFRESH_SECONDS, StatusBoard
+from swarm.monitoring.swarm_view import SwarmExporter, read_swarm, recipe_blocks
 from swarm.peer.announcer import publish_recipe
-from swarm.runtime import LoopThread
+from swarm.runtime import LoopThread, install_stop_handlers
 
 logger = logging.getLogger("swarm.bootstrap")
 RECIPE_TTL = 600.0
 REPUBLISH_SECONDS = 60.0
-VIEW_SECONDS = 5.0
+VIEW_SECONDS = REFRESH_SECONDS  # the status page re-reads as often as we re-read the DHT
 
 
 def run_bootstrap(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe) if args.recipe else Recipe()
     stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
+    _stop_on_signals(stop)
     loop = LoopThread()
     try:
         node = SwarmNode([], NetworkOptions(host_maddrs=tuple(args.host_maddrs),
@@ -37,39 +39,69 @@ def run_bootstrap(args: argparse.Namespace) -> int:
         logger.error("%s", e)
         loop.close()
         return 1
+    server = None
     try:
         loop.run(publish_recipe(node, recipe, RECIPE_TTL), timeout=30)
-        registry = CollectorRegistry()
-        exporter = SwarmExporter(registry)
+        view = SwarmMonitor(StatusBoard(recipe.run_id, recipe.digest(), node.peer_id))
         if args.metrics_port is not None:
-            server, _ = start_http_server(args.metrics_port, addr=args.metrics_host, registry=registry)
-            logger.info("metrics at http://%s:%d/metrics", args.metrics_host, server.server_address[1])
+            try:
+                server = MonitoringServer(view.registry, view.board.payload, args.metrics_host, args.metrics_port)
+            except OSError as e:
+                logger.error("cannot serve metrics on %s:%d: %s", args.metrics_host, args.metrics_port, e.strerror)
+                return 1
+            url = f"http://{args.metrics_host}:{server.port}"
+            logger.info("metrics at %s/metrics, status page at %s/ (its data at %s/api/swarm)", url, url, url)
         maddrs = node.visible_maddrs()
         logger.info("bootstrap of run %s (recipe %s) is up as %s", recipe.run_id, recipe.digest()[:12],
                     node.peer_id)
         print("Peers join this swarm with:", flush=True)
         for maddr in maddrs:
             print(f"  swarm-peer join --initial-peers {maddr}", flush=True)
-        loop.submit(_maintain(node, recipe, exporter))
+        loop.submit(_maintain(node, recipe, view))
         stop.wait()
         logger.info("stopping")
         return 0
     finally:
+        if server is not None:
+            server.close()
         node.shutdown()
         loop.close()
 
 
-async def _maintain(node: SwarmNode, recipe: Recipe, exporter: SwarmExporter) -> None:
+def _stop_on_signals(stop: threading.Event) -> None:
+    """SIGINT and SIGTERM set `stop` (see `install_stop_handlers` for the forked DHT process)."""
+    install_stop_handlers(lambda signum: stop.set())
+
+
+class SwarmMonitor:
+    """Everything the bootstrap derives from each read of the swarm: the registry behind /metrics (SwarmExporter's
+    gauges, our extra swarm-wide gauges, process metrics) and the status board (latest view + loss history)
+    behind the page and /api/swarm."""
+
+    def __init__(self, board: StatusBoard):
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        self.exporter, self.gauges, self.board = SwarmExporter(self.registry), SwarmGauges(self.registry), board
+
+    async def refresh(self, node: SwarmNode, recipe: Recipe) -> None:
+        summary = await read_swarm(node, recipe.run_id, recipe_blocks(recipe))  # issue #3: coverage
+        self.exporter.update(summary)
+        self.gauges.update(summary)
+        self.board.update(summary)
+
+
+async def _maintain(node: SwarmNode, recipe: Recipe, view: SwarmMonitor) -> None:
     since_publish = 0.0
     while True:
         try:
             if since_publish >= REPUBLISH_SECONDS:
                 await publish_recipe(node, recipe, RECIPE_TTL)
                 since_publish = 0.0
-            exporter.update(await read_swarm(node, recipe.run_id))
+            await view.refresh(node, recipe)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - a transient DHT error must not stop the bootstrap
             logger.warning("could not refresh the swarm view: %s", e)
+            view.board.failed(str(e) or type(e).__name__)
         await asyncio.sleep(VIEW_SECONDS)
         since_publish += VIEW_SECONDS

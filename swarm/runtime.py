@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
+import signal
 import threading
-from typing import Awaitable, Optional, TypeVar
+from typing import Awaitable, Callable, Optional, TypeVar
 
 T = TypeVar("T")
 
@@ -53,3 +55,20 @@ class LoopThread:
             pass
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
+
+
+def install_stop_handlers(on_stop: Callable[[int], None]) -> None:
+    """Call `on_stop(signum)` on SIGINT and SIGTERM in this process. hivemind forks its DHT process from ours and
+    the fork inherits these handlers: there SIGTERM must still kill, because it is how hivemind ends a DHT that
+    did not stop in time (with the handler inherited as is, the parent waited for the fork forever)."""
+    owner = os.getpid()
+
+    def handler(signum: int, frame) -> None:
+        if os.getpid() == owner:
+            on_stop(signum)
+        elif signum == signal.SIGTERM:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, handler)

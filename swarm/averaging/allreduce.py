@@ -198,11 +198,13 @@ class GroupAllReduce:
             # Phase 2: send the averaged part back to every member, naming who is in it and who was rejected.
             headers[me] = {**base, "phase": "avg", "contributors": sorted(contributors), "rejected": sorted(rejected),
                            "total_weight": total_weight}
-            unresponsive |= await self._send_all({peer: (headers[me], encoded_average) for peer in others}, stats)
+            outgoing = self._outgoing(total / total_weight, bad) if bad else encoded_average
+            unresponsive |= await self._send_all({peer: (headers[me], outgoing) for peer in others}, stats)
 
         reducers = [members[j] for j in range(len(members)) if j != index and bounds[j][1] > bounds[j][0]]
         averages = await self._collect(mailbox, "avg", reducers, phase_timeout)
         unresponsive |= set(reducers) - set(averages)
+        bad_reducers = set()
         for sender, (header, payload) in averages.items():
             stats["received"] += len(payload)
             j = members.index(sender)
@@ -210,11 +212,11 @@ class GroupAllReduce:
                 result[bounds[j][0]:bounds[j][1]] = self._decode(sender, payload, bounds[j][1] - bounds[j][0])
                 headers[sender] = header
             except AllReduceError:
-                unresponsive.add(sender)
+                bad_reducers.add(sender)  # every member decodes the same bytes, so all of them reject it
         # The all-or-nothing rule: if any part was averaged without some member, no part is applied anywhere.
         # Every member sees the same reducers' accounts, so all agree on whom to leave out of the retry:
         # peers whose data a reducer rejected (banned for this round) and peers that did not deliver.
-        rejected, weights = set(), set()
+        rejected, weights = set(bad_reducers), set()
         for sender, header in headers.items():
             named, refused = header.get("contributors"), header.get("rejected", [])
             if not isinstance(named, list) or not isinstance(refused, list) or not set(named) <= set(members):
@@ -237,9 +239,12 @@ class GroupAllReduce:
 
         # Phase 3: commit only once every member holds every part.
         self.faults.maybe_die("commit", group.round)
-        unconfirmed = await self._send_all({peer: ({**base, "phase": "commit"}, b"") for peer in others}, stats)
+        # We apply iff every other member's commit reached us. Whether our own commits were acknowledged does not
+        # matter for our decision: a lost acknowledgement does not mean a lost commit (each peer decides on what it
+        # received; the rare peer left behind by a commit lost in flight re-syncs through the params digest).
+        await self._send_all({peer: ({**base, "phase": "commit"}, b"") for peer in others}, stats)
         commits = await self._collect(mailbox, "commit", others, phase_timeout)
-        unconfirmed |= set(others) - set(commits)
+        unconfirmed = set(others) - set(commits)
         if unconfirmed:
             raise AllReduceError("commit", f"round {group.round}: {len(unconfirmed)} member(s) did not confirm; "
                                  "nothing applied", unconfirmed)

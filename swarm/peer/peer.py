@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import signal
 import threading
 import time
 from collections import Counter
@@ -26,7 +25,9 @@ from swarm.config import PeerSettings, Recipe, RecipeError, load_recipe
 from swarm.dht.node import NetworkOptions, SwarmNode
 from swarm.dht.records import PeerRecord
 from swarm.monitoring.metrics import PeerMetrics
+from swarm.monitoring.progress import ProgressLine  # issue #7
 from swarm.peer import checkpoint as ckpt
+from swarm.peer.announcer import INTERVAL as HEARTBEAT_SECONDS
 from swarm.peer.announcer import Announcer, fetch_recipe
 from swarm.peer.data import prepare_run_data
 from swarm.peer.diloco import DiLoCo
@@ -35,7 +36,7 @@ from swarm.peer.probe import describe_device, measure_tokens_per_s  # issue #3
 from swarm.peer.state_sync import StateSyncError, download_state, serve_state
 from swarm.peer.training import (inner_step, learning_rate, make_inner_optimizer, pick_device, schedule_tokens,
                                  validation_loss)
-from swarm.runtime import LoopThread
+from swarm.runtime import LoopThread, install_stop_handlers
 
 logger = logging.getLogger("swarm.peer")
 EVAL_BATCHES = 4
@@ -48,6 +49,7 @@ class Peer:
         self.faults = FaultPlan(settings.inject_fault)
         self.stop_event = threading.Event()
         self.metrics = PeerMetrics()
+        self.progress = ProgressLine()  # issue #7: a live status line when stdout is a terminal
         self.loop: Optional[LoopThread] = None
         self.node: Optional[SwarmNode] = None
         self.announcer: Optional[Announcer] = None
@@ -111,6 +113,8 @@ class Peer:
         port = self.metrics.serve(s.metrics_port, s.metrics_host)
         if port is not None:
             logger.info("metrics at http://%s:%d/metrics", s.metrics_host, port)
+        self.metrics.describe(__version__, self.device, r.averaging.codec)  # issue #7
+        self.metrics.set_blocks(*self.block_range)  # issue #7
         self.state, self.tokens_in_round, self.loss, self.tokens_per_s = "syncing", 0, None, probe_tokens_per_s
         self.inner_steps, self.attempt, self.steps_in_round, self.last_group_size = 0, 0, 0, 1
         self.bandwidth = DEFAULT_BANDWIDTH
@@ -202,6 +206,8 @@ class Peer:
         self.metrics.set_state(self.state)
         logger.info("training round %d", self.diloco.round)
         while not self.stop_event.is_set():
+            if s.until_round and self.diloco.round >= s.until_round:
+                break
             lr = learning_rate(r.inner, schedule_tokens(self.diloco.tokens_seen, self.tokens_in_round,
                                                         self.last_group_size), r.total_tokens)
             loss = inner_step(self.model, self.inner_optimizer, next(batches), self.device, lr, r.inner.grad_clip)
@@ -229,6 +235,15 @@ class Peer:
                     attempt, retry_after_tokens = 0, 0
                 self.state = "training"
                 continue
+            # -- issue #7: per-step gauges (they also catch resyncs and resumed checkpoints) and the progress line
+            self.metrics.set_state(self.state)
+            self.metrics.outer_round.set(self.diloco.round)
+            self.progress.update(state=self.state, round_no=self.diloco.round, tokens_per_s=self.tokens_per_s,
+                                 loss=self.loss, swarm_tokens=self.announcer.swarm_progress(self.diloco.round,
+                                                                                            self.tokens_in_round),
+                                 steps_in_round=self.steps_in_round, recipe=r, view=self.announcer.view,
+                                 peer_id=self.node.peer_id, last_group_size=self.metrics.last_group_size)
+            # -- end issue #7
             if r.inner_steps_per_round:
                 due = self.steps_in_round >= r.inner_steps_per_round
             else:
@@ -278,7 +293,10 @@ class Peer:
             self._recover(f"pseudo-gradient norm {norm:.3g} over the recipe's bound")
             return None
         digest = self.diloco.digest()
-        expected = {p.peer_id for p in self.announcer.view if p.round == round_no
+        # Wait for peers of this round with our params, unless their heartbeat stopped (crashed peers' records
+        # linger until they expire; a missed heartbeat or three is enough not to wait for them).
+        fresh_after = self.node.now() - 5 * HEARTBEAT_SECONDS
+        expected = {p.peer_id for p in self.announcer.view if p.round == round_no and p.updated >= fresh_after
                     and p.state in ("training", "averaging") and p.digest == digest}
         started = time.monotonic()
         self.faults.maybe_die("matchmaking", round_no)
@@ -311,13 +329,12 @@ class Peer:
         global_before = self._flat_global() if self.settings.trace_dir else None
         self.diloco.outer_step(result.average, int(result.total_weight))
         self.tokens_in_round, self.steps_in_round, self.last_group_size = 0, 0, result.group_size
-        self.metrics.allreduce_seconds.observe(result.seconds)
         if result.seconds > 0 and result.bytes_sent:
             # What we moved per second on the last round: a lower bound on our link, refined every round.
             self.bandwidth = 0.5 * self.bandwidth + 0.5 * (result.bytes_sent + result.bytes_received) / result.seconds
-        self.metrics.group_size.set(result.group_size)
-        self.metrics.bytes_sent.inc(result.bytes_sent)
-        self.metrics.bytes_received.inc(result.bytes_received)
+        self.metrics.record_allreduce(  # issue #7: also the bytes before compression and the ratio
+            result.bytes_sent, result.bytes_received, result.seconds, result.group_size,
+            self.allreduce.codec.bytes_per_param(max(self.diloco.numel // result.group_size, 1)))
         self.metrics.outer_round.set(self.diloco.round)
         self.val_loss = validation_loss(self.model, self.eval_batches, self.device)
         self.metrics.val_loss.set(self.val_loss)
@@ -369,21 +386,21 @@ class Peer:
              "val_loss": self.val_loss, "inner_steps": self.inner_steps, "version": __version__},
             keep=self.settings.keep_checkpoints)
         self._last_checkpoint_round = self.diloco.round
-        self.metrics.checkpoint_round.set(self.diloco.round)
+        self.metrics.checkpoint_written(self.diloco.round)  # issue #7: round and age
         logger.info("checkpoint written: %s", path)
 
     # ---- shutdown ------------------------------------------------------------------------------------------
     def install_signal_handlers(self) -> None:
-        def _handler(signum, frame):
+        def _on_stop(signum: int) -> None:
             if self.stop_event.is_set():
                 raise KeyboardInterrupt  # a second Ctrl-C: stop now
             logger.info("stopping after the current step (signal %d); Ctrl-C again to stop at once", signum)
             self.stop_event.set()
 
-        signal.signal(signal.SIGINT, _handler)
-        signal.signal(signal.SIGTERM, _handler)
+        install_stop_handlers(_on_stop)
 
     def shutdown(self) -> None:
+        self.progress.close()  # issue #7
         self.state = "offline"
         if self.announcer is not None and self.loop is not None:
             try:

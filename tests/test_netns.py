@@ -1,0 +1,44 @@
+"""The network-namespace harness: three peers, each in its own namespace behind a `tc tbf`-shaped veth link,
+average through real (slow) links. Checks that the shaping is really in effect (a round cannot beat the
+butterfly bound of the links) and that the results are still the exact weighted mean."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from allreduce_bench import netns_available  # noqa: E402
+
+REASON = netns_available()
+MBIT, PEERS, NUMEL = 40.0, 3, 1_000_000
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(REASON is not None, reason=f"network namespaces unavailable here: {REASON}")
+def test_shaped_links_in_namespaces(tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "allreduce_bench.py"), "--peers", str(PEERS),
+                             "--numel", str(NUMEL), "--netns", "--mbit", str(MBIT), "--rounds", "2",
+                             "--save", str(tmp_path), "--timeout", "150"],
+                            capture_output=True, text=True, timeout=200, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])[0]
+    assert summary["errors"] == 0 and summary["netns"]
+    # Butterfly bound: every peer moves 2 (N-1)/N of the vector through its link.
+    bound = 2 * (PEERS - 1) / PEERS * NUMEL * 4 * 8 / (MBIT * 1e6)
+    assert summary["round_seconds"] >= 0.9 * bound, f"links are not shaped: {summary} vs bound {bound:.2f} s"
+    for round_no in range(2):
+        saved = [torch.load(tmp_path / f"peer{i}-round{round_no}.pt") for i in range(PEERS)]
+        weights = sum(s["weight"] for s in saved)
+        exact = sum(s["vector"] * s["weight"] for s in saved) / weights
+        for s in saved:
+            torch.testing.assert_close(s["average"], exact, rtol=1e-6, atol=1e-6)
+            assert torch.equal(s["average"], saved[0]["average"])
+    leftovers = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "swh" not in leftovers, "the harness must remove its namespaces"

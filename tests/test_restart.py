@@ -1,0 +1,51 @@
+"""Checkpoints end to end: a swarm that stops completely and restarts resumes from the newest checkpoint any peer
+has; Ctrl-C (SIGINT) stops a peer cleanly with a loadable checkpoint."""
+
+from __future__ import annotations
+
+import re
+import signal
+
+import pytest
+
+from swarm.peer.checkpoint import load_latest
+
+pytestmark = pytest.mark.slow
+
+
+def test_whole_swarm_restarts_from_newest_checkpoint(swarm):
+    _, maddr = swarm.bootstrap(name="bootstrap1")
+    ckpt = [swarm.workdir / f"ckpt{i}" for i in range(2)]
+    first = [swarm.peer(maddr, "--until-round", "2", "--checkpoint-dir", str(ckpt[i]), name=f"first{i}")
+             for i in range(2)]
+    for peer in first:
+        assert peer.wait(180) == 0, peer.output()[-3000:]
+    saved = [load_latest(c) for c in ckpt]
+    assert [c.round for c in saved] == [2, 2] and saved[0].meta["digest"] == saved[1].meta["digest"]
+
+    # Everything stops (the bootstrap too), then the swarm comes back: a new bootstrap, the same checkpoint dirs.
+    swarm_bootstrap = swarm.bootstrap(name="bootstrap2")
+    maddr = swarm_bootstrap[1]
+    second = [swarm.peer(maddr, "--until-round", "3", "--checkpoint-dir", str(ckpt[i]), name=f"second{i}")
+              for i in range(2)]
+    for peer in second:
+        assert peer.wait(180) == 0, peer.output()[-3000:]
+        output = peer.output()
+        assert re.search(r"resumed from checkpoint .*round-00000002 \(round 2", output) or \
+            "synced state of round 2" in output, output[-2000:]
+        assert "round 2: averaged with 2 peers" in output, "training went on from round 2, losing nothing"
+    assert [load_latest(c).round for c in ckpt] == [3, 3]
+
+
+def test_ctrl_c_stops_cleanly_with_a_checkpoint(swarm):
+    _, maddr = swarm.bootstrap()
+    peers = [swarm.peer(maddr, "--checkpoint-dir", str(swarm.workdir / f"ckpt{i}"), name=f"peer{i}")
+             for i in range(2)]
+    for peer in peers:
+        peer.wait_for(r"round 1: averaged with 2 peers", 180)
+    peers[0].process.send_signal(signal.SIGINT)
+    assert peers[0].wait(60) == 0, peers[0].output()[-2000:]
+    assert "stopping after the current step" in peers[0].output() and "Traceback" not in peers[0].output()
+    assert not peers[0].session_alive(), "p2pd and the DHT process must exit with the peer"
+    checkpoint = load_latest(swarm.workdir / "ckpt0")
+    assert checkpoint is not None and checkpoint.round >= 2
