@@ -77,6 +77,8 @@ class OuterRecipe(_Section):
     momentum: float = Field(0.9, ge=0, lt=1)
     nesterov: bool = True
     max_pseudo_grad_norm: float = Field(1e4, gt=0, description="a larger local norm is treated as diverged")
+    overlap: bool = Field(False, description="average round t in the background while round t+1 trains, and apply "
+                                             "its outer update one round late (Streaming DiLoCo's overlap)")
 
 
 class AveragingRecipe(_Section):

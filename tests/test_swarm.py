@@ -67,3 +67,25 @@ def test_two_peers_train_three_rounds_with_exact_averages(swarm):
     bootstrap.process.send_signal(signal.SIGTERM)
     assert bootstrap.wait(30) == 0
     assert not bootstrap.session_alive()
+
+
+def test_overlapping_rounds_keep_peers_identical(swarm):
+    """With outer.overlap the all-reduce of round t runs while round t+1 trains: every peer must still apply the
+    exact average, hold the same global params, and keep its local progress made meanwhile."""
+    recipe = Path(__file__).parent / "recipes" / "overlap.yaml"
+    _, maddr = swarm.bootstrap(recipe=recipe)
+    peers = [swarm.peer(maddr, "--until-round", str(ROUNDS), "--trace-dir", str(swarm.workdir / f"trace{i}"),
+                        name=f"peer{i}") for i in range(2)]
+    for peer in peers:
+        assert peer.wait(240) == 0, peer.output()[-3000:]
+        assert "averaging overlaps training" in peer.output()
+    traces = [_traces(swarm.workdir / f"trace{i}") for i in range(2)]
+    assert sorted(traces[0]) == sorted(traces[1]) == list(range(ROUNDS))
+    for round_no in range(ROUNDS):
+        (meta_a, a), (meta_b, b) = traces[0][round_no], traces[1][round_no]
+        total = meta_a["weight"] + meta_b["weight"]
+        expected = (a["pseudo_gradient"] * meta_a["weight"] + b["pseudo_gradient"] * meta_b["weight"]) / total
+        torch.testing.assert_close(a["average"], expected, rtol=1e-5, atol=1e-7)
+        assert torch.equal(a["global_after"], b["global_after"])
+    val = [traces[0][r][0]["val_loss"] for r in range(ROUNDS)]
+    assert val[-1] < val[0], f"validation loss did not fall with overlap: {val}"

@@ -32,6 +32,8 @@ class PeerMetrics:
         self.inner_steps = Counter("swarm_inner_steps_total", "Inner optimizer steps", registry=r)
         self.tokens = Counter("swarm_tokens_total", "Training tokens processed by this peer", registry=r)
         self.tokens_per_second = Gauge("swarm_tokens_per_second", "Recent training throughput", registry=r)
+        self.compute_utilization = Gauge("swarm_compute_utilization_ratio",
+                                         "Time in inner steps / wall time since training started", registry=r)
         self.train_loss = Gauge("swarm_train_loss", "Last inner-step training loss (NaN before the first)",
                                 registry=r)
         self.val_loss = Gauge("swarm_val_loss", "Last validation loss of the global params (NaN before "

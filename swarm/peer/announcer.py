@@ -76,7 +76,7 @@ class Announcer:
         return my_tokens + others
 
     def attempts(self, round_no: int) -> list[int]:
-        return [p.attempt for p in self.view if p.round == round_no and p.state == "averaging"]
+        return [p.attempt for p in self.view if p.round == round_no and p.state in ("training", "averaging")]
 
 
 async def fetch_recipe(node: SwarmNode, timeout: float) -> Recipe:

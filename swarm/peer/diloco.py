@@ -58,6 +58,14 @@ class DiLoCo:
             for local, global_ in zip(self.local_params, self.global_params):
                 local.copy_(global_.to(local.device, local.dtype))
 
+    def add_to_local(self, delta: torch.Tensor) -> None:
+        """Local params += `delta` (flat fp32, parameter order): re-applies local progress on new global params."""
+        with torch.no_grad():
+            offset = 0
+            for local in self.local_params:
+                local.add_(delta[offset:offset + local.numel()].view_as(local).to(local.device, local.dtype))
+                offset += local.numel()
+
     def digest(self) -> str:
         with self.lock:
             if self._digest is None:

@@ -8,8 +8,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import concurrent.futures
 import threading
 import time
+from dataclasses import dataclass
 from collections import Counter
 from pathlib import Path
 from typing import Optional
@@ -17,9 +19,9 @@ from typing import Optional
 import torch
 
 from swarm import __version__
-from swarm.averaging.allreduce import AdaptiveDeadlines, AllReduceError, GroupAllReduce
+from swarm.averaging.allreduce import AdaptiveDeadlines, AllReduceError, AllReduceResult, GroupAllReduce
 from swarm.averaging.faults import FaultPlan
-from swarm.averaging.matchmaking import Candidate, form_group
+from swarm.averaging.matchmaking import Candidate, Group, form_group
 from swarm.compression import ErrorFeedback
 from swarm.config import PeerSettings, Recipe, RecipeError, load_recipe
 from swarm.dht.node import NetworkOptions, SwarmNode
@@ -40,6 +42,17 @@ from swarm.runtime import LoopThread, install_stop_handlers
 
 logger = logging.getLogger("swarm.peer")
 EVAL_BATCHES = 4
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """What this peer brings to one outer round's average."""
+
+    round_no: int
+    pseudo_gradient: torch.Tensor  # flat fp32: global minus local params (+ error-feedback residual)
+    weight: int  # tokens processed in the round
+    digest: str  # of the global params it is relative to
+    snapshot: Optional[torch.Tensor]  # overlap: local params when it was taken
 DEFAULT_BANDWIDTH = 12.5e6  # bytes/s (100 Mbit/s) until the first all-reduce measures the real link
 
 
@@ -117,7 +130,8 @@ class Peer:
         self.metrics.set_blocks(*self.block_range)  # issue #7
         self.state, self.tokens_in_round, self.loss, self.tokens_per_s = "syncing", 0, None, probe_tokens_per_s
         self.inner_steps, self.attempt, self.steps_in_round, self.last_group_size = 0, 0, 0, 1
-        self.bandwidth = DEFAULT_BANDWIDTH
+        self.bandwidth = DEFAULT_BANDWIDTH  # what we tell matchmaking, for the reduction shares
+        self.bandwidth_up = self.bandwidth_down = 0.0  # what the last all-reduce moved per second (announced)
         self._excluded: set[str] = set()  # sent bad data this round: left out until the round is over
         self._unresponsive: set[str] = set()  # did not deliver in the last attempt: not waited for in the next
         self._excluded_round = -1
@@ -184,7 +198,7 @@ class Peer:
             round=self.diloco.round, tokens_in_round=self.tokens_in_round, block_start=self.block_range[0],
             block_end=self.block_range[1], digest=self.diloco.digest(), device=self.device.type,
             device_name=self.device_info.name, device_memory=self.device_info.memory_bytes,  # issue #3
-            tokens_per_s=self.tokens_per_s,
+            tokens_per_s=self.tokens_per_s, bandwidth_up=self.bandwidth_up, bandwidth_down=self.bandwidth_down,
             loss=self.loss, val_loss=self.val_loss, attempt=self.attempt, updated=self.node.now())
 
     def _on_bad_peer(self, peer_id: str, reason: str) -> None:
@@ -193,24 +207,29 @@ class Peer:
 
     # ---- main loop -----------------------------------------------------------------------------------------
     def run(self) -> int:
-        """Train until max_rounds or a stop signal; returns the number of rounds averaged."""
+        """Train until max_rounds, until_round or a stop signal; returns the number of rounds averaged."""
         s, r = self.settings, self.recipe
         batches = self.train_data.batches(self.shard, r.data.num_shards, r.data.batch_size, r.data.seed,
                                           start_step=self.inner_steps)
-        rounds_done, attempt = 0, 0
+        self.rounds_done, self.next_attempt = 0, 0
         tokens_per_step = r.data.batch_size * r.data.seq_len
-        retry_after_tokens = 0
+        self.retry_after_tokens = 0
         window_start, window_tokens = time.monotonic(), 0
-        round_started = time.monotonic()
+        run_started, compute_seconds = time.monotonic(), 0.0
+        self.round_started = time.monotonic()
+        self.pending: Optional[tuple[concurrent.futures.Future, Contribution]] = None
+        background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="averaging")
         self.state = "training"
         self.metrics.set_state(self.state)
-        logger.info("training round %d", self.diloco.round)
-        while not self.stop_event.is_set():
-            if s.until_round and self.diloco.round >= s.until_round:
-                break
+        logger.info("training round %d%s", self.diloco.round, " (averaging overlaps training)" if r.outer.overlap
+                    else "")
+        while not self.stop_event.is_set() and not self._finished():
             lr = learning_rate(r.inner, schedule_tokens(self.diloco.tokens_seen, self.tokens_in_round,
                                                         self.last_group_size), r.total_tokens)
+            step_started = time.monotonic()
             loss = inner_step(self.model, self.inner_optimizer, next(batches), self.device, lr, r.inner.grad_clip)
+            compute_seconds += time.monotonic() - step_started
+            self.metrics.compute_utilization.set(compute_seconds / max(time.monotonic() - run_started, 1e-9))
             self.inner_steps += 1
             self.steps_in_round += 1
             self.metrics.inner_steps.inc()
@@ -227,12 +246,15 @@ class Peer:
                 self.tokens_per_s = window_tokens / elapsed
                 self.metrics.tokens_per_second.set(self.tokens_per_s)
                 window_start, window_tokens = time.monotonic(), 0
+            if self.pending is not None and self.pending[0].done():
+                self._finish_pending()
 
             behind = self._swarm_reference()
             if behind[0] > self.diloco.round and behind[2]:
                 logger.info("the swarm is at round %d and I am at %d: re-syncing", behind[0], self.diloco.round)
+                self.pending = None  # an average still in flight belongs to a round we are leaving
                 if self._resync(behind[2], reason="behind the swarm"):
-                    attempt, retry_after_tokens = 0, 0
+                    self.next_attempt, self.retry_after_tokens = 0, 0
                 self.state = "training"
                 continue
             # -- issue #7: per-step gauges (they also catch resyncs and resumed checkpoints) and the progress line
@@ -248,106 +270,152 @@ class Peer:
                 due = self.steps_in_round >= r.inner_steps_per_round
             else:
                 due = self.announcer.swarm_progress(self.diloco.round, self.tokens_in_round) >= r.tokens_per_round
-            if not due or self.tokens_in_round < retry_after_tokens:
+            if not due or self.tokens_in_round < self.retry_after_tokens:
                 continue
-
-            outcome = self._average(attempt)
-            if outcome is not True:
-                if outcome != "alone":  # nobody else used this attempt's keys: they stay clean for a retry
-                    attempt += 1
+            if self.pending is not None:  # the last average is still in flight: wait for it (time not computing)
+                self._finish_pending()
+                continue
+            contribution = self._prepare()
+            if contribution is None:
+                continue
+            if r.outer.overlap:
+                # Round t's average runs in the background while round t+1's inner steps start; its outer update
+                # is applied when it arrives, keeping the local progress made since the snapshot.
+                self.tokens_in_round = self.steps_in_round = 0
+                self.pending = (background.submit(self._reduce, contribution, self.next_attempt), contribution)
+            else:
+                self.state = "averaging"
+                self.metrics.set_state(self.state)
+                self._conclude(contribution, self._reduce(contribution, self.next_attempt))
                 self.state = "training"
-                if outcome == "retry":  # a member failed mid-round: redo the round at once without it
-                    continue
-                # No group: keep training before the next try, so a lonely swarm does not spin on matchmaking.
-                retry_after_tokens = self.tokens_in_round + max(r.tokens_per_round // 4, tokens_per_step)
-                continue
-            attempt, retry_after_tokens = 0, 0
-            rounds_done += 1
-            self.metrics.round_seconds.set(time.monotonic() - round_started)
-            round_started = time.monotonic()
-            if s.max_rounds and rounds_done >= s.max_rounds:
-                break
-            self.state = "training"
-            self.metrics.set_state(self.state)
+        if self.pending is not None:
+            self._finish_pending()  # stopping: do not leave the swarm with a round half-known to us
+        background.shutdown(wait=False)
+        utilization = compute_seconds / max(time.monotonic() - run_started, 1e-9)
+        logger.info("compute utilisation %.1f%% (time in inner steps / wall time)", 100 * utilization)
         if s.checkpoint_dir and self.diloco.round > 0 and self._last_checkpoint_round != self.diloco.round:
             self._checkpoint()
-        return rounds_done
+        return self.rounds_done
 
-    def _average(self, attempt: int) -> bool | str | None:
-        """One averaging attempt of the current round: True if the outer step was applied; "retry" if the
-        all-reduce failed with known suspects (retry at once without them); "alone" if no other peer showed up;
-        None if no group formed otherwise."""
+    def _finished(self) -> bool:
+        s = self.settings
+        return bool((s.until_round and self.diloco.round >= s.until_round)
+                    or (s.max_rounds and self.rounds_done >= s.max_rounds))
+
+    def _finish_pending(self) -> None:
+        future, contribution = self.pending
+        self.pending = None
+        self._conclude(contribution, future.result())
+
+    def _conclude(self, contribution: Contribution, outcome: tuple) -> None:
+        """Apply a successful average, or arrange the retry of a failed one (main thread)."""
+        kind, attempt, result, group, started = outcome
         r = self.recipe
-        self.state = "averaging"
-        self.metrics.set_state(self.state)
-        round_no = self.diloco.round
-        if self._excluded_round != round_no:
-            self._excluded, self._unresponsive, self._excluded_round = set(), set(), round_no
-        # Peers that failed this round together retry together: follow the highest attempt number announced.
-        self.attempt = attempt = max([attempt] + self.announcer.attempts(round_no))
-        self.announcer.refresh_now(self.loop)
-        # Lossy codecs: add back what the codec dropped from our last contribution (error feedback).
+        if kind == "applied":
+            self._apply(contribution, result, group, started)
+            self.next_attempt, self.retry_after_tokens = 0, 0
+            self.rounds_done += 1
+            self.metrics.round_seconds.set(time.monotonic() - self.round_started)
+            self.round_started = time.monotonic()
+            return
+        self.next_attempt = attempt + (0 if kind == "alone" else 1)  # "alone": nobody used this attempt's keys
+        if contribution.snapshot is not None:
+            self.tokens_in_round += contribution.weight  # still in our local params, so in the next contribution
+        # Keep training before the next try, so a lonely swarm does not spin on matchmaking.
+        self.retry_after_tokens = self.tokens_in_round + max(r.tokens_per_round // 4,
+                                                             r.data.batch_size * r.data.seq_len)
+
+    def _prepare(self) -> Optional[Contribution]:
+        """This round's contribution: the pseudo-gradient (plus the error-feedback residual of lossy codecs) and
+        its weight; None if it is not fit to send (the peer then restarts the round from the global params)."""
+        r = self.recipe
         pseudo_gradient = self.error_feedback.compensate(self.diloco.pseudo_gradient())
         norm = float(pseudo_gradient.norm())
         if not torch.isfinite(torch.tensor(norm)) or norm > r.outer.max_pseudo_grad_norm:
             self._recover(f"pseudo-gradient norm {norm:.3g} over the recipe's bound")
             return None
-        digest = self.diloco.digest()
-        # Wait for peers of this round with our params, unless their heartbeat stopped (crashed peers' records
-        # linger until they expire; a missed heartbeat or three is enough not to wait for them).
-        fresh_after = self.node.now() - 5 * HEARTBEAT_SECONDS
-        expected = {p.peer_id for p in self.announcer.view if p.round == round_no and p.updated >= fresh_after
-                    and p.state in ("training", "averaging") and p.digest == digest}
+        snapshot = self._flat_local() if r.outer.overlap else None
+        return Contribution(self.diloco.round, pseudo_gradient, self.tokens_in_round, self.diloco.digest(),
+                            snapshot)
+
+    def _reduce(self, contribution: Contribution, attempt: int) -> tuple:
+        """Matchmaking and all-reduce of one contribution, retrying at once without members that failed.
+        Touches no model state, so it may run in the background. Returns (kind, attempt, result, group,
+        started) with kind "applied" (ready to apply), "alone" or "failed"."""
+        r = self.recipe
+        round_no, digest = contribution.round_no, contribution.digest
         started = time.monotonic()
-        self.faults.maybe_die("matchmaking", round_no)
-        try:
-            group, others_seen = self.loop.run(form_group(
-                self.node, r.run_id, round_no, attempt,
-                Candidate(digest, self.bandwidth, client=False), expected,
-                r.averaging.min_group_size, r.averaging.target_group_size, r.averaging.matchmaking_timeout,
-                excluded=self._excluded, not_waiting_for=self._unresponsive),
-                timeout=3 * r.averaging.matchmaking_timeout + 30)
-        except TimeoutError:
-            group, others_seen = None, 1
-        if group is None:
-            self.metrics.averaging_failures.labels(reason="no_group").inc()
-            logger.info("round %d: no group formed (attempt %d); training on", round_no, attempt)
-            return None if others_seen else "alone"
-        weight = self.tokens_in_round
-        try:
-            result = self.loop.run(self.allreduce.run(group, pseudo_gradient, weight),
-                                   timeout=r.averaging.allreduce_timeout + 10)
-        except (AllReduceError, TimeoutError) as e:
-            reason = getattr(e, "reason", "timeout")
-            self.metrics.averaging_failures.labels(reason=reason).inc()
-            logger.warning("round %d: averaging failed (%s): %s", round_no, reason, e)
-            suspects, rejected = getattr(e, "suspects", set()), getattr(e, "rejected", set())
-            self._excluded |= rejected
-            self._unresponsive = suspects  # only for the next attempt: a slow peer is welcome back
-            return "retry" if suspects | rejected else None
-        self.error_feedback.update(pseudo_gradient, result.delivered)
+        while True:
+            if self._excluded_round != round_no:
+                self._excluded, self._unresponsive, self._excluded_round = set(), set(), round_no
+            # Peers that failed this round together retry together: follow the highest attempt number announced.
+            self.attempt = attempt = max([attempt] + self.announcer.attempts(round_no))
+            self.announcer.refresh_now(self.loop)
+            # Wait for peers of this round with our params, unless their heartbeat stopped (crashed peers'
+            # records linger until they expire; a few missed heartbeats are enough not to wait for them).
+            fresh_after = self.node.now() - 5 * HEARTBEAT_SECONDS
+            expected = {p.peer_id for p in self.announcer.view if p.round == round_no and p.updated >= fresh_after
+                        and p.state in ("training", "averaging") and p.digest == digest}
+            self.faults.maybe_die("matchmaking", round_no)
+            try:
+                group, others_seen = self.loop.run(form_group(
+                    self.node, r.run_id, round_no, attempt, Candidate(digest, self.bandwidth, client=False),
+                    expected, r.averaging.min_group_size, r.averaging.target_group_size,
+                    r.averaging.matchmaking_timeout, excluded=self._excluded, not_waiting_for=self._unresponsive),
+                    timeout=3 * r.averaging.matchmaking_timeout + 30)
+            except TimeoutError:
+                group, others_seen = None, 1
+            if group is None:
+                self.metrics.averaging_failures.labels(reason="no_group").inc()
+                logger.info("round %d: no group formed (attempt %d); training on", round_no, attempt)
+                return ("failed" if others_seen else "alone"), attempt, None, None, started
+            try:
+                result = self.loop.run(self.allreduce.run(group, contribution.pseudo_gradient, contribution.weight),
+                                       timeout=r.averaging.allreduce_timeout + 10)
+                return "applied", attempt, result, group, started
+            except (AllReduceError, TimeoutError) as e:
+                reason = getattr(e, "reason", "timeout")
+                self.metrics.averaging_failures.labels(reason=reason).inc()
+                logger.warning("round %d: averaging failed (%s): %s", round_no, reason, e)
+                suspects, rejected = getattr(e, "suspects", set()), getattr(e, "rejected", set())
+                self._excluded |= rejected
+                self._unresponsive = suspects  # only for the next attempt: a slow peer is welcome back
+                if not suspects | rejected:
+                    return "failed", attempt, None, None, started
+                attempt += 1  # a member failed mid-round: redo the round at once without it
+
+    def _apply(self, contribution: Contribution, result: AllReduceResult, group: Group, started: float) -> None:
+        r = self.recipe
+        round_no = contribution.round_no
+        self.error_feedback.update(contribution.pseudo_gradient, result.delivered)
         global_before = self._flat_global() if self.settings.trace_dir else None
+        progress_since = None if contribution.snapshot is None else self._flat_local() - contribution.snapshot
         self.diloco.outer_step(result.average, int(result.total_weight))
-        self.tokens_in_round, self.steps_in_round, self.last_group_size = 0, 0, result.group_size
+        self.last_group_size = result.group_size
+        if progress_since is None:
+            self.tokens_in_round = self.steps_in_round = 0
         if result.seconds > 0 and result.bytes_sent:
             # What we moved per second on the last round: a lower bound on our link, refined every round.
             self.bandwidth = 0.5 * self.bandwidth + 0.5 * (result.bytes_sent + result.bytes_received) / result.seconds
+            self.bandwidth_up = result.bytes_sent / result.seconds
+            self.bandwidth_down = result.bytes_received / result.seconds
         self.metrics.record_allreduce(  # issue #7: also the bytes before compression and the ratio
             result.bytes_sent, result.bytes_received, result.seconds, result.group_size,
             self.allreduce.codec.bytes_per_param(max(self.diloco.numel // result.group_size, 1)))
         self.metrics.outer_round.set(self.diloco.round)
-        self.val_loss = validation_loss(self.model, self.eval_batches, self.device)
+        self.val_loss = validation_loss(self.model, self.eval_batches, self.device)  # of the new global params
         self.metrics.val_loss.set(self.val_loss)
+        if progress_since is not None:
+            self.diloco.add_to_local(progress_since)  # overlap: keep the steps made while averaging
         logger.info("round %d: averaged with %d peers in %.2f s (%.1f MB sent), matchmaking %.1f s; "
                     "val loss %.4f, train loss %.4f, digest %s", round_no, result.group_size, result.seconds,
                     result.bytes_sent / 1e6, time.monotonic() - started - result.seconds, self.val_loss,
                     self.loss or float("nan"), self.diloco.digest())
         if self.settings.trace_dir:
-            self._trace(round_no, group, pseudo_gradient, weight, result, global_before)
+            self._trace(round_no, group, contribution.pseudo_gradient, contribution.weight, result, global_before)
         if self.settings.checkpoint_dir and self.diloco.round % r.checkpoint_every == 0:
             self._checkpoint()
         self.announcer.refresh_now(self.loop)
-        return True
 
     def _recover(self, why: str) -> None:
         """Never send a diverged pseudo-gradient: drop local progress and restart the round from global."""
@@ -357,6 +425,10 @@ class Peer:
         self.inner_optimizer = make_inner_optimizer(self.model, self.recipe.inner)
         self.error_feedback.reset()
         self.tokens_in_round = self.steps_in_round = 0
+
+    def _flat_local(self) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.cat([p.detach().to("cpu", torch.float32).view(-1) for p in self.diloco.local_params])
 
     def _flat_global(self) -> torch.Tensor:
         with self.diloco.lock:
