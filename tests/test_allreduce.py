@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from swarm.averaging.matchmaking import Candidate, choose_members
 from swarm.averaging.partition import optimal_shares, partition
 from swarm.compression import get_codec
 
@@ -99,3 +100,14 @@ def test_partition_by_shares_is_exact():
     assert bounds[-1][1] == 1_000_003 and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
     with pytest.raises(ValueError):
         partition(10, [0.0, 0.0])
+
+
+def test_choose_members_majority_digest_and_accusations():
+    c = {"a": Candidate("d1", 1.0, False), "b": Candidate("d1", 1.0, False), "c": Candidate("d2", 1.0, False)}
+    assert choose_members(c, 16) == ["a", "b"], "the majority digest wins; a stale peer waits for the next round"
+    assert choose_members(c, 1) == ["a"]
+    assert choose_members({"x": Candidate("d2", 1, False), "y": Candidate("d1", 1, False)}, 16) == ["y"]  # tie
+    # An honest peer that caught "b" sending bad data is never grouped with it, whoever computes the group.
+    accused = {**c, "a": Candidate("d1", 1.0, False, ("b",))}
+    assert choose_members(accused, 16) == ["a"]
+    assert choose_members({}, 16) == []

@@ -1,10 +1,12 @@
 """All-or-nothing group all-reduce of a flat fp32 vector, weighted by tokens processed.
 
-Each member reduces one contiguous part: every peer sends part j (encoded by the round's codec) to member j,
-member j averages what it received and sends the result back to everyone with the list of contributors. A peer
-applies the result only if every part was averaged over the whole group and every member confirmed it holds all
-parts (commit phase); otherwise the round fails for it and nothing is applied. Survivors decode the same bytes,
-so they end with bit-identical averages.
+Each member reduces one contiguous part (its share is set from its bandwidth). Parts travel in chunks, and the
+phases are pipelined: every peer streams the chunks of part j (encoded by the round's codec) to member j, which
+averages chunk k as soon as every contribution to it has arrived and streams the averaged chunk back to everyone
+with the list of its contributors, while later chunks are still coming in. A peer applies the result only if
+every chunk of every part was averaged over the whole group and every member confirmed it holds all of them
+(commit phase); otherwise nothing is applied. Survivors decode the same bytes, so they end with bit-identical
+averages.
 """
 
 from __future__ import annotations
@@ -28,6 +30,15 @@ from swarm.dht.node import SwarmNode, recv_frame, send_frame
 logger = logging.getLogger(__name__)
 MAX_HEADER_BYTES = 64 << 10
 MAX_PENDING_GROUPS = 8
+MIN_CHUNK = 1 << 16  # elements; chunk sizes are multiples of CHUNK_ALIGN so codec blocks never straddle chunks
+CHUNK_ALIGN = 4096
+CHUNKS_PER_PART = 8
+
+
+def chunk_bounds(start: int, end: int) -> list[tuple[int, int]]:
+    """[start, end) cut into about CHUNKS_PER_PART chunks of at least MIN_CHUNK elements (the same on every peer)."""
+    size = max(MIN_CHUNK, CHUNK_ALIGN * -(-(end - start) // (CHUNKS_PER_PART * CHUNK_ALIGN)))
+    return [(a, min(a + size, end)) for a in range(start, end, size)]
 
 
 class AllReduceError(RuntimeError):
@@ -77,10 +88,10 @@ class _Mailbox:
     """Messages of one group, which may arrive before this peer has started that group's all-reduce."""
 
     created: float = field(default_factory=time.monotonic)
-    slots: dict[tuple[str, str], asyncio.Future] = field(default_factory=dict)
+    slots: dict[tuple[str, str, int], asyncio.Future] = field(default_factory=dict)
 
-    def slot(self, phase: str, sender: str) -> asyncio.Future:
-        key = (phase, sender)
+    def slot(self, phase: str, sender: str, chunk: int = -1) -> asyncio.Future:
+        key = (phase, sender, chunk)
         if key not in self.slots:
             self.slots[key] = asyncio.get_running_loop().create_future()
         return self.slots[key]
@@ -99,6 +110,7 @@ class GroupAllReduce:
         self.on_bad_peer = on_bad_peer or (lambda peer, reason: None)
         self._mailboxes: dict[str, _Mailbox] = {}
         self._running: dict[tuple[int, int], str] = {}  # (round, attempt) -> group id we are averaging in
+        self._finished: dict[tuple[int, int], str] = {}  # ...and the ones we averaged in recently
 
     async def start(self) -> None:
         await self.node.add_stream_handler(self.protocol, self._on_stream)
@@ -112,33 +124,53 @@ class GroupAllReduce:
         return self._mailboxes[group_id]
 
     async def _on_stream(self, remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One stream = a header, then `chunks` chunks (a meta frame and a payload frame each). Every chunk goes
+        to its mailbox slot as it arrives, so the all-reduce can use it while the rest is still in flight."""
         header = msgpack.unpackb(await recv_frame(reader, MAX_HEADER_BYTES))
         if not isinstance(header, dict) or header.get("phase") not in ("part", "avg", "commit"):
             raise ValueError(f"malformed all-reduce header from {remote}")
-        payload = await recv_frame(reader, max_bytes=16 + 8 * self.max_numel + MAX_HEADER_BYTES)
+        chunks = header.get("chunks", 0)
+        if not isinstance(chunks, int) or not 0 <= chunks <= self.max_numel // CHUNK_ALIGN + 2:
+            raise ValueError(f"all-reduce header from {remote} announces {chunks!r} chunks")
         group_id = str(header.get("group_id"))
-        running = self._running.get((header.get("round"), header.get("attempt")))
+        key = (header.get("round"), header.get("attempt"))
+        running = self._running.get(key) or self._finished.get(key)
         if running is not None and running != group_id:
             # We average this round and attempt in another group: tell the sender at once, so it does not wait
             # out its timeout for a group that leader races made inconsistent.
             await send_frame(writer, b"conflict")
             return
-        slot = self._mailbox(group_id)
-        future = slot.slot(header["phase"], remote)  # keyed by the authenticated sender, not a claimed one
-        if not future.done():
-            future.set_result((header, payload))
         await send_frame(writer, b"ok")
+        box = self._mailbox(group_id)
+        phase = header["phase"]
+        header_slot = box.slot(phase, remote)  # keyed by the authenticated sender, not a claimed one
+        if not header_slot.done():
+            header_slot.set_result(header)
+        for index in range(chunks):
+            meta = msgpack.unpackb(await recv_frame(reader, MAX_HEADER_BYTES))
+            payload = await recv_frame(reader, max_bytes=16 + 8 * self.max_numel + MAX_HEADER_BYTES)
+            slot = box.slot(phase, remote, index)
+            if not slot.done():
+                slot.set_result((meta if isinstance(meta, dict) else {}, payload))
+        await send_frame(writer, b"done")
 
-    async def _send(self, peer: str, header: dict, payload: bytes) -> int:
+    async def _stream(self, peer: str, header: dict, chunks, stats: dict, die_after_first=None) -> None:
+        """Send `header` and then every (meta, payload) that the async iterator `chunks` yields, as they come."""
         reader, writer = await self.node.open_stream(peer, self.protocol)
         try:
             await send_frame(writer, msgpack.packb(header))
-            await send_frame(writer, payload)
             if await recv_frame(reader, 16) == b"conflict":
                 raise GroupConflict(f"{peer[-8:]} is averaging this round in another group")
+            async for meta, payload in chunks:
+                await send_frame(writer, msgpack.packb(meta))
+                await send_frame(writer, payload)
+                stats["sent"] += len(payload)
+                if die_after_first is not None:
+                    self.faults.maybe_die(*die_after_first)  # dies with some chunks delivered, others not
+            if await recv_frame(reader, 16) != b"done":
+                raise ConnectionError(f"{peer[-8:]} did not confirm the stream")
         finally:
             writer.close()
-        return len(payload)
 
     async def run(self, group: Group, vector: torch.Tensor, weight: float) -> AllReduceResult:
         """Average `vector` (flat fp32) over `group`, weighted by `weight`; raises AllReduceError on failure,
@@ -151,6 +183,10 @@ class GroupAllReduce:
         finally:
             self._mailboxes.pop(group.group_id, None)
             self._running.pop((group.round, group.attempt), None)
+            # A straggler of a leader race may still write to us about this round: answer "conflict" at once.
+            self._finished[(group.round, group.attempt)] = group.group_id
+            while len(self._finished) > 4 * MAX_PENDING_GROUPS:
+                del self._finished[next(iter(self._finished))]
         self.deadlines.record(result.seconds)
         return result
 
@@ -161,71 +197,134 @@ class GroupAllReduce:
         index = members.index(me)
         vector = vector.detach().to(torch.float32).contiguous().view(-1)
         bounds = partition(vector.numel(), group.shares)
+        chunking = [chunk_bounds(*bound) for bound in bounds]
         mailbox = self._mailbox(group.group_id)
         base = {"group_id": group.group_id, "round": group.round, "attempt": group.attempt}
         phase_timeout = self.deadlines.phase_timeout()
         stats = {"sent": 0, "received": 0}
-
-        # Phase 1: scatter part j to its reducer j (members with an empty share reduce nothing).
         bad = self.faults.bad_data(group.round)
-        payloads = {members[j]: self._outgoing(vector[bounds[j][0]:bounds[j][1]], bad)
-                    for j in range(len(members)) if j != index and bounds[j][1] > bounds[j][0]}
-        unresponsive = await self._send_all(
-            {peer: ({**base, "phase": "part", "weight": float(weight)}, payload)
-             for peer, payload in payloads.items()}, stats, die_after_first=("send", group.round))
-        start, end = bounds[index]
         result = torch.empty_like(vector)
-        headers: dict[str, dict] = {}  # each reducer's account of its part, ours included
-        if end > start:
-            contributors, rejected, total_weight = [me], [], float(weight)
-            total = vector[start:end] * weight
-            parts = await self._collect(mailbox, "part", others, phase_timeout)
-            self.faults.maybe_die("reduce", group.round)
-            for sender, (header, payload) in parts.items():
-                stats["received"] += len(payload)
-                part, sender_weight = self._validated(sender, header, payload, end - start)
-                if part is None:
-                    rejected.append(sender)
-                    continue
-                total += part * sender_weight
-                total_weight += sender_weight
-                contributors.append(sender)
-            if total_weight <= 0:
-                raise AllReduceError("bad_data", "the group's total weight is zero: nobody trained this round",
-                                     set())
-            encoded_average = self.codec.encode(total / total_weight)
-            result[start:end] = self.codec.decode(encoded_average, max_numel=end - start)  # as the others get it
-            # Phase 2: send the averaged part back to every member, naming who is in it and who was rejected.
-            headers[me] = {**base, "phase": "avg", "contributors": sorted(contributors), "rejected": sorted(rejected),
-                           "total_weight": total_weight}
-            outgoing = self._outgoing(total / total_weight, bad) if bad else encoded_average
-            unresponsive |= await self._send_all({peer: (headers[me], outgoing) for peer in others}, stats)
-
+        delivered = vector.clone()  # our vector as the reducers decode it (for error feedback)
+        unresponsive: set[str] = set()
         reducers = [members[j] for j in range(len(members)) if j != index and bounds[j][1] > bounds[j][0]]
-        averages = await self._collect(mailbox, "avg", reducers, phase_timeout)
-        unresponsive |= set(reducers) - set(averages)
-        bad_reducers = set()
-        for sender, (header, payload) in averages.items():
-            stats["received"] += len(payload)
-            j = members.index(sender)
+        accounts: dict[str, list[dict]] = {}  # reducer -> its meta for each chunk of its part (ours included)
+        bad_reducers: set[str] = set()
+
+        async def parts_for(j: int):
+            for a, b in chunking[j]:
+                payload = self._outgoing(vector[a:b], bad)
+                if self.codec.name != "none" and not bad:
+                    delivered[a:b] = self.codec.decode(payload)
+                yield {}, payload
+                await asyncio.sleep(0)  # let other streams interleave
+
+        async def send(peer: str, header: dict, chunks, die_after_first=None) -> None:
             try:
-                result[bounds[j][0]:bounds[j][1]] = self._decode(sender, payload, bounds[j][1] - bounds[j][0])
-                headers[sender] = header
-            except AllReduceError:
-                bad_reducers.add(sender)  # every member decodes the same bytes, so all of them reject it
-        # The all-or-nothing rule: if any part was averaged without some member, no part is applied anywhere.
+                await self._stream(peer, header, chunks, stats, die_after_first)
+            except GroupConflict:
+                raise
+            except Exception as e:  # noqa: BLE001 - any transport error means that peer is gone for this round
+                logger.info("could not send %s to %s: %s", header["phase"], peer[-8:],
+                            str(e).splitlines()[0] if str(e) else type(e).__name__)
+                unresponsive.add(peer)
+
+        # Averaged chunks of our part go to every other member through one queue each.
+        queues = {peer: asyncio.Queue() for peer in others}
+
+        async def drain(queue: asyncio.Queue):
+            for _ in range(len(chunking[index])):
+                yield await queue.get()
+
+        async def reduce_my_part() -> None:
+            start, end = bounds[index]
+            if end <= start:
+                return
+            alive = list(others)
+            rejected: list[str] = []
+            weights: dict[str, float] = {}
+            for k, (a, b) in enumerate(chunking[index]):
+                total, total_weight, contributors = vector[a:b] * weight, float(weight), [me]
+                for sender in list(alive):
+                    try:
+                        meta, payload = await asyncio.wait_for(asyncio.shield(mailbox.slot("part", sender, k)),
+                                                               phase_timeout)
+                        header = mailbox.slot("part", sender).result()
+                    except asyncio.TimeoutError:
+                        alive.remove(sender)  # not waited for again: later chunks go on without it
+                        continue
+                    stats["received"] += len(payload)
+                    self.faults.maybe_die("reduce", group.round)  # dies while reducing, parts in hand
+                    part, sender_weight = self._validated(sender, header, payload, b - a)
+                    if part is None:
+                        alive.remove(sender)
+                        rejected.append(sender)
+                        continue
+                    weights[sender] = sender_weight
+                    total += part * sender_weight
+                    total_weight += sender_weight
+                    contributors.append(sender)
+                if total_weight <= 0:
+                    raise AllReduceError("bad_data", "the group's total weight is zero: nobody trained this round",
+                                         set())
+                average = total / total_weight
+                encoded = self.codec.encode(average)
+                result[a:b] = self.codec.decode(encoded, max_numel=b - a)  # exactly what the others will hold
+                meta = {"contributors": sorted(contributors), "rejected": sorted(rejected),
+                        "total_weight": total_weight}
+                accounts.setdefault(me, []).append(meta)
+                outgoing = self._outgoing(average, bad) if bad else encoded
+                for queue in queues.values():
+                    queue.put_nowait((meta, outgoing))
+
+        async def receive_from(reducer: str) -> None:
+            j = members.index(reducer)
+            for k, (a, b) in enumerate(chunking[j]):
+                try:
+                    meta, payload = await asyncio.wait_for(asyncio.shield(mailbox.slot("avg", reducer, k)),
+                                                           phase_timeout)
+                except asyncio.TimeoutError:
+                    unresponsive.add(reducer)
+                    return
+                stats["received"] += len(payload)
+                self.faults.maybe_die("reduce", group.round)  # (when our own share is empty)
+                try:
+                    result[a:b] = self._decode(reducer, payload, b - a)
+                except AllReduceError:
+                    bad_reducers.add(reducer)  # every member decodes the same bytes, so all of them reject it
+                    return
+                accounts.setdefault(reducer, []).append(meta)
+
+        tasks = [send(members[j], {**base, "phase": "part", "weight": float(weight), "chunks": len(chunking[j])},
+                      parts_for(j), die_after_first=("send", group.round))
+                 for j in range(len(members)) if j != index and bounds[j][1] > bounds[j][0]]
+        tasks += [send(peer, {**base, "phase": "avg", "chunks": len(chunking[index])}, drain(queue))
+                  for peer, queue in queues.items() if bounds[index][1] > bounds[index][0]]
+        tasks += [reduce_my_part()] + [receive_from(reducer) for reducer in reducers]
+        running = [asyncio.ensure_future(task) for task in tasks]
+        try:
+            # A conflict or a fatal error ends the attempt at once: nobody waits out timeouts for it.
+            done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                if task.exception() is not None:
+                    raise task.exception()
+        finally:
+            for task in running:
+                task.cancel()
+
+        # The all-or-nothing rule: if any chunk was averaged without some member, no part is applied anywhere.
         # Every member sees the same reducers' accounts, so all agree on whom to leave out of the retry:
         # peers whose data a reducer rejected (banned for this round) and peers that did not deliver.
         rejected, weights = set(bad_reducers), set()
-        for sender, header in headers.items():
-            named, refused = header.get("contributors"), header.get("rejected", [])
-            if not isinstance(named, list) or not isinstance(refused, list) or not set(named) <= set(members):
-                self.on_bad_peer(sender, "bad_header")
-                unresponsive.add(sender)
-                continue
-            rejected |= set(refused) & set(members)
-            unresponsive |= set(members) - set(named) - set(refused)
-            weights.add(header.get("total_weight"))
+        for sender, metas in accounts.items():
+            for meta in metas:
+                named, refused = meta.get("contributors"), meta.get("rejected", [])
+                if not isinstance(named, list) or not isinstance(refused, list) or not set(named) <= set(members):
+                    self.on_bad_peer(sender, "bad_header")
+                    unresponsive.add(sender)
+                    continue
+                rejected |= set(refused) & set(members)
+                unresponsive |= set(members) - set(named) - set(refused)
+                weights.add(meta.get("total_weight"))
         if rejected or unresponsive:
             raise AllReduceError(
                 "bad_data" if rejected else "partial",
@@ -237,22 +336,17 @@ class GroupAllReduce:
                                  f"{sorted(map(str, weights))}; nothing applied", set())
         group_weight = next(iter(weights))
 
-        # Phase 3: commit only once every member holds every part.
+        # Phase 3: commit only once every member holds every part. We apply iff every other member's commit
+        # reached us; whether our own commits were acknowledged does not matter for our decision (a lost
+        # acknowledgement is not a lost commit; the rare peer left behind re-syncs through the params digest).
         self.faults.maybe_die("commit", group.round)
-        # We apply iff every other member's commit reached us. Whether our own commits were acknowledged does not
-        # matter for our decision: a lost acknowledgement does not mean a lost commit (each peer decides on what it
-        # received; the rare peer left behind by a commit lost in flight re-syncs through the params digest).
-        await self._send_all({peer: ({**base, "phase": "commit"}, b"") for peer in others}, stats)
+        await asyncio.gather(*(send(peer, {**base, "phase": "commit", "chunks": 0}, _no_chunks())
+                               for peer in others))
         commits = await self._collect(mailbox, "commit", others, phase_timeout)
         unconfirmed = set(others) - set(commits)
         if unconfirmed:
             raise AllReduceError("commit", f"round {group.round}: {len(unconfirmed)} member(s) did not confirm; "
                                  "nothing applied", unconfirmed)
-        delivered = vector.clone()
-        if self.codec.name != "none":
-            for j, member in enumerate(members):
-                if member in payloads:
-                    delivered[bounds[j][0]:bounds[j][1]] = self.codec.decode(payloads[member])
         return AllReduceResult(result, delivered, group_weight, len(members), stats["sent"], stats["received"],
                                time.monotonic() - started)
 
@@ -267,26 +361,6 @@ class GroupAllReduce:
         if bad == "short":
             return self.codec.encode(part[: max(part.numel() // 2, 1)])
         return self.codec.encode(part)
-
-    async def _send_all(self, messages: dict[str, tuple[dict, bytes]], stats: dict,
-                        die_after_first: Optional[tuple[str, int]] = None) -> set[str]:
-        """Send every message concurrently; returns the peers we could not reach (a dead peer must not stop
-        us from delivering to the live ones, who need our data to finish quickly)."""
-        async def one(peer: str, header: dict, payload: bytes) -> Optional[str]:
-            try:
-                stats["sent"] += await self._send(peer, header, payload)
-                if die_after_first is not None:
-                    self.faults.maybe_die(*die_after_first)  # dies with some parts delivered, others not
-                return None
-            except GroupConflict:
-                raise
-            except Exception as e:  # noqa: BLE001 - any transport error means that peer is gone for this round
-                logger.info("could not send %s to %s: %s", header.get("phase"), peer[-8:],
-                            str(e).splitlines()[0] if str(e) else type(e).__name__)
-                return peer
-
-        results = await asyncio.gather(*(one(peer, *message) for peer, message in messages.items()))
-        return {peer for peer in results if peer is not None}
 
     async def _collect(self, mailbox: _Mailbox, phase: str, senders: list[str], timeout: float) -> dict:
         """Messages of `phase` from `senders` that arrive within `timeout` s: {sender: (header, payload)}."""
@@ -320,3 +394,8 @@ class GroupAllReduce:
             raise AllReduceError("bad_data", f"peer {sender[-8:]} sent {part.numel()} values (expected {numel}) "
                                              "or non-finite values", {sender})
         return part
+
+
+async def _no_chunks():
+    return
+    yield  # an empty async generator

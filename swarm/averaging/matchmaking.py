@@ -30,6 +30,7 @@ class Candidate:
     digest: str
     bandwidth: float  # bytes/s this peer measured on recent all-reduces (or its probe)
     client: bool  # cannot accept inbound connections: it contributes but reduces nothing
+    excluded: tuple[str, ...] = ()  # peers this one caught sending bad data in this round
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,11 @@ class Group:
 
 def choose_members(candidates: dict[str, Candidate], target_size: int) -> list[str]:
     """Candidates that share the most common params digest (ties: the smallest digest), sorted by peer id and
-    capped at `target_size`. A pure function, so every peer with the same view picks the same members."""
+    capped at `target_size`, leaving out every peer that some candidate caught sending bad data this round (so
+    an honest peer that refuses a bad one is never put in a group with it). A pure function: every peer with the
+    same view picks the same members."""
+    accused = {peer for c in candidates.values() for peer in c.excluded}
+    candidates = {peer: c for peer, c in candidates.items() if peer not in accused}
     if not candidates:
         return []
     counts = Counter(c.digest for c in candidates.values())
@@ -61,9 +66,12 @@ def _parse_candidate(value: object) -> Optional[Candidate]:
     if not isinstance(value, dict) or not isinstance(value.get("digest"), str):
         return None
     bandwidth, client = value.get("bandwidth", 0.0), value.get("client", False)
+    excluded = value.get("excluded", [])
     if not isinstance(bandwidth, (int, float)) or not math.isfinite(bandwidth) or bandwidth < 0:
         return None
-    return Candidate(value["digest"], float(bandwidth), bool(client))
+    if not isinstance(excluded, list) or len(excluded) > 1024 or not all(isinstance(p, str) for p in excluded):
+        return None
+    return Candidate(value["digest"], float(bandwidth), bool(client), tuple(excluded))
 
 
 async def _read_candidates(node: SwarmNode, key: str, excluded: set[str]) -> dict[str, Candidate]:
@@ -88,8 +96,9 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
     deadline = time.monotonic() + timeout
     key = group_key(run_id, round_no, attempt)
     ttl = 3 * timeout + 30
-    await node.store(key, {"digest": me_as.digest, "bandwidth": me_as.bandwidth, "client": me_as.client},
-                     ttl=ttl, subkey=me)
+    me_as = Candidate(me_as.digest, me_as.bandwidth, me_as.client, tuple(sorted(excluded)))
+    await node.store(key, {"digest": me_as.digest, "bandwidth": me_as.bandwidth, "client": me_as.client,
+                           "excluded": list(me_as.excluded)}, ttl=ttl, subkey=me)
 
     while True:
         candidates = {**await _read_candidates(node, key, excluded), me: me_as}
@@ -104,7 +113,8 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
     seen = len(candidates) - 1
     members = choose_members(candidates, target_size)
     if me not in members:
-        logger.info("round %d: my params digest is not the group's; skipping this attempt", round_no)
+        logger.info("round %d: not in this attempt's group (another params digest, or accused of bad data)",
+                    round_no)
         return None, seen
     if len(members) < min_size:
         return None, seen

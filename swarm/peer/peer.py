@@ -42,6 +42,7 @@ from swarm.runtime import LoopThread, install_stop_handlers
 
 logger = logging.getLogger("swarm.peer")
 EVAL_BATCHES = 4
+MAX_IMMEDIATE_RETRIES = 3  # then train on and try again later: failures that keep coming need fresh views
 
 
 @dataclass(frozen=True)
@@ -344,7 +345,7 @@ class Peer:
         started) with kind "applied" (ready to apply), "alone" or "failed"."""
         r = self.recipe
         round_no, digest = contribution.round_no, contribution.digest
-        started = time.monotonic()
+        started, retries = time.monotonic(), 0
         while True:
             if self._excluded_round != round_no:
                 self._excluded, self._unresponsive, self._excluded_round = set(), set(), round_no
@@ -380,7 +381,8 @@ class Peer:
                 suspects, rejected = getattr(e, "suspects", set()), getattr(e, "rejected", set())
                 self._excluded |= rejected
                 self._unresponsive = suspects  # only for the next attempt: a slow peer is welcome back
-                if not suspects | rejected:
+                retries += 1
+                if not suspects | rejected or retries > MAX_IMMEDIATE_RETRIES:
                     return "failed", attempt, None, None, started
                 attempt += 1  # a member failed mid-round: redo the round at once without it
 
