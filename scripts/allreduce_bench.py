@@ -246,6 +246,8 @@ def summarize(result: dict, args: argparse.Namespace) -> dict:
     round_times = [max(times) for times in per_round.values()]  # a round ends when its slowest member ends
     seconds = statistics.median(round_times) if round_times else float("nan")
     size_bytes = args.numel * 4
+    for error in errors[:3]:
+        print(f"{result['engine']} peer {error['index']} round {error['round']}: {error['error']}", file=sys.stderr)
     return {"engine": result["engine"], "peers": args.peers, "size_mb": size_bytes / 1e6, "codec": args.codec,
             "netns": bool(args.netns), "mbit": args.mbit or "", "round_seconds": seconds,
             "gb_per_s": size_bytes / seconds / 1e9 if round_times else None, "errors": len(errors)}
@@ -290,6 +292,8 @@ def main() -> None:
         print(node.visible_maddrs()[0], flush=True)
         threading.Event().wait()  # serve until the coordinator kills us
         return None
+    # SIGTERM (e.g. from `timeout`) must unwind through `finally`, so workers and namespaces are removed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.numel = args.numel or int(args.size_mb * 1e6 / 4)
     if args.mbit and not args.netns:
         parser.error("--mbit needs --netns")
