@@ -14,7 +14,6 @@ the exact weighted mean computed independently.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import signal
