@@ -241,7 +241,6 @@ class GroupAllReduce:
                 return
             alive = list(others)
             rejected: list[str] = []
-            weights: dict[str, float] = {}
             for k, (a, b) in enumerate(chunking[index]):
                 total, total_weight, contributors = vector[a:b] * weight, float(weight), [me]
                 for sender in list(alive):
@@ -259,7 +258,6 @@ class GroupAllReduce:
                         alive.remove(sender)
                         rejected.append(sender)
                         continue
-                    weights[sender] = sender_weight
                     total += part * sender_weight
                     total_weight += sender_weight
                     contributors.append(sender)
