@@ -117,8 +117,12 @@ class GroupAllReduce:
 
     def _mailbox(self, group_id: str) -> _Mailbox:
         if group_id not in self._mailboxes:
-            while len(self._mailboxes) >= MAX_PENDING_GROUPS:  # bounded memory against stray or hostile senders
-                oldest = min(self._mailboxes, key=lambda g: self._mailboxes[g].created)
+            running = set(self._running.values())
+            # Bounded memory against stray or hostile senders, but never at the expense of a group we are in.
+            evictable = [g for g in self._mailboxes if g not in running]
+            while len(self._mailboxes) >= MAX_PENDING_GROUPS and evictable:
+                oldest = min(evictable, key=lambda g: self._mailboxes[g].created)
+                evictable.remove(oldest)
                 del self._mailboxes[oldest]
             self._mailboxes[group_id] = _Mailbox()
         return self._mailboxes[group_id]
@@ -141,6 +145,8 @@ class GroupAllReduce:
             await send_frame(writer, b"conflict")
             return
         await send_frame(writer, b"ok")
+        if group_id in self._finished.values():
+            return  # a straggler of a group we already finished: nothing left to use it for
         box = self._mailbox(group_id)
         phase = header["phase"]
         header_slot = box.slot(phase, remote)  # keyed by the authenticated sender, not a claimed one
