@@ -69,7 +69,7 @@ def run_demo(args: argparse.Namespace) -> int:
     found: list[str] = []
     ready = threading.Event()
     recipe = ["--recipe", args.recipe] if args.recipe else []
-    bootstrap = spawn(["bootstrap", "--metrics-port", str(ports[0])] + recipe, "[bootstrap]", "bootstrap.log",
+    spawn(["bootstrap", "--metrics-port", str(ports[0])] + recipe, "[bootstrap]", "bootstrap.log",
                       found=found, ready=ready)
     try:
         if not ready.wait(60) or not found:
@@ -107,4 +107,3 @@ def run_demo(args: argparse.Namespace) -> int:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-        del bootstrap

@@ -123,9 +123,14 @@ def swarm(tmp_path, cache_dir):
                                   timeout=timeout)
 
     yield Launcher()
-    for process in started:
+    stop_all(started)
+
+
+def stop_all(processes: list[SwarmProcess]) -> None:
+    """Kill every process (and its session) a test started, then reap them."""
+    for process in processes:
         process.kill()
-    for process in started:
+    for process in processes:
         try:
             process.process.wait(10)
         except subprocess.TimeoutExpired:

@@ -28,7 +28,7 @@ import yaml
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import MADDR, TINY_RECIPE, SwarmProcess
+from conftest import MADDR, TINY_RECIPE, SwarmProcess, stop_all
 from swarm.bootstrap import _stop_on_signals
 from swarm.compression import get_codec
 from swarm.config import Recipe
@@ -393,13 +393,7 @@ def live_swarm(tmp_path_factory, cache_dir):
         yield LiveSwarm(bootstrap, maddr, f"http://127.0.0.1:{bootstrap_port}/", peers, peer_ids, peer_ports,
                         bootstrap_port)
     finally:
-        for process in started:
-            process.kill()
-        for process in started:
-            try:
-                process.process.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
+        stop_all(started)
 
 
 @pytest.mark.slow

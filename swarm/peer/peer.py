@@ -6,6 +6,7 @@ outer step), announcing itself, checkpointing and exporting metrics until stoppe
 from __future__ import annotations
 
 import hashlib
+import math
 import logging
 import concurrent.futures
 import threading
@@ -235,7 +236,7 @@ class Peer:
             self.metrics.inner_steps.inc()
             self.metrics.tokens.inc(tokens_per_step)
             window_tokens += tokens_per_step
-            if not torch.isfinite(torch.tensor(loss)):
+            if not math.isfinite(loss):
                 self._recover("non-finite loss")
                 continue
             self.tokens_in_round += tokens_per_step
@@ -331,7 +332,7 @@ class Peer:
         r = self.recipe
         pseudo_gradient = self.error_feedback.compensate(self.diloco.pseudo_gradient())
         norm = float(pseudo_gradient.norm())
-        if not torch.isfinite(torch.tensor(norm)) or norm > r.outer.max_pseudo_grad_norm:
+        if not math.isfinite(norm) or norm > r.outer.max_pseudo_grad_norm:
             self._recover(f"pseudo-gradient norm {norm:.3g} over the recipe's bound")
             return None
         snapshot = self._flat_local() if r.outer.overlap else None
