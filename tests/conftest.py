@@ -96,10 +96,24 @@ def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("swarm-cache")
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """When a test fails, attach the last lines of every swarm process it started (not just the one it waited
+    on): a race between peers is only explained by reading all sides of it."""
+    outcome = yield
+    report = outcome.get_result()
+    processes = getattr(item, "swarm_processes", None)
+    if report.failed and processes:
+        for process in processes:
+            report.sections.append((f"swarm process {process.name} (pid {process.pid})",
+                                    "".join(process.lines[-60:])))
+
+
 @pytest.fixture
-def swarm(tmp_path, cache_dir):
+def swarm(request, tmp_path, cache_dir):
     """Start swarm processes; every one of them (and its session) is killed at the end of the test."""
     started: list[SwarmProcess] = []
+    request.node.swarm_processes = started
 
     class Launcher:
         workdir = tmp_path

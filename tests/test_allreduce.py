@@ -5,6 +5,7 @@ bandwidth-weighted partition as pure functions."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from pathlib import Path
@@ -12,9 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarm.averaging.matchmaking import Candidate, choose_members
+import msgpack
+
+from swarm.averaging.allreduce import AdaptiveDeadlines, GroupAllReduce
+from swarm.averaging.matchmaking import Candidate, Group, choose_members, group_timeout
 from swarm.averaging.partition import optimal_shares, partition
 from swarm.compression import get_codec
+from swarm.dht.node import FRAME_HEADER, recv_frame
 
 ROOT = Path(__file__).resolve().parent.parent
 NUMEL = 1_000_000
@@ -111,3 +116,82 @@ def test_choose_members_majority_digest_and_accusations():
     accused = {**c, "a": Candidate("d1", 1.0, False, ("b",))}
     assert choose_members(accused, 16) == ["a"]
     assert choose_members({}, 16) == []
+
+
+def test_deadlines_follow_measured_rounds_and_grow_after_timeouts():
+    deadlines = AdaptiveDeadlines(floor=5.0, ceiling=60.0)
+    assert deadlines.measured() is None and deadlines.phase_timeout() == 60.0, "nothing measured: the ceiling"
+    assert deadlines.phase_timeout(group_timeout=7.0) == 7.0, "a new peer adopts its group's measured deadline"
+    assert deadlines.phase_timeout(group_timeout=1e5) == 60.0, "a leader cannot make us wait past our ceiling"
+    deadlines.record(0.5)
+    assert deadlines.phase_timeout() == 5.0, "fast rounds: the floor"
+    deadlines.record(4.0)
+    assert deadlines.phase_timeout() == 12.0
+    # Links got slower than anything measured: each timed-out attempt doubles the deadline, up to the ceiling,
+    # so the swarm does not fail every round from then on.
+    deadlines.record_timeout(12.0)
+    assert deadlines.phase_timeout() == 24.0
+    deadlines.record_timeout(24.0)
+    deadlines.record_timeout(48.0)
+    assert deadlines.phase_timeout() == 60.0
+
+
+def test_group_agrees_on_the_slowest_measured_deadline():
+    assert group_timeout([Candidate("d", 1, False), Candidate("d", 1, False)]) is None
+    assert group_timeout([Candidate("d", 1, False, phase_timeout=6.0), Candidate("d", 1, False),
+                          Candidate("d", 1, False, phase_timeout=9.0)]) == 9.0
+    one, other = Group.of(3, 0, ["a", "b"], [0.5, 0.5], 9.0), Group.of(3, 0, ["a", "b"], [0.5, 0.5], None)
+    assert one.phase_timeout == 9.0 and one.group_id != other.group_id
+
+
+class _Writer:
+    """The handler's end of an in-memory stream: what it writes, the test reads from `reader`."""
+
+    def __init__(self, reader: asyncio.StreamReader):
+        self.reader = reader
+
+    def write(self, data: bytes) -> None:
+        self.reader.feed_data(data)
+
+    async def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.reader.feed_eof()
+
+
+def _answer_to(allreduce: GroupAllReduce, header: dict) -> asyncio.Task:
+    """Start the all-reduce's stream handler on a stream whose sender sent `header`; returns the task."""
+    inbound, outbound = asyncio.StreamReader(), asyncio.StreamReader()
+    frame = msgpack.packb(header)
+    inbound.feed_data(FRAME_HEADER.pack(len(frame)) + frame)
+    inbound.feed_eof()
+    task = asyncio.ensure_future(allreduce._on_stream("sender", inbound, _Writer(outbound)))
+    task.reply = outbound
+    return task
+
+
+async def _reply(task: asyncio.Task) -> bytes:
+    return await recv_frame(task.reply, 16)
+
+
+def test_streams_for_a_group_we_do_not_join_get_conflict_at_once():
+    """A sender that put us in its group (a leader race) must learn that we joined another group, or none, as
+    soon as our matchmaking is over: not wait out its deadline for parts we will never send."""
+
+    async def scenario():
+        allreduce = GroupAllReduce(node=None, run_id="t", codec_name="none", max_numel=1 << 20,
+                                   deadlines=AdaptiveDeadlines(5.0, 30.0))
+        header = {"phase": "part", "chunks": 0, "round": 4, "attempt": 0, "group_id": "theirs"}
+        waiting = _answer_to(allreduce, header)
+        await asyncio.sleep(0.2)
+        assert not waiting.done(), "undecided: the handler waits for our matchmaking"
+        await allreduce.decide(4, 0, "ours")
+        assert await asyncio.wait_for(_reply(waiting), 2) == b"conflict"
+        # A stream for the group we did join is accepted; one for an attempt we found no group in is refused.
+        assert await asyncio.wait_for(_reply(_answer_to(allreduce, {**header, "group_id": "ours"})), 2) == b"ok"
+        await allreduce.decide(4, 1, None)
+        refused = _answer_to(allreduce, {**header, "attempt": 1, "group_id": "theirs"})
+        assert await asyncio.wait_for(_reply(refused), 2) == b"conflict"
+
+    asyncio.run(scenario())

@@ -30,6 +30,8 @@ from swarm.dht.node import SwarmNode, recv_frame, send_frame
 logger = logging.getLogger(__name__)
 MAX_HEADER_BYTES = 64 << 10
 MAX_PENDING_GROUPS = 8
+MAX_DECISIONS = 64  # (round, attempt) keys whose group we remember, for answering streams about them
+COMMIT_GRACE = 2.0  # s to wait for the commit of a member our own commit could not reach (it is likely dead)
 MIN_CHUNK = 1 << 16  # elements; chunk sizes are multiples of CHUNK_ALIGN so codec blocks never straddle chunks
 CHUNK_ALIGN = 4096
 CHUNKS_PER_PART = 8
@@ -62,10 +64,26 @@ class AdaptiveDeadlines:
     def record(self, seconds: float) -> None:
         self.recent.append(seconds)
 
-    def phase_timeout(self) -> float:
-        if not self.recent:
-            return self.ceiling  # nothing measured yet: be patient
-        return min(max(self.factor * max(self.recent), self.floor), self.ceiling)
+    def record_timeout(self, waited: float) -> None:
+        """An attempt failed because someone did not deliver within `waited` s: a dead peer, or links slower
+        than recent rounds measured. Count it as a round of 2/3 x `waited` s, so the next deadline is twice as
+        long (up to the ceiling): a swarm whose links got slower does not fail every round from then on."""
+        self.recent.append(2.0 * waited / self.factor)
+
+    def measured(self) -> Optional[float]:
+        """The deadline our own measurements give, or None before the first round (shared in matchmaking)."""
+        return self.clamp(self.factor * max(self.recent)) if self.recent else None
+
+    def clamp(self, seconds: float) -> float:
+        return min(max(seconds, self.floor), self.ceiling)
+
+    def phase_timeout(self, group_timeout: Optional[float] = None) -> float:
+        """The group's agreed deadline (the slowest measured member's, from matchmaking) if there is one, else
+        ours; before anything was measured, the ceiling."""
+        if group_timeout is not None:
+            return self.clamp(group_timeout)
+        measured = self.measured()
+        return self.ceiling if measured is None else measured
 
 
 class GroupConflict(RuntimeError):
@@ -111,9 +129,29 @@ class GroupAllReduce:
         self._mailboxes: dict[str, _Mailbox] = {}
         self._running: dict[tuple[int, int], str] = {}  # (round, attempt) -> group id we are averaging in
         self._finished: dict[tuple[int, int], str] = {}  # ...and the ones we averaged in recently
+        # (round, attempt) -> the group id we joined for it, or None (no group). A stream about a key we have
+        # not decided yet waits for the decision, so a sender whose group we do not join learns it at once
+        # ("conflict") instead of waiting out its deadline for parts we will never send.
+        self._decisions: dict[tuple[int, int], asyncio.Future] = {}
 
     async def start(self) -> None:
         await self.node.add_stream_handler(self.protocol, self._on_stream)
+
+    def _decision(self, key: tuple[int, int]) -> asyncio.Future:
+        if key not in self._decisions:
+            while len(self._decisions) >= MAX_DECISIONS:  # bounded against senders naming endless keys
+                oldest = self._decisions.pop(next(iter(self._decisions)))
+                if not oldest.done():
+                    oldest.set_result(None)
+            self._decisions[key] = asyncio.get_running_loop().create_future()
+        return self._decisions[key]
+
+    async def decide(self, round_no: int, attempt: int, group_id: Optional[str]) -> None:
+        """Record which group we take part in for (round, attempt), None for none (matchmaking found no group,
+        or we left that attempt): streams waiting on it get their answer now."""
+        future = self._decision((round_no, attempt))
+        if not future.done():
+            future.set_result(group_id)
 
     def _mailbox(self, group_id: str) -> _Mailbox:
         if group_id not in self._mailboxes:
@@ -138,10 +176,16 @@ class GroupAllReduce:
             raise ValueError(f"all-reduce header from {remote} announces {chunks!r} chunks")
         group_id = str(header.get("group_id"))
         key = (header.get("round"), header.get("attempt"))
-        running = self._running.get(key) or self._finished.get(key)
-        if running is not None and running != group_id:
-            # We average this round and attempt in another group: tell the sender at once, so it does not wait
-            # out its timeout for a group that leader races made inconsistent.
+        if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 40 for v in key):
+            raise ValueError(f"all-reduce header from {remote} names round/attempt {key!r}")
+        try:
+            # Wait until our own matchmaking for this round and attempt is over (bounded by the ceiling).
+            decided = await asyncio.wait_for(asyncio.shield(self._decision(key)), self.deadlines.ceiling)
+        except asyncio.TimeoutError:
+            decided = None
+        if decided != group_id:
+            # We average this round and attempt in another group, or in none: tell the sender at once, so it
+            # does not wait out its deadline for a group that leader races made inconsistent.
             await send_frame(writer, b"conflict")
             return
         await send_frame(writer, b"ok")
@@ -182,6 +226,7 @@ class GroupAllReduce:
         """Average `vector` (flat fp32) over `group`, weighted by `weight`; raises AllReduceError on failure,
         naming the members suspected of causing it, so the caller can retry at once without them."""
         self._running[(group.round, group.attempt)] = group.group_id
+        await self.decide(group.round, group.attempt, group.group_id)
         try:
             result = await self._run(group, vector, weight)
         except GroupConflict as e:
@@ -206,7 +251,7 @@ class GroupAllReduce:
         chunking = [chunk_bounds(*bound) for bound in bounds]
         mailbox = self._mailbox(group.group_id)
         base = {"group_id": group.group_id, "round": group.round, "attempt": group.attempt}
-        phase_timeout = self.deadlines.phase_timeout()
+        phase_timeout = self.deadlines.phase_timeout(group.phase_timeout)
         stats = {"sent": 0, "received": 0}
         bad = self.faults.bad_data(group.round)
         result = torch.empty_like(vector)
@@ -330,6 +375,8 @@ class GroupAllReduce:
                 unresponsive |= set(members) - set(named) - set(refused)
                 weights.add(meta.get("total_weight"))
         if rejected or unresponsive:
+            if unresponsive - {me}:
+                self.deadlines.record_timeout(phase_timeout)
             raise AllReduceError(
                 "bad_data" if rejected else "partial",
                 f"round {group.round}: parts were averaged without "
@@ -346,9 +393,14 @@ class GroupAllReduce:
         self.faults.maybe_die("commit", group.round)
         await asyncio.gather(*(send(peer, {**base, "phase": "commit", "chunks": 0}, _no_chunks())
                                for peer in others))
-        commits = await self._collect(mailbox, "commit", others, phase_timeout)
+        # A member our commit could not reach is most likely dead: its own commit, if it sent one, is here by
+        # now or very soon, so do not wait out the whole deadline for it.
+        commit_timeout = min(phase_timeout, COMMIT_GRACE) if unresponsive else phase_timeout
+        commits = await self._collect(mailbox, "commit", others, commit_timeout)
         unconfirmed = set(others) - set(commits)
         if unconfirmed:
+            if not unresponsive:
+                self.deadlines.record_timeout(phase_timeout)
             raise AllReduceError("commit", f"round {group.round}: {len(unconfirmed)} member(s) did not confirm; "
                                  "nothing applied", unconfirmed)
         return AllReduceResult(result, delivered, group_weight, len(members), stats["sent"], stats["received"],

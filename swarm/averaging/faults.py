@@ -1,6 +1,8 @@
 """Deterministic fault injection for tests and drills: `--inject-fault PHASE@ROUND` makes this peer SIGKILL itself
-at a named phase of a named round, or send a named kind of bad data in that round, so tests can assert exactly
-what survivors end with and that the fault really fired."""
+at a named phase of the first round numbered ROUND or later that it averages in, or send a named kind of bad data
+from that round on, so tests can assert exactly what survivors end with and that the fault really fired. ("Or
+later": a peer that missed round ROUND, e.g. because a slow start left it out and it re-synced past it, still
+fires, and says in which round.)"""
 
 from __future__ import annotations
 
@@ -27,12 +29,12 @@ class FaultPlan:
             self.phase, self.round = phase, int(round_text)
 
     def maybe_die(self, phase: str, round_no: int) -> None:
-        if self.phase == phase and self.round == round_no:
+        if self.phase == phase and round_no >= self.round >= 0:
             print(f"FAULT INJECTED: SIGKILL at {phase} of round {round_no}", flush=True)
             sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGKILL)
 
     def bad_data(self, round_no: int) -> Optional[str]:
-        if self.phase in BAD_DATA and self.round == round_no:
+        if self.phase in BAD_DATA and round_no >= self.round >= 0:
             return self.phase
         return None

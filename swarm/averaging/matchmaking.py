@@ -31,6 +31,7 @@ class Candidate:
     bandwidth: float  # bytes/s this peer measured on recent all-reduces (or its probe)
     client: bool  # cannot accept inbound connections: it contributes but reduces nothing
     excluded: tuple[str, ...] = ()  # peers this one caught sending bad data in this round
+    phase_timeout: Optional[float] = None  # the all-reduce deadline its recent rounds measured (None: none yet)
 
 
 @dataclass(frozen=True)
@@ -40,12 +41,22 @@ class Group:
     members: tuple[str, ...]  # sorted peer ids
     shares: tuple[float, ...]  # fraction of the vector each member reduces
     group_id: str
+    phase_timeout: Optional[float] = None  # agreed all-reduce deadline: the slowest measured member's
 
     @classmethod
-    def of(cls, round_no: int, attempt: int, members: Sequence[str], shares: Sequence[float]) -> "Group":
+    def of(cls, round_no: int, attempt: int, members: Sequence[str], shares: Sequence[float],
+           phase_timeout: Optional[float] = None) -> "Group":
         ordered = tuple(members)
-        text = f"{round_no}|{attempt}|{'|'.join(ordered)}|{','.join(f'{s:.9f}' for s in shares)}"
-        return cls(round_no, attempt, ordered, tuple(shares), hashlib.sha256(text.encode()).hexdigest()[:32])
+        text = f"{round_no}|{attempt}|{'|'.join(ordered)}|{','.join(f'{s:.9f}' for s in shares)}|{phase_timeout}"
+        return cls(round_no, attempt, ordered, tuple(shares), hashlib.sha256(text.encode()).hexdigest()[:32],
+                   phase_timeout)
+
+
+def group_timeout(candidates: Sequence[Candidate]) -> Optional[float]:
+    """The deadline a group agrees on: the largest its measured members report, so the slowest link sets the
+    pace and a member that has measured nothing yet (it just joined) does not wait the ceiling for a dead peer."""
+    measured = [c.phase_timeout for c in candidates if c.phase_timeout is not None]
+    return max(measured) if measured else None
 
 
 def choose_members(candidates: dict[str, Candidate], target_size: int) -> list[str]:
@@ -66,12 +77,20 @@ def _parse_candidate(value: object) -> Optional[Candidate]:
     if not isinstance(value, dict) or not isinstance(value.get("digest"), str):
         return None
     bandwidth, client = value.get("bandwidth", 0.0), value.get("client", False)
-    excluded = value.get("excluded", [])
+    excluded, timeout = value.get("excluded", []), value.get("phase_timeout")
     if not isinstance(bandwidth, (int, float)) or not math.isfinite(bandwidth) or bandwidth < 0:
         return None
     if not isinstance(excluded, list) or len(excluded) > 1024 or not all(isinstance(p, str) for p in excluded):
         return None
-    return Candidate(value["digest"], float(bandwidth), bool(client), tuple(excluded))
+    if timeout is not None and (not _is_seconds(timeout)):
+        return None
+    return Candidate(value["digest"], float(bandwidth), bool(client), tuple(excluded),
+                     None if timeout is None else float(timeout))
+
+
+def _is_seconds(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and \
+        0 < value < 1e6
 
 
 async def _read_candidates(node: SwarmNode, key: str, excluded: set[str]) -> dict[str, Candidate]:
@@ -96,9 +115,10 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
     deadline = time.monotonic() + timeout
     key = group_key(run_id, round_no, attempt)
     ttl = 3 * timeout + 30
-    me_as = Candidate(me_as.digest, me_as.bandwidth, me_as.client, tuple(sorted(excluded)))
+    me_as = Candidate(me_as.digest, me_as.bandwidth, me_as.client, tuple(sorted(excluded)), me_as.phase_timeout)
     await node.store(key, {"digest": me_as.digest, "bandwidth": me_as.bandwidth, "client": me_as.client,
-                           "excluded": list(me_as.excluded)}, ttl=ttl, subkey=me)
+                           "excluded": list(me_as.excluded), "phase_timeout": me_as.phase_timeout},
+                     ttl=ttl, subkey=me)
 
     while True:
         candidates = {**await _read_candidates(node, key, excluded), me: me_as}
@@ -125,8 +145,9 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
         except ValueError as e:
             logger.warning("round %d: %s", round_no, e)
             return None, seen
-        await node.store(final_key(run_id, round_no, attempt), {"members": members, "shares": shares},
-                         ttl=ttl, subkey=me)
+        await node.store(final_key(run_id, round_no, attempt),
+                         {"members": members, "shares": shares,
+                          "phase_timeout": group_timeout([candidates[m] for m in members])}, ttl=ttl, subkey=me)
 
     # Wait as long as the leader may still be waiting for its own candidates (it may have started later).
     final_deadline = time.monotonic() + timeout + 2 * SETTLE_SECONDS
@@ -138,20 +159,20 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
                 await asyncio.sleep(SETTLE_SECONDS)
                 finals = await _read_finals(node, run_id, round_no, attempt, excluded)
             leader = min(finals)
-            chosen, shares = finals[leader]
+            chosen, shares, phase_timeout = finals[leader]
             if me not in chosen:
                 logger.info("round %d: leader %s formed a group without me", round_no, leader[-8:])
                 return None, seen
             if len(chosen) < min_size:
                 return None, seen
-            return Group.of(round_no, attempt, chosen, shares), seen
+            return Group.of(round_no, attempt, chosen, shares, phase_timeout), seen
         await asyncio.sleep(POLL_SECONDS)
     logger.info("round %d: no group leader published a group in time", round_no)
     return None, seen
 
 
 async def _read_finals(node: SwarmNode, run_id: str, round_no: int, attempt: int,
-                       excluded: set[str]) -> dict[str, tuple[list[str], list[float]]]:
+                       excluded: set[str]) -> dict[str, tuple[list[str], list[float], Optional[float]]]:
     raw = await node.get(final_key(run_id, round_no, attempt))
     finals = {}
     for writer, value in raw.items():
@@ -163,6 +184,8 @@ async def _read_finals(node: SwarmNode, run_id: str, round_no: int, attempt: int
                 and members == sorted(set(members)) and members[0] == writer
                 and isinstance(shares, list) and len(shares) == len(members)
                 and all(isinstance(s, (int, float)) and math.isfinite(s) and s >= 0 for s in shares)
-                and abs(sum(shares) - 1) < 1e-6 and not excluded & set(members)):
-            finals[writer] = (members, [float(s) for s in shares])
+                and abs(sum(shares) - 1) < 1e-6 and not excluded & set(members)
+                and (value.get("phase_timeout") is None or _is_seconds(value.get("phase_timeout")))):
+            timeout = value.get("phase_timeout")
+            finals[writer] = (members, [float(s) for s in shares], None if timeout is None else float(timeout))
     return finals

@@ -249,6 +249,7 @@ class Peer:
                 window_start, window_tokens = time.monotonic(), 0
             if self.pending is not None and self.pending[0].done():
                 self._finish_pending()
+                continue  # the round changed: re-check whether we are finished before preparing another
 
             behind = self._swarm_reference()
             if behind[0] > self.diloco.round and behind[2]:
@@ -347,6 +348,8 @@ class Peer:
         round_no, digest = contribution.round_no, contribution.digest
         started, retries = time.monotonic(), 0
         while True:
+            if self._swarm_reference()[0] > round_no:
+                return "failed", attempt, None, None, started  # the swarm moved on: the main loop re-syncs
             if self._excluded_round != round_no:
                 self._excluded, self._unresponsive, self._excluded_round = set(), set(), round_no
             # Peers that failed this round together retry together: follow the highest attempt number announced.
@@ -358,15 +361,18 @@ class Peer:
             expected = {p.peer_id for p in self.announcer.view if p.round == round_no and p.updated >= fresh_after
                         and p.state in ("training", "averaging") and p.digest == digest}
             self.faults.maybe_die("matchmaking", round_no)
+            me_as = Candidate(digest, self.bandwidth, client=False,
+                              phase_timeout=self.allreduce.deadlines.measured())
             try:
                 group, others_seen = self.loop.run(form_group(
-                    self.node, r.run_id, round_no, attempt, Candidate(digest, self.bandwidth, client=False),
-                    expected, r.averaging.min_group_size, r.averaging.target_group_size,
-                    r.averaging.matchmaking_timeout, excluded=self._excluded, not_waiting_for=self._unresponsive),
-                    timeout=3 * r.averaging.matchmaking_timeout + 30)
+                    self.node, r.run_id, round_no, attempt, me_as, expected, r.averaging.min_group_size,
+                    r.averaging.target_group_size, r.averaging.matchmaking_timeout, excluded=self._excluded,
+                    not_waiting_for=self._unresponsive), timeout=3 * r.averaging.matchmaking_timeout + 30)
             except TimeoutError:
                 group, others_seen = None, 1
             if group is None:
+                # Peers that put us in their group hear at once that we are not coming.
+                self.loop.run(self.allreduce.decide(round_no, attempt, None), timeout=10)
                 self.metrics.averaging_failures.labels(reason="no_group").inc()
                 logger.info("round %d: no group formed (attempt %d); training on", round_no, attempt)
                 return ("failed" if others_seen else "alone"), attempt, None, None, started
@@ -382,9 +388,9 @@ class Peer:
                 self._excluded |= rejected
                 self._unresponsive = suspects  # only for the next attempt: a slow peer is welcome back
                 retries += 1
-                if not suspects | rejected or retries > MAX_IMMEDIATE_RETRIES:
+                if (not suspects | rejected and reason != "conflict") or retries > MAX_IMMEDIATE_RETRIES:
                     return "failed", attempt, None, None, started
-                attempt += 1  # a member failed mid-round: redo the round at once without it
+                attempt += 1  # a member failed mid-round, or views differed: redo the round at once
 
     def _apply(self, contribution: Contribution, result: AllReduceResult, group: Group, started: float) -> None:
         r = self.recipe
