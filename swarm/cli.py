@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="write checkpoints here and resume from the newest one on restart")
     join.add_argument("--keep-checkpoints", type=int, default=3, metavar="N",
                       help="how many recent checkpoints to keep (default 3)")
+    join.add_argument("--checkpoint-series", type=int, default=100, metavar="N",
+                      help="also keep a series of intermediate checkpoints, as Pythia publishes them: rounds 1, 2, "
+                           "4, 8, ... and every N-th round (default 100; 0 keeps only the recent ones)")
     join.add_argument("--max-rounds", type=int, metavar="N", help="stop after averaging this many outer rounds")
     join.add_argument("--until-round", type=int, metavar="N",
                       help="stop once the global round reaches N (all peers of a swarm stop at the same round)")
@@ -165,7 +168,8 @@ def _join(args: argparse.Namespace) -> int:
         settings = PeerSettings(
             initial_peers=tuple(args.initial_peers), device=args.device, num_threads=args.num_threads,
             metrics_port=args.metrics_port, metrics_host=args.metrics_host, checkpoint_dir=args.checkpoint_dir,
-            keep_checkpoints=args.keep_checkpoints, max_rounds=args.max_rounds,
+            keep_checkpoints=args.keep_checkpoints, checkpoint_series=args.checkpoint_series,
+            max_rounds=args.max_rounds,
             until_round=args.until_round, recipe_file=args.recipe,
             data_shard=args.data_shard, trace_dir=args.trace_dir, host_maddrs=tuple(args.host_maddrs),
             announce_maddrs=tuple(args.announce_maddrs), identity_path=args.identity_path,

@@ -198,6 +198,7 @@ class PeerSettings(BaseModel):
     metrics_host: str = "127.0.0.1"
     checkpoint_dir: Optional[str] = None
     keep_checkpoints: int = Field(3, ge=1)
+    checkpoint_series: int = Field(100, ge=0)  # keep rounds 1, 2, 4, ... and every N-th (0: only the recent ones)
     max_rounds: Optional[int] = Field(None, gt=0, description="stop after averaging this many outer rounds")
     until_round: Optional[int] = Field(None, gt=0, description="stop once the swarm's global round reaches this")
     recipe_file: Optional[str] = Field(None, description="local recipe that must equal the swarm's")

@@ -1,13 +1,14 @@
 """Checkpoints are atomic and verified: a kill -9 mid-write leaves the previous one loadable, and a corrupted one
 is skipped in favour of the previous one."""
 
+import json
 import signal
 import subprocess
 import sys
 
 import torch
 
-from swarm.peer.checkpoint import list_checkpoints, load_latest, save_checkpoint
+from swarm.peer.checkpoint import in_series, list_checkpoints, load_latest, save_checkpoint
 
 
 def test_save_load_and_keep(tmp_path):
@@ -18,6 +19,22 @@ def test_save_load_and_keep(tmp_path):
     latest = load_latest(tmp_path)
     assert latest.round == 5 and latest.tokens_seen == 500 and latest.meta["loss"] == 0.2
     assert torch.equal(latest.tensors["params.w"], torch.full((4,), 5.0))
+
+
+def test_series_of_intermediate_checkpoints_is_kept_with_an_index(tmp_path):
+    """Pythia-style: rounds 1, 2, 4, 8, ... and every N-th stay, besides the newest `keep`; checkpoints.json lists
+    them with tokens seen and losses."""
+    assert [r for r in range(1, 40) if in_series(r, 10)] == [1, 2, 4, 8, 10, 16, 20, 30, 32]
+    assert not any(in_series(r, 0) for r in range(40)), "0: no series"
+    for round_no in range(1, 26):
+        save_checkpoint(tmp_path, round_no, round_no * 100, {"params.w": torch.full((4,), float(round_no))},
+                        {"loss": 1.0 / round_no, "val_loss": 2.0 / round_no}, keep=2, series_every=10)
+    kept = [int(p.name.split("-")[1]) for p in list_checkpoints(tmp_path)]
+    assert kept == [1, 2, 4, 8, 10, 16, 20, 24, 25]
+    index = json.loads((tmp_path / "checkpoints.json").read_text())
+    assert [e["round"] for e in index] == kept
+    assert index[3] == {"path": "round-00000008", "round": 8, "tokens_seen": 800, "loss": 1 / 8, "val_loss": 2 / 8,
+                        "digest": None}
 
 
 def test_corrupted_checkpoint_falls_back_to_previous(tmp_path, caplog):

@@ -2,6 +2,10 @@
 (e.g. error-feedback residuals) in safetensors, metadata in JSON with the file's sha256. A write is
 temp-dir + fsync + rename, so a crash mid-write leaves the previous checkpoint loadable; a corrupted checkpoint
 is detected on load and skipped in favour of the previous one.
+
+Besides the newest few, a directory keeps a series of intermediate checkpoints, as Pythia and OLMo publish them:
+log-spaced early (rounds 1, 2, 4, 8, ...) and then every `series_every` rounds, each with its round, tokens seen
+and losses in its metadata, and all of them listed in `checkpoints.json`.
 """
 
 from __future__ import annotations
@@ -20,6 +24,15 @@ from safetensors.torch import load_file, save_file
 
 logger = logging.getLogger(__name__)
 PREFIX = "round-"
+INDEX = "checkpoints.json"
+
+
+def in_series(round_no: int, series_every: int) -> bool:
+    """Whether a checkpoint of `round_no` belongs to the kept series: a power of two, or a multiple of
+    `series_every` (0: no series)."""
+    if series_every <= 0 or round_no <= 0:
+        return False
+    return round_no & (round_no - 1) == 0 or round_no % series_every == 0
 
 
 @dataclass
@@ -48,8 +61,9 @@ def _fsync_dir(path: Path) -> None:
 
 
 def save_checkpoint(directory: str | Path, round_no: int, tokens_seen: int, tensors: dict[str, torch.Tensor],
-                    meta: dict, keep: int = 3) -> Path:
-    """Write `round-NNNNNNNN/` atomically and keep the newest `keep` checkpoints; returns its path."""
+                    meta: dict, keep: int = 3, series_every: int = 0) -> Path:
+    """Write `round-NNNNNNNN/` atomically; keep the newest `keep` checkpoints plus the series (see in_series);
+    returns its path."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"{PREFIX}{round_no:08d}"
@@ -71,8 +85,32 @@ def save_checkpoint(directory: str | Path, round_no: int, tokens_seen: int, tens
     os.replace(staging, final)
     _fsync_dir(directory)
     for old in sorted(list_checkpoints(directory))[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+        if not in_series(_round_of(old), series_every):
+            shutil.rmtree(old, ignore_errors=True)
+    _write_index(directory)
     return final
+
+
+def _round_of(path: Path) -> int:
+    try:
+        return int(path.name[len(PREFIX):])
+    except ValueError:
+        return -1
+
+
+def _write_index(directory: Path) -> None:
+    """checkpoints.json: every checkpoint kept, oldest first, with what its metadata says about it."""
+    entries = []
+    for path in list_checkpoints(directory):
+        try:
+            meta = json.loads((path / "meta.json").read_text())
+        except (OSError, ValueError):
+            continue
+        entries.append({"path": path.name, **{k: meta.get(k) for k in ("round", "tokens_seen", "loss", "val_loss",
+                                                                        "digest")}})
+    staging = directory / f".{INDEX}.tmp-{os.getpid()}"
+    staging.write_text(json.dumps(entries, indent=1))
+    os.replace(staging, directory / INDEX)
 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:

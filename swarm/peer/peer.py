@@ -147,7 +147,7 @@ class Peer:
         if holders and (checkpoint is None or checkpoint.round < swarm_round or
                         (checkpoint.round == swarm_round and checkpoint.meta.get("digest") != digest)):
             if swarm_round > 0 or digest != self.diloco.digest():
-                self._resync(holders, reason="joining")
+                self._resync(holders, digest, reason="joining")
                 return
         if checkpoint is not None:
             self.diloco.load_state_tensors(checkpoint.tensors, checkpoint.round, checkpoint.tokens_seen)
@@ -173,24 +173,25 @@ class Peer:
         digest = min(counts, key=lambda d: (-counts[d], d))
         return top, digest, [p.peer_id for p in at_top if p.digest == digest]
 
-    def _resync(self, holders: list[str], reason: str) -> bool:
+    def _resync(self, holders: list[str], digest: str, reason: str) -> bool:
+        """Download the swarm's state (params digest `digest`) from `holders`; False (keeping our own state) if
+        none could provide it."""
         self.state = "syncing"
-        for holder in holders:
-            try:
-                header = self.loop.run(download_state(self.node, holder, self.recipe.run_id, self.diloco,
-                                                      timeout=120.0), timeout=150)
-            except (StateSyncError, TimeoutError) as e:
-                logger.warning("%s", e)
-                continue
-            self.metrics.resyncs.inc()
-            self.tokens_in_round = self.steps_in_round = 0
-            self.error_feedback.reset()  # our local progress is gone, and with it what we owed the swarm
-            self.inner_optimizer = make_inner_optimizer(self.model, self.recipe.inner)
-            logger.info("synced state of round %d from %s (%s, digest %s)", header["round"], holder[-8:], reason,
-                        header["digest"])
-            return True
-        logger.warning("could not sync state from any of %d peers; continuing with my own", len(holders))
-        return False
+        try:
+            # No overall timeout: a big model on a slow link takes long; a holder that stalls is dropped.
+            done = self.loop.run(download_state(self.node, holders, self.recipe.run_id, self.diloco, digest))
+        except StateSyncError as e:
+            logger.warning("%s; continuing with my own state", e)
+            return False
+        self.metrics.resyncs.inc()
+        self.tokens_in_round = self.steps_in_round = 0
+        self.error_feedback.reset()  # our local progress is gone, and with it what we owed the swarm
+        self.inner_optimizer = make_inner_optimizer(self.model, self.recipe.inner)
+        size = done.header["size"]
+        logger.info("synced state of round %d from %d peer(s) (%s, digest %s): %.1f MB in %.1f s, %.1f MB/s",
+                    done.header["round"], len(done.bytes_by_holder), reason, digest, size / 1e6, done.seconds,
+                    size / 1e6 / max(done.seconds, 1e-9))
+        return True
 
     # ---- what we announce ----------------------------------------------------------------------------------
     def _record(self) -> PeerRecord:
@@ -255,7 +256,7 @@ class Peer:
             if behind[0] > self.diloco.round and behind[2]:
                 logger.info("the swarm is at round %d and I am at %d: re-syncing", behind[0], self.diloco.round)
                 self.pending = None  # an average still in flight belongs to a round we are leaving
-                if self._resync(behind[2], reason="behind the swarm"):
+                if self._resync(behind[2], behind[1], reason="behind the swarm"):
                     self.next_attempt, self.retry_after_tokens = 0, 0
                 self.state = "training"
                 continue
@@ -464,7 +465,7 @@ class Peer:
             self.settings.checkpoint_dir, self.diloco.round, self.diloco.tokens_seen, tensors,
             {"digest": self.diloco.digest(), "recipe": self.recipe.digest(), "loss": self.loss,
              "val_loss": self.val_loss, "inner_steps": self.inner_steps, "version": __version__},
-            keep=self.settings.keep_checkpoints)
+            keep=self.settings.keep_checkpoints, series_every=self.settings.checkpoint_series)
         self._last_checkpoint_round = self.diloco.round
         self.metrics.checkpoint_written(self.diloco.round)  # issue #7: round and age
         logger.info("checkpoint written: %s", path)

@@ -1,11 +1,22 @@
-"""Serve this peer's global state to late joiners and download it from a live peer, verified against the
-params digest the serving peer announces.
+"""Serve this peer's global state (params + outer momentum) to late joiners, and download it from live peers.
+
+A download asks every holder for the state's header (round, tokens seen, params digest, size, sha256 of the
+serialised bytes), keeps the holders whose digest is the one the swarm announces, and fetches the bytes in
+ranges from all of them at once, so a joiner's downlink is not capped by one holder's uplink. A range that fails
+goes back to the queue and is fetched from another holder: a holder that leaves mid-download costs only its
+range in flight. Nothing is loaded before the bytes match the sha256 and the tensors match the digest, so a bad
+or hostile holder can waste time but never corrupt the model.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Optional
 
 import msgpack
 from safetensors.torch import load as load_tensors
@@ -13,8 +24,14 @@ from safetensors.torch import save as save_tensors
 
 from swarm.dht.node import SwarmNode, recv_frame, send_frame
 from swarm.peer.diloco import DiLoCo
+from swarm.peer.model import params_digest
 
 logger = logging.getLogger(__name__)
+RANGE_BYTES = 8 << 20  # bytes per request
+FRAME_BYTES = 1 << 20  # bytes per frame within a range
+REQUESTS_PER_HOLDER = 2  # in flight, so a holder's link does not idle between two ranges
+STALL_SECONDS = 60.0  # a holder that sends nothing for this long is dropped (slow links are fine, silent ones not)
+SNAPSHOT_SECONDS = 300.0  # a served snapshot is kept this long after its last request, for resuming joiners
 
 
 class StateSyncError(RuntimeError):
@@ -25,49 +42,199 @@ def protocol(run_id: str) -> str:
     return f"swarm.{run_id}.state"
 
 
-async def serve_state(node: SwarmNode, run_id: str, diloco: DiLoCo) -> None:
-    async def handler(remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await recv_frame(reader, 1024)  # the request carries nothing yet; read it so the stream is well-formed
-        loop = asyncio.get_running_loop()
-        # Serialising takes a consistent snapshot under the DiLoCo lock; do it off the event loop.
-        header, payload = await loop.run_in_executor(None, _snapshot, diloco)
-        await send_frame(writer, msgpack.packb(header))
-        await send_frame(writer, payload)
-        logger.info("served state of round %d (%.1f MB) to %s", header["round"], len(payload) / 1e6, remote[-8:])
-
-    await node.add_stream_handler(protocol(run_id), handler)
+@dataclass
+class Snapshot:
+    header: dict  # round, tokens_seen, digest, size, sha256
+    payload: bytes
+    last_used: float
 
 
-def _snapshot(diloco: DiLoCo) -> tuple[dict, bytes]:
+class StateServer:
+    """Serves consistent snapshots of one peer's DiLoCo state, by byte range."""
+
+    def __init__(self, diloco: DiLoCo):
+        self.diloco = diloco
+        self._snapshot: Optional[Snapshot] = None
+        self._lock = asyncio.Lock()
+        self.bytes_served = 0
+
+    async def current(self) -> Snapshot:
+        """The snapshot of the state as it is now (serialised once per round, off the event loop)."""
+        async with self._lock:
+            key = (self.diloco.round, self.diloco.digest())
+            cached = self._snapshot
+            if cached is None or (cached.header["round"], cached.header["digest"]) != key or \
+                    time.monotonic() - cached.last_used > SNAPSHOT_SECONDS:
+                header, payload = await asyncio.get_running_loop().run_in_executor(None, _serialise, self.diloco)
+                cached = self._snapshot = Snapshot(header, payload, time.monotonic())
+            cached.last_used = time.monotonic()
+            return cached
+
+    async def handle(self, remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        request = msgpack.unpackb(await recv_frame(reader, 1024))
+        offset, length = (request.get("offset", 0), request.get("length", 0)) if isinstance(request, dict) else \
+            (None, None)
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (offset, length)):
+            raise ValueError(f"malformed state request from {remote}: {request!r}")
+        snapshot = await self.current()
+        await send_frame(writer, msgpack.packb(snapshot.header))
+        wanted = request.get("sha256")
+        if wanted is not None and wanted != snapshot.header["sha256"]:
+            return  # our state moved on since the joiner's first request: it sees the new sha256 and goes elsewhere
+        end = min(offset + length, len(snapshot.payload))
+        view = memoryview(snapshot.payload)
+        for start in range(offset, end, FRAME_BYTES):
+            await send_frame(writer, view[start:min(start + FRAME_BYTES, end)])
+        self.bytes_served += max(end - offset, 0)
+        if end == len(snapshot.payload) and end > offset:
+            logger.info("served the last range of the state of round %d (%.1f MB) to %s", snapshot.header["round"],
+                        len(snapshot.payload) / 1e6, remote[-8:])
+
+
+def _serialise(diloco: DiLoCo) -> tuple[dict, bytes]:
     with diloco.lock:  # round, digest and tensors from the same moment
         header = {"round": diloco.round, "tokens_seen": diloco.tokens_seen, "digest": diloco.digest()}
         tensors = diloco.state_tensors()
-    return header, save_tensors(tensors)
+    payload = save_tensors(tensors)
+    return {**header, "size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}, payload
 
 
-async def download_state(node: SwarmNode, peer_id: str, run_id: str, diloco: DiLoCo, timeout: float) -> dict:
-    """Fetch global params + outer momentum from `peer_id` and load them; returns the header
-    (round, tokens_seen, digest). Raises StateSyncError if the peer is unreachable or the state does not verify."""
+async def serve_state(node: SwarmNode, run_id: str, diloco: DiLoCo) -> StateServer:
+    server = StateServer(diloco)
+    await node.add_stream_handler(protocol(run_id), server.handle)
+    return server
+
+
+@dataclass
+class Downloaded:
+    header: dict
+    seconds: float
+    bytes_by_holder: Counter
+
+
+async def _request(node: SwarmNode, holder: str, run_id: str, offset: int, length: int,
+                   sha256: Optional[str], stall: float) -> tuple[dict, bytes]:
+    """One request: the holder's current header, and bytes [offset, offset + length) of its state if its
+    sha256 is `sha256` (or none was given)."""
+    reader, writer = await asyncio.wait_for(node.open_stream(holder, protocol(run_id)), stall)
+    try:
+        await send_frame(writer, msgpack.packb({"offset": offset, "length": length, "sha256": sha256}))
+        header = msgpack.unpackb(await asyncio.wait_for(recv_frame(reader, 64 << 10), stall))
+        if not isinstance(header, dict) or not all(isinstance(header.get(k), int) and header[k] >= 0
+                                                   for k in ("size", "round", "tokens_seen")) or \
+                not isinstance(header.get("sha256"), str) or not isinstance(header.get("digest"), str):
+            raise ValueError("malformed state header")
+        if length == 0 or (sha256 is not None and header["sha256"] != sha256):
+            return header, b""
+        want = max(min(offset + length, header["size"]) - offset, 0)
+        chunks, received = [], 0
+        while received < want:
+            frame = await asyncio.wait_for(recv_frame(reader, FRAME_BYTES), stall)
+            if not frame or received + len(frame) > want:
+                raise ValueError("state range of the wrong length")
+            chunks.append(frame)
+            received += len(frame)
+        return header, b"".join(chunks)
+    finally:
+        writer.close()
+
+
+async def download_state(node: SwarmNode, holders: list[str], run_id: str, diloco: DiLoCo, digest: str,
+                         stall: float = STALL_SECONDS, range_bytes: int = RANGE_BYTES) -> Downloaded:
+    """Fetch the state whose params digest is `digest` from `holders` (in parallel, by range), verify it and
+    load it into `diloco`. Raises StateSyncError, leaving `diloco` untouched, if no holder can provide it."""
+    started = time.monotonic()
     max_bytes = 2 * 4 * diloco.numel + (64 << 20)  # params + momentum, plus safetensors' own header
 
-    async def _fetch() -> tuple[dict, bytes]:
-        reader, writer = await node.open_stream(peer_id, protocol(run_id))
+    async def header_of(holder: str) -> Optional[dict]:
         try:
-            await send_frame(writer, msgpack.packb({"want": "state"}))
-            header = msgpack.unpackb(await recv_frame(reader, 64 << 10))
-            return header, await recv_frame(reader, max_bytes)
-        finally:
-            writer.close()
+            header, _ = await _request(node, holder, run_id, 0, 0, None, stall)
+            return header
+        except Exception as e:  # noqa: BLE001 - unreachable or broken holder: use the others
+            logger.info("state holder %s did not answer: %s", holder[-8:], _reason(e))
+            return None
 
+    headers = dict(zip(holders, await asyncio.gather(*(header_of(h) for h in holders))))
+    fitting = {h: x for h, x in headers.items() if x is not None and x["digest"] == digest
+               and 0 < x["size"] <= max_bytes}
+    if not fitting:
+        raise StateSyncError(f"none of {len(holders)} peers serves state with digest {digest}")
+    # Holders of the same params serialise the same bytes; follow the sha256 most of them announce.
+    sha256 = Counter(x["sha256"] for x in fitting.values()).most_common(1)[0][0]
+    sources = [h for h, x in fitting.items() if x["sha256"] == sha256]
+    header = fitting[sources[0]]
+    payload, served = await _fetch(node, sources, run_id, header["size"], sha256, stall, range_bytes)
+    tensors = _verified(payload, sha256, digest, diloco)
+    if tensors is None and len(served) > 1:
+        # Some holder sent bytes other than it announced; we cannot tell which, so try each alone.
+        for holder in served:
+            payload, alone = await _fetch(node, [holder], run_id, header["size"], sha256, stall, range_bytes)
+            tensors = _verified(payload, sha256, digest, diloco)
+            if tensors is not None:
+                served = alone
+                break
+    if tensors is None:
+        raise StateSyncError(f"state from {', '.join(h[-8:] for h in served)} does not match its sha256 or the "
+                             f"params digest {digest}")
+    diloco.load_state_tensors(tensors, header["round"], header["tokens_seen"])
+    return Downloaded(header, time.monotonic() - started, served)
+
+
+async def _fetch(node: SwarmNode, sources: list[str], run_id: str, size: int, sha256: str, stall: float,
+                 range_bytes: int) -> tuple[bytes, Counter]:
+    """The `size` bytes of the state with `sha256`, by range from all `sources` at once; a range that fails is
+    fetched again from another source. Returns (payload, bytes fetched from each source)."""
+    pieces: dict[int, bytes] = {}
+    todo: asyncio.Queue = asyncio.Queue()
+    for offset in range(0, size, range_bytes):
+        todo.put_nowait(offset)
+    served: Counter = Counter()
+    alive = set(sources)
+
+    async def fetch_from(holder: str) -> None:
+        while holder in alive:
+            try:
+                offset = todo.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            try:
+                theirs, data = await _request(node, holder, run_id, offset, range_bytes, sha256, stall)
+                if theirs["sha256"] != sha256 or len(data) != min(range_bytes, size - offset):
+                    raise ValueError("its state changed")
+            except Exception as e:  # noqa: BLE001 - the range goes back for another holder
+                todo.put_nowait(offset)
+                if holder in alive:
+                    alive.discard(holder)
+                    logger.info("state holder %s dropped mid-download (%s); %d left", holder[-8:], _reason(e),
+                                len(alive))
+                return
+            pieces[offset] = data
+            served[holder] += len(data)
+
+    while todo.qsize() and alive:
+        await asyncio.gather(*(fetch_from(h) for h in list(alive) for _ in range(REQUESTS_PER_HOLDER)))
+    if todo.qsize():
+        raise StateSyncError(f"state download failed: every holder dropped, {todo.qsize()} of "
+                             f"{-(-size // range_bytes)} ranges missing")
+    return b"".join(pieces[offset] for offset in sorted(pieces)), served
+
+
+def _verified(payload: bytes, sha256: str, digest: str, diloco: DiLoCo) -> Optional[dict]:
+    """The state's tensors if `payload` has the announced sha256 and its params the swarm's digest."""
+    if hashlib.sha256(payload).hexdigest() != sha256:
+        return None
     try:
-        header, payload = await asyncio.wait_for(_fetch(), timeout)
         tensors = load_tensors(payload)
-        diloco.load_state_tensors(tensors, header["round"], header["tokens_seen"])
-    except asyncio.TimeoutError:
-        raise StateSyncError(f"state download from {peer_id[-8:]} timed out after {timeout:.0f} s") from None
-    except Exception as e:  # noqa: BLE001 - unreachable peer, bad frames, bad tensors: all mean "try another"
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise StateSyncError(f"state download from {peer_id[-8:]} failed: {reason}") from None
-    if diloco.digest() != header.get("digest"):
-        raise StateSyncError(f"state from {peer_id[-8:]} does not match its announced digest")
-    return header
+        params = [tensors[f"params.{name}"] for name in diloco.names]
+        if any(p.shape != mine.shape for p, mine in zip(params, diloco.global_params)) or \
+                params_digest(params) != digest:
+            return None
+    except Exception:  # noqa: BLE001 - malformed tensors are as bad as wrong bytes
+        return None
+    return tensors
+
+
+def _reason(error: BaseException) -> str:
+    if isinstance(error, asyncio.TimeoutError):
+        return "stalled"
+    return str(error).splitlines()[0] if str(error) else type(error).__name__

@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""How fast a late joiner downloads the swarm's state (global params + outer momentum), against its link.
+
+Holders and a joiner each run in their own network namespace with `tc tbf` shaping both directions of their
+link (the harness of allreduce_bench.py; root needed). Every holder serves the same seeded state; the joiner
+downloads it by range from all of them at once, verifies it and loads it. Prints a table, then one JSON line.
+
+    python scripts/bench_state_sync.py                       # the default cases below
+    python scripts/bench_state_sync.py --size-mb 100 --holders 25,25,25 --joiner 100
+
+"Link" is the rate the transfer cannot beat: min(joiner's rate, sum of the holders' rates).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+RUN = "bench-state"
+CASES = [  # (holder Mbit/s list, joiner Mbit/s)
+    ([100.0], 100.0),
+    ([25.0, 25.0, 25.0], 100.0),
+    ([200.0, 200.0], 50.0),
+]
+
+
+def _state(size_mb: float):
+    """A seeded DiLoCo state of about `size_mb` MB on the wire (params and momentum, fp32)."""
+    import torch
+
+    from swarm.config import OuterRecipe
+    from swarm.peer.diloco import DiLoCo
+
+    width = 1024
+    rows = max(int(size_mb * 1e6 / 8 / width), 1)
+    torch.manual_seed(0)
+    diloco = DiLoCo(torch.nn.Linear(width, rows, bias=False), OuterRecipe())
+    diloco.outer_step(torch.randn(diloco.numel, generator=torch.Generator().manual_seed(1)), 1)
+    return diloco
+
+
+def holder(args: argparse.Namespace) -> None:
+    import threading
+
+    from swarm.dht.node import NetworkOptions, SwarmNode
+    from swarm.peer.state_sync import serve_state
+    from swarm.runtime import LoopThread
+
+    diloco = _state(args.size_mb)
+    loop = LoopThread()
+    node = SwarmNode([], NetworkOptions(host_maddrs=(args.host_maddr,)))
+    loop.run(serve_state(node, RUN, diloco))
+    print(json.dumps({"maddr": node.visible_maddrs()[0], "peer_id": node.peer_id, "digest": diloco.digest()}),
+          flush=True)
+    threading.Event().wait()  # serve until the coordinator kills us
+
+
+def joiner(args: argparse.Namespace) -> None:
+    from swarm.dht.node import NetworkOptions, SwarmNode
+    from swarm.peer.state_sync import download_state
+    from swarm.runtime import LoopThread
+
+    import torch
+
+    from swarm.config import OuterRecipe
+    from swarm.peer.diloco import DiLoCo
+
+    reference = _state(args.size_mb)  # only for its shapes; the download must reproduce its digest
+    mine = DiLoCo(torch.nn.Linear(reference.global_params[0].shape[1], reference.global_params[0].shape[0],
+                                  bias=False), OuterRecipe())
+    loop = LoopThread()
+    maddrs = args.holders.split(",")
+    node = SwarmNode(maddrs, NetworkOptions(host_maddrs=(args.host_maddr,)))
+    ids = [maddr.rsplit("/p2p/", 1)[1] for maddr in maddrs]
+    done = loop.run(download_state(node, ids, RUN, mine, args.digest))
+    assert mine.digest() == args.digest
+    print(json.dumps({"seconds": done.seconds, "bytes": done.header["size"],
+                      "holders_used": sum(1 for n in done.bytes_by_holder.values() if n)}), flush=True)
+    node.shutdown()
+    loop.close()
+
+
+def run_case(holder_mbits: list[float], joiner_mbit: float, size_mb: float) -> dict:
+    from allreduce_bench import Namespaces
+
+    count = len(holder_mbits) + 1
+    processes = []
+    with Namespaces(count, holder_mbits + [joiner_mbit]) as spaces:
+        try:
+            infos = []
+            for index in range(len(holder_mbits)):
+                argv = [sys.executable, __file__, "holder", "--size-mb", str(size_mb),
+                        "--host-maddr", f"/ip4/{spaces.address(index)}/tcp/0"]
+                process = subprocess.Popen(spaces.prefix(index) + argv, stdout=subprocess.PIPE, text=True,
+                                           start_new_session=True)
+                processes.append(process)
+                infos.append(json.loads(process.stdout.readline()))
+            joiner_index = len(holder_mbits)
+            argv = [sys.executable, __file__, "joiner", "--size-mb", str(size_mb), "--digest", infos[0]["digest"],
+                    "--holders", ",".join(i["maddr"] for i in infos),
+                    "--host-maddr", f"/ip4/{spaces.address(joiner_index)}/tcp/0"]
+            process = subprocess.Popen(spaces.prefix(joiner_index) + argv, stdout=subprocess.PIPE, text=True,
+                                       start_new_session=True)
+            processes.append(process)
+            out, _ = process.communicate(timeout=600)
+            rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+            if process.returncode != 0 or not rows:
+                raise RuntimeError(f"joiner failed (exit {process.returncode})")
+            row = rows[-1]
+        finally:
+            for process in processes:
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                process.wait()
+    link = min(joiner_mbit, sum(holder_mbits)) * 1e6 / 8
+    achieved = row["bytes"] / row["seconds"]
+    return {"holders_mbit": holder_mbits, "joiner_mbit": joiner_mbit, "mb": row["bytes"] / 1e6,
+            "seconds": row["seconds"], "mb_per_s": achieved / 1e6, "link_mb_per_s": link / 1e6,
+            "fraction_of_link": achieved / link, "holders_used": row["holders_used"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", nargs="?", choices=("holder", "joiner"), help=argparse.SUPPRESS)
+    parser.add_argument("--size-mb", type=float, default=50.0, help="state size in MB (params + momentum)")
+    parser.add_argument("--holders", help="holders' link rates in Mbit/s, e.g. 25,25,25 (default: built-in cases)")
+    parser.add_argument("--joiner", type=float, default=100.0, help="joiner's link rate in Mbit/s")
+    parser.add_argument("--host-maddr", help=argparse.SUPPRESS)
+    parser.add_argument("--digest", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.mode == "holder":
+        return holder(args)
+    if args.mode == "joiner":
+        return joiner(args)
+    from allreduce_bench import netns_available
+
+    reason = netns_available()
+    if reason:
+        sys.exit(f"bench_state_sync: {reason}")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind through `finally`: namespaces are removed
+    cases = [([float(x) for x in args.holders.split(",")], args.joiner)] if args.holders else CASES
+    results = []
+    for holder_mbits, joiner_mbit in cases:
+        started = time.monotonic()
+        results.append(run_case(holder_mbits, joiner_mbit, args.size_mb))
+        print(f"case {holder_mbits} -> {joiner_mbit} done in {time.monotonic() - started:.0f} s", file=sys.stderr)
+    print(f"{'holders (Mbit/s)':<20}{'joiner':>8}{'MB':>8}{'seconds':>9}{'MB/s':>8}{'link MB/s':>11}"
+          f"{'of link':>9}{'used':>6}")
+    for r in results:
+        print(f"{','.join(f'{m:g}' for m in r['holders_mbit']):<20}{r['joiner_mbit']:>8g}{r['mb']:>8.1f}"
+              f"{r['seconds']:>9.2f}{r['mb_per_s']:>8.2f}{r['link_mb_per_s']:>11.2f}{r['fraction_of_link']:>9.0%}"
+              f"{r['holders_used']:>6}")
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

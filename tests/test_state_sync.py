@@ -1,0 +1,142 @@
+"""State download for late joiners, over real p2p streams (each node has its own p2pd daemon on 127.0.0.1): the
+bytes come by range from every holder at once, a holder that drops mid-download costs only its range in flight,
+holders of other params are ignored, a holder that serves bytes other than it announced cannot corrupt the
+joiner, and nothing is loaded unless it matches the swarm's params digest."""
+
+from __future__ import annotations
+
+import numpy
+import pytest
+import torch
+
+from swarm.config import OuterRecipe
+from swarm.dht.node import NetworkOptions, SwarmNode
+from swarm.peer.diloco import DiLoCo
+from swarm.peer.state_sync import Snapshot, StateServer, StateSyncError, download_state, protocol
+from swarm.runtime import LoopThread
+
+RUN = "state-test"
+RANGE = 256 << 10  # small ranges, so a ~3 MB state takes a dozen requests
+
+
+def _diloco(seed: int) -> DiLoCo:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 512))
+    return DiLoCo(model, OuterRecipe())
+
+
+def _trained(seed: int) -> DiLoCo:
+    """A DiLoCo state two outer steps in, so it has momentum buffers and a round number."""
+    diloco = _diloco(seed)
+    for step in range(2):
+        diloco.outer_step(torch.randn(diloco.numel, generator=torch.Generator().manual_seed(step)), 1000)
+    return diloco
+
+
+class DroppingServer(StateServer):
+    """A holder that goes away after serving `ranges` ranges (its streams then fail)."""
+
+    def __init__(self, diloco: DiLoCo, ranges: int):
+        super().__init__(diloco)
+        self.left = ranges
+
+    async def handle(self, remote, reader, writer):
+        if self.left <= 0:
+            raise ConnectionError("holder left")
+        self.left -= 1
+        await super().handle(remote, reader, writer)
+
+
+class LyingServer(StateServer):
+    """A holder that announces the right digest and sha256 but serves other bytes."""
+
+    async def current(self) -> Snapshot:
+        snapshot = await super().current()
+        flipped = (numpy.frombuffer(snapshot.payload, numpy.uint8) ^ 0xFF).tobytes()  # every range is wrong
+        return Snapshot(snapshot.header, flipped, snapshot.last_used)
+
+
+@pytest.fixture
+def network():
+    loop = LoopThread()
+    nodes: list[SwarmNode] = []
+
+    def add(server: StateServer | None = None) -> SwarmNode:
+        initial = [nodes[0].visible_maddrs()[0]] if nodes else []
+        node = SwarmNode(initial, NetworkOptions(host_maddrs=("/ip4/127.0.0.1/tcp/0",)))
+        nodes.append(node)
+        if server is not None:
+            loop.run(node.add_stream_handler(protocol(RUN), server.handle), timeout=30)
+        return node
+
+    yield loop, add
+    for node in nodes:
+        node.shutdown()
+    loop.close()
+
+
+def _download(loop, joiner, holders, diloco, digest):
+    return loop.run(download_state(joiner, [h.peer_id for h in holders], RUN, diloco, digest, stall=20,
+                                   range_bytes=RANGE), timeout=120)
+
+
+def _same_state(a: DiLoCo, b: DiLoCo) -> bool:
+    return a.round == b.round and a.tokens_seen == b.tokens_seen and a.state_tensors().keys() == \
+        b.state_tensors().keys() and all(torch.equal(x, b.state_tensors()[k]) for k, x in a.state_tensors().items())
+
+
+def test_download_from_all_holders_at_once_survives_a_dropping_holder(network):
+    loop, add = network
+    source = _trained(0)
+    other = _trained(1)  # a stale peer with other params: never used
+    steady = StateServer(source)
+    dropping = DroppingServer(_trained(0), ranges=3)  # header + 2 ranges, then gone
+    holders = [add(StateServer(other)), add(steady), add(dropping)]
+    joiner_state = _diloco(2)
+    done = _download(loop, add(), holders, joiner_state, source.digest())
+    assert _same_state(joiner_state, source) and joiner_state.digest() == source.digest()
+    assert done.header["round"] == 2
+    served = {peer[-8:]: n for peer, n in done.bytes_by_holder.items()}
+    assert served.get(holders[0].peer_id[-8:], 0) == 0, "a holder of other params must not be used"
+    assert served[holders[1].peer_id[-8:]] > 0 and served[holders[2].peer_id[-8:]] > 0, \
+        f"both holders of the state serve ranges in parallel: {served}"
+    assert sum(served.values()) == done.header["size"], "every byte fetched once: no restart after the drop"
+
+
+def test_lying_holder_cannot_corrupt_the_joiner(network):
+    loop, add = network
+    source = _trained(0)
+    holders = [add(LyingServer(_trained(0))), add(StateServer(source))]
+    joiner_state = _diloco(2)
+    _download(loop, add(), holders, joiner_state, source.digest())
+    assert _same_state(joiner_state, source), "the honest holder's bytes, verified, are what is loaded"
+
+
+def test_nothing_is_loaded_when_no_holder_has_the_swarms_digest(network):
+    loop, add = network
+    holders = [add(LyingServer(_trained(0))), add(StateServer(_trained(1)))]
+    joiner_state = _diloco(2)
+    before = {k: v.clone() for k, v in joiner_state.state_tensors().items()}
+    with pytest.raises(StateSyncError):
+        _download(loop, add(), holders, joiner_state, _trained(0).digest())
+    assert joiner_state.round == 0
+    assert all(torch.equal(before[k], v) for k, v in joiner_state.state_tensors().items()), "left untouched"
+
+
+def test_malformed_requests_do_not_break_the_server(network):
+    loop, add = network
+    source = _trained(0)
+    server = StateServer(source)
+    holder = add(server)
+    client = add()
+
+    async def send_garbage():
+        from swarm.dht.node import send_frame
+        reader, writer = await client.open_stream(holder.peer_id, protocol(RUN))
+        await send_frame(writer, b"\x93not a request")
+        writer.close()
+
+    loop.run(send_garbage(), timeout=30)
+    joiner_state = _diloco(2)
+    _download(loop, client, [holder], joiner_state, source.digest())
+    assert _same_state(joiner_state, source)
