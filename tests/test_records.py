@@ -337,3 +337,23 @@ def test_probe_measures_without_changing_the_model():
     assert torch.equal(rng_before, torch.random.get_rng_state())
     info = describe_device(torch.device("cpu"))
     assert info.kind == "cpu" and info.memory_bytes > 0 and len(info.name) <= 128
+
+
+def test_matchmaking_counts_only_signed_entries(identities, honest):
+    """Group entries and a leader's final list are written under owned (signed) subkeys: an attacker can neither
+    enter, accuse nor lead in another peer's name."""
+    from swarm.averaging.matchmaking import signed_entries
+    from swarm.dht.records import final_key
+
+    victim, attacker, _ = identities
+    key = final_key(RUN, 3, 0)
+    fake_final = {"members": [victim.peer_id, attacker.peer_id], "shares": [0.5, 0.5]}
+    # Under the victim's plain peer id (the way entries were keyed before): unsigned, so not counted.
+    assert signed_entries({victim.peer_id: fake_final, victim.owned_subkey: {"digest": "d"}}) == \
+        {victim.peer_id: {"digest": "d"}}
+    # Under the victim's owned subkey but signed by the attacker, or naming the victim with the attacker's key:
+    # every honest node refuses to store it.
+    assert not honest.validate(dht_record(key, victim.owned_subkey, fake_final, signer=attacker))
+    assert not honest.validate(dht_record(key, owned_subkey(victim.peer_id, attacker.public_key.decode()),
+                                          fake_final, signer=attacker))
+    assert honest.validate(dht_record(key, victim.owned_subkey, fake_final, signer=victim))

@@ -3,6 +3,9 @@ themselves (params digest, measured bandwidth, whether they accept connections) 
 the peers they expect, and adopt the member list and reduction shares published by the group's leader (the
 smallest peer id among the candidates). Every member checks the same group id in the all-reduce, so a peer whose
 view differed fails that attempt cleanly instead of averaging with the wrong set.
+
+Entries are written under the writer's owned subkey, which hivemind signs with its key; readers count only
+entries whose signature and peer id check out, so nobody can enter, accuse or lead in another peer's name.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Iterable, Optional, Sequence
 from swarm.averaging.partition import optimal_shares
 from swarm.dht.node import SwarmNode
 from swarm.dht.records import final_key, group_key
+from swarm.dht.validation import subkey_owner
 
 logger = logging.getLogger(__name__)
 POLL_SECONDS = 0.1
@@ -93,8 +97,19 @@ def _is_seconds(value: object) -> bool:
         0 < value < 1e6
 
 
+def signed_entries(raw: dict) -> dict[str, object]:
+    """{writer's peer id: value} of the entries under owned subkeys (signed: hivemind's validator checked the
+    signature); anything else under the key is ignored."""
+    entries = {}
+    for subkey, value in raw.items():
+        writer = subkey_owner(subkey)
+        if writer is not None:
+            entries[writer] = value
+    return entries
+
+
 async def _read_candidates(node: SwarmNode, key: str, excluded: set[str]) -> dict[str, Candidate]:
-    raw = await node.get(key)
+    raw = signed_entries(await node.get(key))
     parsed = {peer: _parse_candidate(value) for peer, value in raw.items() if peer not in excluded}
     return {peer: c for peer, c in parsed.items() if c is not None}
 
@@ -118,7 +133,7 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
     me_as = Candidate(me_as.digest, me_as.bandwidth, me_as.client, tuple(sorted(excluded)), me_as.phase_timeout)
     await node.store(key, {"digest": me_as.digest, "bandwidth": me_as.bandwidth, "client": me_as.client,
                            "excluded": list(me_as.excluded), "phase_timeout": me_as.phase_timeout},
-                     ttl=ttl, subkey=me)
+                     ttl=ttl, subkey=node.owned_subkey)
 
     while True:
         candidates = {**await _read_candidates(node, key, excluded), me: me_as}
@@ -147,7 +162,8 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
             return None, seen
         await node.store(final_key(run_id, round_no, attempt),
                          {"members": members, "shares": shares,
-                          "phase_timeout": group_timeout([candidates[m] for m in members])}, ttl=ttl, subkey=me)
+                          "phase_timeout": group_timeout([candidates[m] for m in members])}, ttl=ttl,
+                         subkey=node.owned_subkey)
 
     # Wait as long as the leader may still be waiting for its own candidates (it may have started later).
     final_deadline = time.monotonic() + timeout + 2 * SETTLE_SECONDS
@@ -173,7 +189,7 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
 
 async def _read_finals(node: SwarmNode, run_id: str, round_no: int, attempt: int,
                        excluded: set[str]) -> dict[str, tuple[list[str], list[float], Optional[float]]]:
-    raw = await node.get(final_key(run_id, round_no, attempt))
+    raw = signed_entries(await node.get(final_key(run_id, round_no, attempt)))
     finals = {}
     for writer, value in raw.items():
         if writer in excluded or not isinstance(value, dict):
