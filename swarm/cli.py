@@ -95,7 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "audit the averaging")
     join.add_argument("--inject-fault", metavar="PHASE@ROUND",
                       help="for tests and drills: SIGKILL this peer at a phase (matchmaking, send, reduce, commit) "
-                           "of a round, or send bad data (garbage, nan, short) in it")
+                           "of the first round >= ROUND it averages in, send bad data (garbage, nan, short) from "
+                           "that round on, or break its own training once (diverge: NaN params; explode: an "
+                           "absurd pseudo-gradient)")
 
     status = sub.add_parser("status", help="print the swarm's peers and totals",
                             description="Read the swarm's announcements from the DHT and print each peer (state, "

@@ -76,3 +76,28 @@ def test_bad_data_is_excluded_and_reported(swarm, bad):
     _check_survivors_averaged_without(swarm, survivors, fault_round, rounds)
     reported = "".join(p.output() for p in survivors)
     assert re.search(rf"peer {faulty_id} sent a bad contribution", reported), "the bad peer is logged by id"
+
+
+def test_diverged_peers_never_send_and_rejoin_the_next_average(swarm):
+    """A peer whose params turn NaN mid-round, and one whose pseudo-gradient norm is absurd, send neither: each
+    drops its round's local progress, restarts from the global params and contributes again; every average the
+    swarm applies stays finite and exact."""
+    _, maddr = swarm.bootstrap()
+    rounds = 4
+    peers = [swarm.peer(maddr, "--until-round", str(rounds), "--inject-fault", fault,
+                        "--trace-dir", str(swarm.workdir / f"trace{i}"), name=f"peer{i}")
+             for i, fault in enumerate(["diverge@1", "explode@2"])]
+    for peer in peers:
+        assert peer.wait(240) == 0, peer.output()[-3000:]
+    assert "FAULT INJECTED: diverge" in peers[0].output() and "FAULT INJECTED: explode" in peers[1].output()
+    assert re.search(r"non-finite loss: discarding this round's local progress", peers[0].output())
+    assert re.search(r"pseudo-gradient norm \S+ over the recipe's bound: discarding", peers[1].output())
+    for round_no in range(rounds):
+        (meta_a, ta), (meta_b, tb) = (_trace(swarm.workdir / f"trace{i}", round_no) for i in range(2))
+        assert len(meta_a["members"]) == 2, "both peers are back in every round's average"
+        assert torch.isfinite(ta["pseudo_gradient"]).all() and torch.isfinite(tb["pseudo_gradient"]).all()
+        assert ta["pseudo_gradient"].norm() < 1e3 and tb["pseudo_gradient"].norm() < 1e3
+        total = meta_a["weight"] + meta_b["weight"]
+        expected = (ta["pseudo_gradient"] * meta_a["weight"] + tb["pseudo_gradient"] * meta_b["weight"]) / total
+        torch.testing.assert_close(ta["average"], expected, rtol=1e-5, atol=1e-7)
+        assert torch.equal(ta["global_after"], tb["global_after"]) and torch.isfinite(ta["global_after"]).all()

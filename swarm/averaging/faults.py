@@ -15,6 +15,7 @@ from typing import Optional
 logger = logging.getLogger(__name__)
 KILL_PHASES = ("matchmaking", "send", "reduce", "commit")
 BAD_DATA = ("garbage", "nan", "short")
+LOCAL = ("diverge", "explode")  # the peer's own training goes wrong: NaN params, or an absurd pseudo-gradient
 
 
 class FaultPlan:
@@ -23,16 +24,25 @@ class FaultPlan:
         self.round = -1
         if spec:
             phase, _, round_text = spec.partition("@")
-            if phase not in KILL_PHASES + BAD_DATA or not round_text.isdigit():
+            if phase not in KILL_PHASES + BAD_DATA + LOCAL or not round_text.isdigit():
                 raise ValueError(f"--inject-fault {spec!r}: expected PHASE@ROUND with PHASE one of "
-                                 f"{', '.join(KILL_PHASES + BAD_DATA)}")
+                                 f"{', '.join(KILL_PHASES + BAD_DATA + LOCAL)}")
             self.phase, self.round = phase, int(round_text)
+        self._local_fired = False
 
     def maybe_die(self, phase: str, round_no: int) -> None:
         if self.phase == phase and round_no >= self.round >= 0:
             print(f"FAULT INJECTED: SIGKILL at {phase} of round {round_no}", flush=True)
             sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def local(self, kind: str, round_no: int) -> bool:
+        """Whether to break this peer's own training now, the `kind` way (once, in the first round >= ROUND)."""
+        if self.phase == kind and round_no >= self.round >= 0 and not self._local_fired:
+            self._local_fired = True
+            print(f"FAULT INJECTED: {kind} in round {round_no}", flush=True)
+            return True
+        return False
 
     def bad_data(self, round_no: int) -> Optional[str]:
         if self.phase in BAD_DATA and round_no >= self.round >= 0:

@@ -228,6 +228,9 @@ class Peer:
         while not self.stop_event.is_set() and not self._finished():
             lr = learning_rate(r.inner, schedule_tokens(self.diloco.tokens_seen, self.tokens_in_round,
                                                         self.last_group_size), r.total_tokens)
+            if self.faults.local("diverge", self.diloco.round):
+                with torch.no_grad():
+                    self.diloco.local_params[0].fill_(float("nan"))  # as if the optimizer blew up
             step_started = time.monotonic()
             loss = inner_step(self.model, self.inner_optimizer, next(batches), self.device, lr, r.inner.grad_clip)
             compute_seconds += time.monotonic() - step_started
@@ -278,6 +281,10 @@ class Peer:
             if self.pending is not None:  # the last average is still in flight: wait for it (time not computing)
                 self._finish_pending()
                 continue
+            if self.faults.local("explode", self.diloco.round):
+                with torch.no_grad():
+                    for param in self.diloco.local_params:
+                        param.add_(1e3)  # finite, but far from anything a round of training can do
             contribution = self._prepare()
             if contribution is None:
                 continue
