@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--trace-dir", metavar="DIR",
                       help="write every round's pseudo-gradient, average and global params as safetensors, to "
                            "audit the averaging")
+    join.add_argument("--client-mode", action="store_true",
+                      help="for peers that cannot accept inbound connections (behind NAT, no port forwarding): open "
+                           "every stream yourself; the peer still contributes to every average but reduces no part "
+                           "of it, serves no state and answers no DHT requests")
     join.add_argument("--inject-fault", metavar="PHASE@ROUND",
                       help="for tests and drills: SIGKILL this peer at a phase (matchmaking, send, reduce, commit) "
                            "of the first round >= ROUND it averages in, send bad data (garbage, nan, short) from "
@@ -175,7 +179,7 @@ def _join(args: argparse.Namespace) -> int:
             until_round=args.until_round, recipe_file=args.recipe,
             data_shard=args.data_shard, trace_dir=args.trace_dir, host_maddrs=tuple(args.host_maddrs),
             announce_maddrs=tuple(args.announce_maddrs), identity_path=args.identity_path,
-            nat_traversal=args.nat_traversal, inject_fault=args.inject_fault,
+            nat_traversal=args.nat_traversal, client_mode=args.client_mode, inject_fault=args.inject_fault,
             **({"cache_dir": args.cache_dir} if args.cache_dir else {}))
     except pydantic.ValidationError as e:
         err = e.errors()[0]

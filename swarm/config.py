@@ -209,4 +209,5 @@ class PeerSettings(BaseModel):
     announce_maddrs: tuple[str, ...] = ()
     identity_path: Optional[str] = None
     nat_traversal: bool = False
+    client_mode: bool = False  # accepts no inbound streams: contributes to averages, reduces and serves nothing
     inject_fault: Optional[str] = Field(None, description="testing: PHASE@ROUND, see swarm/averaging/faults.py")

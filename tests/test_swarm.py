@@ -4,6 +4,7 @@ Checks what the peers end with against an independent computation from their rou
 from __future__ import annotations
 
 import json
+import re
 import signal
 from pathlib import Path
 
@@ -90,3 +91,31 @@ def test_overlapping_rounds_keep_peers_identical(swarm):
     for trace in traces:  # the local progress kept across delayed updates is real learning
         train = [trace[r][0]["loss"] for r in range(ROUNDS)]
         assert train[-1] < train[0], f"training loss did not fall with overlap: {train}"
+
+
+def test_client_mode_peer_contributes_without_accepting_streams(swarm):
+    """A peer behind NAT (`--client-mode`: it registers no stream handler at all, so any stream opened to it would
+    fail the round) takes part in every average: it reduces nothing, pulls the averaged parts and asks the others
+    for their decision; its tokens are in the exact weighted mean every member applies."""
+    _, maddr = swarm.bootstrap(recipe=Path(__file__).parent / "recipes" / "three.yaml")  # groups of exactly 3
+    rounds = 3
+    names = ["server0", "server1", "client"]
+    peers = [swarm.peer(maddr, "--until-round", str(rounds), "--trace-dir", str(swarm.workdir / name),
+                        *(["--client-mode"] if name == "client" else []), name=name) for name in names]
+    for peer in peers:
+        assert peer.wait(240) == 0, peer.output()[-3000:]
+    assert "client mode: accepting no inbound streams" in peers[2].output()
+    client_id = re.search(r"joined the DHT as (\S+)", peers[2].output()).group(1)
+    traces = [_traces(swarm.workdir / name) for name in names]
+    assert all(sorted(t) == list(range(rounds)) for t in traces), "every peer, the client too, averaged every round"
+    for round_no in range(rounds):
+        metas = [t[round_no][0] for t in traces]
+        tensors = [t[round_no][1] for t in traces]
+        members = metas[0]["members"]
+        assert len(members) == 3 and all(m["members"] == members for m in metas)
+        client_index = members.index(client_id)
+        assert metas[0]["clients"][client_index] and metas[0]["shares"][client_index] == 0, "a client reduces nothing"
+        total = sum(m["weight"] for m in metas)
+        expected = sum(t["pseudo_gradient"] * m["weight"] for t, m in zip(tensors, metas)) / total
+        torch.testing.assert_close(tensors[0]["average"], expected, rtol=1e-5, atol=1e-7)
+        assert all(torch.equal(t["global_after"], tensors[0]["global_after"]) for t in tensors)

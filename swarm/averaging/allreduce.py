@@ -7,6 +7,11 @@ with the list of its contributors, while later chunks are still coming in. A pee
 every chunk of every part was averaged over the whole group and every member confirmed it holds all of them
 (commit phase); otherwise nothing is applied. Survivors decode the same bytes, so they end with bit-identical
 averages.
+
+Members in client mode (behind NAT: they accept no inbound streams) reduce nothing and open every stream
+themselves: they push their parts like everyone, pull the averaged chunks from each reducer ("pull"), send their
+commits, and instead of receiving the others' commits ask each non-client member for its decision ("decision"),
+applying only if every one of them applies, which those do only once every member, clients included, committed.
 """
 
 from __future__ import annotations
@@ -133,6 +138,7 @@ class GroupAllReduce:
         # not decided yet waits for the decision, so a sender whose group we do not join learns it at once
         # ("conflict") instead of waiting out its deadline for parts we will never send.
         self._decisions: dict[tuple[int, int], asyncio.Future] = {}
+        self._outcomes: dict[str, asyncio.Future] = {}  # group id -> whether we applied it (for client members)
 
     async def start(self) -> None:
         await self.node.add_stream_handler(self.protocol, self._on_stream)
@@ -145,6 +151,15 @@ class GroupAllReduce:
                     oldest.set_result(None)
             self._decisions[key] = asyncio.get_running_loop().create_future()
         return self._decisions[key]
+
+    def _outcome(self, group_id: str) -> asyncio.Future:
+        if group_id not in self._outcomes:
+            while len(self._outcomes) >= MAX_DECISIONS:
+                oldest = self._outcomes.pop(next(iter(self._outcomes)))
+                if not oldest.done():
+                    oldest.set_result(False)
+            self._outcomes[group_id] = asyncio.get_running_loop().create_future()
+        return self._outcomes[group_id]
 
     async def decide(self, round_no: int, attempt: int, group_id: Optional[str]) -> None:
         """Record which group we take part in for (round, attempt), None for none (matchmaking found no group,
@@ -167,9 +182,10 @@ class GroupAllReduce:
 
     async def _on_stream(self, remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One stream = a header, then `chunks` chunks (a meta frame and a payload frame each). Every chunk goes
-        to its mailbox slot as it arrives, so the all-reduce can use it while the rest is still in flight."""
+        to its mailbox slot as it arrives, so the all-reduce can use it while the rest is still in flight. A client
+        member's "pull" and "decision" streams go the other way: we write what it asked for."""
         header = msgpack.unpackb(await recv_frame(reader, MAX_HEADER_BYTES))
-        if not isinstance(header, dict) or header.get("phase") not in ("part", "avg", "commit"):
+        if not isinstance(header, dict) or header.get("phase") not in ("part", "avg", "commit", "pull", "decision"):
             raise ValueError(f"malformed all-reduce header from {remote}")
         chunks = header.get("chunks", 0)
         if not isinstance(chunks, int) or not 0 <= chunks <= self.max_numel // CHUNK_ALIGN + 2:
@@ -189,10 +205,26 @@ class GroupAllReduce:
             await send_frame(writer, b"conflict")
             return
         await send_frame(writer, b"ok")
+        phase = header["phase"]
+        if phase == "decision":  # a client member asks whether we apply this group's average
+            try:
+                applied = await asyncio.wait_for(asyncio.shield(self._outcome(group_id)), self.deadlines.ceiling)
+            except asyncio.TimeoutError:
+                applied = False
+            await send_frame(writer, b"apply" if applied else b"abort")
+            return
         if group_id in self._finished.values():
             return  # a straggler of a group we already finished: nothing left to use it for
         box = self._mailbox(group_id)
-        phase = header["phase"]
+        if phase == "pull":  # a client member fetches the averaged chunks of our part as we make them
+            queue, count, stats = await asyncio.wait_for(asyncio.shield(box.slot("outbox", remote)),
+                                                         self.deadlines.ceiling)
+            for _ in range(count):
+                meta, payload = await asyncio.wait_for(queue.get(), self.deadlines.ceiling)
+                await send_frame(writer, msgpack.packb(meta))
+                await send_frame(writer, payload)
+                stats["sent"] += len(payload)
+            return
         header_slot = box.slot(phase, remote)  # keyed by the authenticated sender, not a claimed one
         if not header_slot.done():
             header_slot.set_result(header)
@@ -222,16 +254,48 @@ class GroupAllReduce:
         finally:
             writer.close()
 
+    async def _pull(self, peer: str, header: dict, mailbox: "_Mailbox", chunks: int, stats: dict) -> None:
+        """As a client member: fetch the averaged chunks of `peer`'s part into our mailbox, as it makes them."""
+        reader, writer = await self.node.open_stream(peer, self.protocol)
+        try:
+            await send_frame(writer, msgpack.packb(header))
+            if await recv_frame(reader, 16) == b"conflict":
+                raise GroupConflict(f"{peer[-8:]} is averaging this round in another group")
+            for index in range(chunks):
+                meta = msgpack.unpackb(await recv_frame(reader, MAX_HEADER_BYTES))
+                payload = await recv_frame(reader, max_bytes=16 + 8 * self.max_numel + MAX_HEADER_BYTES)
+                slot = mailbox.slot("avg", peer, index)
+                if not slot.done():
+                    slot.set_result((meta if isinstance(meta, dict) else {}, payload))
+        finally:
+            writer.close()
+
+    async def _ask_decision(self, peer: str, header: dict) -> bool:
+        """As a client member: whether `peer` applies the group's average (it does once every member committed)."""
+        reader, writer = await self.node.open_stream(peer, self.protocol)
+        try:
+            await send_frame(writer, msgpack.packb(header))
+            if await recv_frame(reader, 16) == b"conflict":
+                return False
+            return await recv_frame(reader, 16) == b"apply"
+        finally:
+            writer.close()
+
     async def run(self, group: Group, vector: torch.Tensor, weight: float) -> AllReduceResult:
         """Average `vector` (flat fp32) over `group`, weighted by `weight`; raises AllReduceError on failure,
         naming the members suspected of causing it, so the caller can retry at once without them."""
         self._running[(group.round, group.attempt)] = group.group_id
         await self.decide(group.round, group.attempt, group.group_id)
+        outcome = self._outcome(group.group_id)
         try:
             result = await self._run(group, vector, weight)
+            if not outcome.done():
+                outcome.set_result(True)  # client members asking for our decision may apply too
         except GroupConflict as e:
             raise AllReduceError("conflict", f"round {group.round}: {e}; nothing applied", set()) from None
         finally:
+            if not outcome.done():
+                outcome.set_result(False)
             self._mailboxes.pop(group.group_id, None)
             self._running.pop((group.round, group.attempt), None)
             # A straggler of a leader race may still write to us about this round: answer "conflict" at once.
@@ -246,6 +310,9 @@ class GroupAllReduce:
         me, members = self.node.peer_id, group.members
         others = [m for m in members if m != me]
         index = members.index(me)
+        clients = group.clients or (False,) * len(members)
+        i_am_client = clients[index]
+        servers = [m for m in others if not clients[members.index(m)]]  # the members we can open streams to
         vector = vector.detach().to(torch.float32).contiguous().view(-1)
         bounds = partition(vector.numel(), group.shares)
         chunking = [chunk_bounds(*bound) for bound in bounds]
@@ -346,8 +413,29 @@ class GroupAllReduce:
         tasks = [send(members[j], {**base, "phase": "part", "weight": float(weight), "chunks": len(chunking[j])},
                       parts_for(j), die_after_first=("send", group.round))
                  for j in range(len(members)) if j != index and bounds[j][1] > bounds[j][0]]
-        tasks += [send(peer, {**base, "phase": "avg", "chunks": len(chunking[index])}, drain(queue))
-                  for peer, queue in queues.items() if bounds[index][1] > bounds[index][0]]
+        for peer, queue in queues.items():
+            if bounds[index][1] <= bounds[index][0]:
+                break  # we reduce nothing
+            if clients[members.index(peer)]:  # it pulls them: hand its queue to the stream it opens
+                slot = mailbox.slot("outbox", peer)
+                if not slot.done():
+                    slot.set_result((queue, len(chunking[index]), stats))
+            else:
+                tasks.append(send(peer, {**base, "phase": "avg", "chunks": len(chunking[index])}, drain(queue)))
+
+        async def pull(reducer: str) -> None:
+            try:
+                await self._pull(reducer, {**base, "phase": "pull", "chunks": 0}, mailbox,
+                                 len(chunking[members.index(reducer)]), stats)
+            except GroupConflict:
+                raise
+            except Exception as e:  # noqa: BLE001 - that reducer is gone for this round
+                logger.info("could not pull avg from %s: %s", reducer[-8:],
+                            str(e).splitlines()[0] if str(e) else type(e).__name__)
+                unresponsive.add(reducer)
+
+        if i_am_client:
+            tasks += [pull(reducer) for reducer in reducers]
         tasks += [reduce_my_part()] + [receive_from(reducer) for reducer in reducers]
         running = [asyncio.ensure_future(task) for task in tasks]
         try:
@@ -392,7 +480,22 @@ class GroupAllReduce:
         # acknowledgement is not a lost commit; the rare peer left behind re-syncs through the params digest).
         self.faults.maybe_die("commit", group.round)
         await asyncio.gather(*(send(peer, {**base, "phase": "commit", "chunks": 0}, _no_chunks())
-                               for peer in others))
+                               for peer in servers))
+        if i_am_client:
+            # We cannot receive commits: ask every non-client member whether it applies (it does only once every
+            # member committed), and apply only if all of them do.
+            asked = [asyncio.ensure_future(self._ask_decision(peer, {**base, "phase": "decision", "chunks": 0}))
+                     for peer in servers]
+            done, pending = await asyncio.wait(asked, timeout=phase_timeout)
+            for task in pending:
+                task.cancel()
+            applying = {peer for peer, task in zip(servers, asked)
+                        if task in done and not task.exception() and task.result()}
+            if applying != set(servers):
+                raise AllReduceError("commit", f"round {group.round}: {len(set(servers) - applying)} member(s) did "
+                                     "not apply; nothing applied", set(servers) - applying)
+            return AllReduceResult(result, delivered, group_weight, len(members), stats["sent"],
+                                   stats["received"], time.monotonic() - started)
         # A member our commit could not reach is most likely dead: its own commit, if it sent one, is here by
         # now or very soon, so do not wait out the whole deadline for it.
         commit_timeout = min(phase_timeout, COMMIT_GRACE) if unresponsive else phase_timeout

@@ -46,14 +46,20 @@ class Group:
     shares: tuple[float, ...]  # fraction of the vector each member reduces
     group_id: str
     phase_timeout: Optional[float] = None  # agreed all-reduce deadline: the slowest measured member's
+    clients: tuple[bool, ...] = ()  # per member: accepts no inbound streams (it pulls what it needs)
 
     @classmethod
     def of(cls, round_no: int, attempt: int, members: Sequence[str], shares: Sequence[float],
-           phase_timeout: Optional[float] = None) -> "Group":
+           phase_timeout: Optional[float] = None, clients: Sequence[bool] = ()) -> "Group":
         ordered = tuple(members)
-        text = f"{round_no}|{attempt}|{'|'.join(ordered)}|{','.join(f'{s:.9f}' for s in shares)}|{phase_timeout}"
+        clients = tuple(bool(c) for c in clients) or (False,) * len(ordered)
+        text = (f"{round_no}|{attempt}|{'|'.join(ordered)}|{','.join(f'{s:.9f}' for s in shares)}|{phase_timeout}"
+                f"|{''.join('c' if c else 's' for c in clients)}")
         return cls(round_no, attempt, ordered, tuple(shares), hashlib.sha256(text.encode()).hexdigest()[:32],
-                   phase_timeout)
+                   phase_timeout, clients)
+
+    def is_client(self, peer: str) -> bool:
+        return self.clients[self.members.index(peer)]
 
 
 def group_timeout(candidates: Sequence[Candidate]) -> Optional[float]:
@@ -161,7 +167,7 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
             logger.warning("round %d: %s", round_no, e)
             return None, seen
         await node.store(final_key(run_id, round_no, attempt),
-                         {"members": members, "shares": shares,
+                         {"members": members, "shares": shares, "clients": [candidates[m].client for m in members],
                           "phase_timeout": group_timeout([candidates[m] for m in members])}, ttl=ttl,
                          subkey=node.owned_subkey)
 
@@ -175,20 +181,20 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
                 await asyncio.sleep(SETTLE_SECONDS)
                 finals = await _read_finals(node, run_id, round_no, attempt, excluded)
             leader = min(finals)
-            chosen, shares, phase_timeout = finals[leader]
+            chosen, shares, phase_timeout, clients = finals[leader]
             if me not in chosen:
                 logger.info("round %d: leader %s formed a group without me", round_no, leader[-8:])
                 return None, seen
             if len(chosen) < min_size:
                 return None, seen
-            return Group.of(round_no, attempt, chosen, shares, phase_timeout), seen
+            return Group.of(round_no, attempt, chosen, shares, phase_timeout, clients), seen
         await asyncio.sleep(POLL_SECONDS)
     logger.info("round %d: no group leader published a group in time", round_no)
     return None, seen
 
 
 async def _read_finals(node: SwarmNode, run_id: str, round_no: int, attempt: int,
-                       excluded: set[str]) -> dict[str, tuple[list[str], list[float], Optional[float]]]:
+                       excluded: set[str]) -> dict[str, tuple[list[str], list[float], Optional[float], list[bool]]]:
     raw = signed_entries(await node.get(final_key(run_id, round_no, attempt)))
     finals = {}
     for writer, value in raw.items():
@@ -202,6 +208,11 @@ async def _read_finals(node: SwarmNode, run_id: str, round_no: int, attempt: int
                 and all(isinstance(s, (int, float)) and math.isfinite(s) and s >= 0 for s in shares)
                 and abs(sum(shares) - 1) < 1e-6 and not excluded & set(members)
                 and (value.get("phase_timeout") is None or _is_seconds(value.get("phase_timeout")))):
-            timeout = value.get("phase_timeout")
-            finals[writer] = (members, [float(s) for s in shares], None if timeout is None else float(timeout))
+            timeout, clients = value.get("phase_timeout"), value.get("clients", [False] * len(members))
+            if not isinstance(clients, list) or len(clients) != len(members) or \
+                    not all(isinstance(c, bool) for c in clients) or \
+                    any(c and share > 0 for c, share in zip(clients, shares)) or all(clients):
+                continue  # a client never reduces, and someone must
+            finals[writer] = (members, [float(s) for s in shares], None if timeout is None else float(timeout),
+                              clients)
     return finals

@@ -78,7 +78,7 @@ class Peer:
         self.loop = LoopThread()
         self.node = SwarmNode(s.initial_peers, NetworkOptions(
             host_maddrs=s.host_maddrs, announce_maddrs=s.announce_maddrs, identity_path=s.identity_path,
-            nat_traversal=s.nat_traversal))
+            nat_traversal=s.nat_traversal, client_mode=s.client_mode))
         logger.info("joined the DHT as %s", self.node.peer_id)
         self.recipe = self.loop.run(fetch_recipe(self.node, timeout=30.0), timeout=60)
         if s.recipe_file:
@@ -114,8 +114,12 @@ class Peer:
             self.node, r.run_id, r.averaging.codec, self.diloco.numel,
             AdaptiveDeadlines(r.averaging.min_phase_timeout, r.averaging.allreduce_timeout),
             on_bad_peer=self._on_bad_peer, faults=self.faults)
-        self.loop.run(self.allreduce.start(), timeout=30)
-        self.loop.run(serve_state(self.node, r.run_id, self.diloco), timeout=30)
+        if s.client_mode:
+            logger.info("client mode: accepting no inbound streams; contributing to averages without reducing, "
+                        "serving no state")
+        else:
+            self.loop.run(self.allreduce.start(), timeout=30)
+            self.loop.run(serve_state(self.node, r.run_id, self.diloco), timeout=30)
         self.announcer = Announcer(self.node, r.run_id, self.n_blocks, self._record, self.metrics)
         # -- issue #3: what we announce about ourselves. Every peer trains the whole model for now, so its
         # capacity is all blocks and the chosen range is [0, n_blocks); routing will lower it.
@@ -369,7 +373,7 @@ class Peer:
             expected = {p.peer_id for p in self.announcer.view if p.round == round_no and p.updated >= fresh_after
                         and p.state in ("training", "averaging") and p.digest == digest}
             self.faults.maybe_die("matchmaking", round_no)
-            me_as = Candidate(digest, self.bandwidth, client=False,
+            me_as = Candidate(digest, self.bandwidth, client=self.settings.client_mode,
                               phase_timeout=self.allreduce.deadlines.measured())
             try:
                 group, others_seen = self.loop.run(form_group(
@@ -462,7 +466,7 @@ class Peer:
                   str(directory / f"round-{round_no:06d}.safetensors"))
         (directory / f"round-{round_no:06d}.json").write_text(json.dumps({
             "peer_id": self.node.peer_id, "round": round_no, "weight": weight, "members": list(group.members),
-            "group_id": group.group_id, "total_weight": result.total_weight, "loss": self.loss,
+            "shares": list(group.shares), "clients": list(group.clients), "group_id": group.group_id, "total_weight": result.total_weight, "loss": self.loss,
             "val_loss": self.val_loss, "digest": self.diloco.digest()}))
 
     def _checkpoint(self) -> None:
