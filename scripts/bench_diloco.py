@@ -6,6 +6,8 @@ peer runs (swarm/peer/simulation.py), at the same total tokens and the same inne
   (b) DiLoCo M workers, H inner steps per round, fp32 pseudo-gradients
   (c) as (b) with int8, (d) as (b) with int4 (both with error feedback)
   (e) DiLoCo with a single worker (M=1), H steps per round
+  (f) as (b) with overlap: round t's average arrives --overlap-delay inner steps into round t+1 and is applied
+      then, as peers with `outer.overlap` do (nobody waits for the all-reduce)
 
 on the bundled corpus, and prints final validation loss and bytes each worker sent (butterfly all-reduce
 accounting), then one JSON line.
@@ -48,7 +50,10 @@ def main() -> None:
                              "so it may need a smaller one)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "swarm-bench-cache"))
-    parser.add_argument("--only", help="comma-separated subset of a,b,c,d,e")
+    parser.add_argument("--overlap-delay", type=int, default=10,
+                        help="(f): inner steps of round t+1 done before round t's average arrives (H or more: a "
+                             "whole round late)")
+    parser.add_argument("--only", help="comma-separated subset of a,b,c,d,e,f")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     m, h, rounds = args.workers, args.inner_steps, args.rounds
@@ -74,6 +79,8 @@ def main() -> None:
         "d": (f"DiLoCo M={m} H={h} int4", lambda: simulate_diloco(recipe, data, shards, rounds, h, "int4")),
         "e": (f"DiLoCo M=1 H={h} lr {args.outer_lr_single}",
               lambda: simulate_diloco(single, data, [0], rounds * m, h, "none")),
+        "f": (f"DiLoCo M={m} H={h} overlap {args.overlap_delay}",
+              lambda: simulate_diloco(recipe, data, shards, rounds, h, "none", overlap_delay=args.overlap_delay)),
     }
     chosen = args.only.split(",") if args.only else list(configs)
     rows = []

@@ -48,3 +48,19 @@ def test_real_swarm_matches_simulation(swarm, cache_dir):
     # ...and training changed the params: the comparison is not between two untouched initialisations.
     first = load_file(str(swarm.workdir / "trace0" / "round-000000.safetensors"))["global_before"]
     assert (expected - first).abs().max() > 1e-3
+
+
+def test_simulated_overlap_keeps_local_progress_on_the_new_global_params(cache_dir):
+    """The overlap bookkeeping of the simulation (the benchmark's config f): an average that arrives before the
+    first inner step of the next round (delay 0) re-bases every worker exactly onto the new global params, so the
+    run equals plain DiLoCo; one that arrives later gives a different (delayed) run that still learns."""
+    recipe = load_recipe(RECIPE)
+    data = prepare_run_data(recipe.data.source, recipe.data.tokenizer, recipe.data.vocab_size,
+                            recipe.data.val_fraction, recipe.data.seq_len, recipe.data.batch_size, recipe.data.seed,
+                            cache_dir)
+    runs = {delay: simulate_diloco(recipe, data, shards=[0, 1], rounds=3, inner_steps=4, overlap_delay=delay)
+            for delay in (None, 0, 2)}
+    flat = {delay: torch.cat([p.view(-1) for p in run.global_params]) for delay, run in runs.items()}
+    torch.testing.assert_close(flat[0], flat[None], rtol=1e-4, atol=1e-5)
+    assert (flat[2] - flat[None]).abs().max() > 1e-4, "a late average must change the run"
+    assert runs[2].val_losses[-1] < runs[2].val_losses[0]

@@ -37,9 +37,14 @@ def _allreduce_bytes(payload_bytes: float, workers: int) -> float:
 
 
 def simulate_diloco(recipe: Recipe, data: RunData, shards: list[int], rounds: int, inner_steps: int,
-                    codec_name: Optional[str] = None, device: str = "cpu") -> SimulationResult:
+                    codec_name: Optional[str] = None, device: str = "cpu",
+                    overlap_delay: Optional[int] = None) -> SimulationResult:
     """M = len(shards) workers, each `inner_steps` AdamW steps on its shard per round, then the token-weighted
-    average of their pseudo-gradients (through `codec_name`, with error feedback) and the outer step."""
+    average of their pseudo-gradients (through `codec_name`, with error feedback) and the outer step.
+
+    With `overlap_delay` = d (outer.overlap, as the peers run it): workers never wait for the average; round t's
+    average arrives d inner steps into round t+1 and is applied then, each worker keeping the progress it made
+    since its round-t snapshot (d >= inner_steps: one full round late, Streaming DiLoCo's worst case)."""
     codec = get_codec(codec_name or recipe.averaging.codec)
     workers = [build_model(recipe.model, data.vocab_size).to(device) for _ in shards]
     diloco = DiLoCo(workers[0], recipe.outer)  # global params + outer optimizer; worker 0's model is its local
@@ -49,22 +54,47 @@ def simulate_diloco(recipe: Recipe, data: RunData, shards: list[int], rounds: in
     feedback = [ErrorFeedback() for _ in shards]
     tokens_per_step = recipe.data.batch_size * recipe.data.seq_len
     result = SimulationResult(diloco.global_params)
+    evaluator = build_model(recipe.model, data.vocab_size).to(device) if overlap_delay is not None else workers[0]
     group_size = 1
+    pending: Optional[tuple[torch.Tensor, int]] = None  # overlap: last round's average, not yet applied
+    snapshots: list[Optional[torch.Tensor]] = [None] * len(shards)  # overlap: local params when it was taken
+
+    def apply(average: torch.Tensor, weight: int) -> None:
+        local0 = _flat(workers[0])
+        diloco.outer_step(average, weight)  # (resets worker 0's local params: put them back, re-based below)
+        if overlap_delay is not None:
+            _add_flat(workers[0], local0 - _flat(workers[0]))
+
+    def rebase(index: int) -> None:
+        """Overlap: the average arrived; keep the progress made since the snapshot, on the new global params."""
+        global_now = torch.cat([g.view(-1) for g in diloco.global_params])
+        _add_flat(workers[index], global_now - snapshots[index])
+
     for round_no in range(rounds):
+        arrived = pending
+        if arrived is not None:
+            apply(*arrived)  # the global update is the same whenever a worker sees it; workers re-base at step d
+            pending = None
         contributions = []
         for index, model in enumerate(workers):
-            if index:  # worker 0's local params are reset by the outer step; the others copy global
+            if overlap_delay is None and index:  # worker 0's local params are reset by the outer step
                 with torch.no_grad():
                     for local, global_ in zip(model.parameters(), diloco.global_params):
                         local.copy_(global_)
             for step in range(inner_steps):
+                if arrived is not None and step == min(overlap_delay, inner_steps):
+                    rebase(index)
                 lr = learning_rate(recipe.inner, schedule_tokens(diloco.tokens_seen, step * tokens_per_step,
                                                                  group_size), recipe.total_tokens)
                 inner_step(model, optimizers[index], next(batches[index]), torch.device(device), lr,
                            recipe.inner.grad_clip)
+            if arrived is not None and overlap_delay >= inner_steps:
+                rebase(index)  # one full round late: just before this round's snapshot
             with torch.no_grad():
                 pseudo_gradient = torch.cat([(g - l.detach().cpu().float()).view(-1)
                                              for g, l in zip(diloco.global_params, model.parameters())])
+            if overlap_delay is not None:
+                snapshots[index] = _flat(model)
             to_send = feedback[index].compensate(pseudo_gradient)
             payload = codec.encode(to_send)
             delivered = codec.decode(payload) if codec.name != "none" else to_send
@@ -74,13 +104,35 @@ def simulate_diloco(recipe: Recipe, data: RunData, shards: list[int], rounds: in
         average = sum(vector * weight for vector, weight, _ in contributions) / total_weight
         if codec.name != "none":
             average = codec.decode(codec.encode(average))  # the reducers send the average through the codec too
-        diloco.outer_step(average, total_weight)
+        if overlap_delay is None:
+            apply(average, total_weight)
+        else:
+            pending = (average, total_weight)
+            if round_no == rounds - 1:
+                apply(*pending)  # stopping: the last average is applied, as a stopping peer does
         group_size = len(shards)
         result.bytes_per_worker += _allreduce_bytes(contributions[0][2], len(shards))
         result.tokens += total_weight
-        result.val_losses.append(validation_loss(workers[0], data.eval_batches, torch.device(device)))
+        if evaluator is not workers[0]:
+            with torch.no_grad():
+                for param, global_ in zip(evaluator.parameters(), diloco.global_params):
+                    param.copy_(global_)
+        result.val_losses.append(validation_loss(evaluator, data.eval_batches, torch.device(device)))
         logger.info("diloco M=%d round %d: val loss %.4f", len(shards), round_no, result.val_losses[-1])
     return result
+
+
+def _flat(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.cat([p.detach().cpu().float().view(-1) for p in model.parameters()])
+
+
+def _add_flat(model: torch.nn.Module, delta: torch.Tensor) -> None:
+    with torch.no_grad():
+        offset = 0
+        for param in model.parameters():
+            param.add_(delta[offset:offset + param.numel()].view_as(param).to(param.device, param.dtype))
+            offset += param.numel()
 
 
 def simulate_data_parallel(recipe: Recipe, data: RunData, shards: list[int], steps: int,
