@@ -193,5 +193,10 @@ def test_streams_for_a_group_we_do_not_join_get_conflict_at_once():
         await allreduce.decide(4, 1, None)
         refused = _answer_to(allreduce, {**header, "attempt": 1, "group_id": "theirs"})
         assert await asyncio.wait_for(_reply(refused), 2) == b"conflict"
+        # A peer that found nobody retries under the same attempt number and may join a group then: its new
+        # decision counts (a stale "no group" answer made the first round of a peer that started alone fail).
+        await allreduce.decide(4, 1, "theirs")
+        joined = _answer_to(allreduce, {**header, "attempt": 1, "group_id": "theirs"})
+        assert await asyncio.wait_for(_reply(joined), 2) == b"ok"
 
     asyncio.run(scenario())

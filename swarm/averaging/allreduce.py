@@ -163,10 +163,15 @@ class GroupAllReduce:
 
     async def decide(self, round_no: int, attempt: int, group_id: Optional[str]) -> None:
         """Record which group we take part in for (round, attempt), None for none (matchmaking found no group,
-        or we left that attempt): streams waiting on it get their answer now."""
+        or we left that attempt): streams waiting on it get their answer now. A later call replaces an earlier
+        decision: a peer that found nobody retries under the same attempt number, and may then join a group."""
         future = self._decision((round_no, attempt))
         if not future.done():
             future.set_result(group_id)
+        elif future.result() != group_id:
+            decided = asyncio.get_running_loop().create_future()
+            decided.set_result(group_id)
+            self._decisions[(round_no, attempt)] = decided
 
     def _mailbox(self, group_id: str) -> _Mailbox:
         if group_id not in self._mailboxes:
@@ -327,6 +332,19 @@ class GroupAllReduce:
         reducers = [members[j] for j in range(len(members)) if j != index and bounds[j][1] > bounds[j][0]]
         accounts: dict[str, list[dict]] = {}  # reducer -> its meta for each chunk of its part (ours included)
         bad_reducers: set[str] = set()
+        gone = {peer: asyncio.Event() for peer in others}  # a stream to it failed: do not wait for it any more
+
+        async def arrival(slot: asyncio.Future, peer: str):
+            """The slot's message, or TimeoutError once the deadline passes or `peer` is known to be gone."""
+            if not slot.done() and not gone[peer].is_set():
+                waiter = asyncio.ensure_future(gone[peer].wait())
+                try:
+                    await asyncio.wait({slot, waiter}, timeout=phase_timeout, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    waiter.cancel()
+            if not slot.done():
+                raise asyncio.TimeoutError
+            return slot.result()
 
         async def parts_for(j: int):
             for a, b in chunking[j]:
@@ -345,6 +363,7 @@ class GroupAllReduce:
                 logger.info("could not send %s to %s: %s", header["phase"], peer[-8:],
                             str(e).splitlines()[0] if str(e) else type(e).__name__)
                 unresponsive.add(peer)
+                gone[peer].set()
 
         # Averaged chunks of our part go to every other member through one queue each.
         queues = {peer: asyncio.Queue() for peer in others}
@@ -363,8 +382,7 @@ class GroupAllReduce:
                 total, total_weight, contributors = vector[a:b] * weight, float(weight), [me]
                 for sender in list(alive):
                     try:
-                        meta, payload = await asyncio.wait_for(asyncio.shield(mailbox.slot("part", sender, k)),
-                                                               phase_timeout)
+                        meta, payload = await arrival(mailbox.slot("part", sender, k), sender)
                         header = mailbox.slot("part", sender).result()
                     except asyncio.TimeoutError:
                         alive.remove(sender)  # not waited for again: later chunks go on without it
@@ -396,8 +414,7 @@ class GroupAllReduce:
             j = members.index(reducer)
             for k, (a, b) in enumerate(chunking[j]):
                 try:
-                    meta, payload = await asyncio.wait_for(asyncio.shield(mailbox.slot("avg", reducer, k)),
-                                                           phase_timeout)
+                    meta, payload = await arrival(mailbox.slot("avg", reducer, k), reducer)
                 except asyncio.TimeoutError:
                     unresponsive.add(reducer)
                     return
@@ -433,6 +450,7 @@ class GroupAllReduce:
                 logger.info("could not pull avg from %s: %s", reducer[-8:],
                             str(e).splitlines()[0] if str(e) else type(e).__name__)
                 unresponsive.add(reducer)
+                gone[reducer].set()
 
         if i_am_client:
             tasks += [pull(reducer) for reducer in reducers]
