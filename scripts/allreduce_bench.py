@@ -244,11 +244,13 @@ def summarize(result: dict, args: argparse.Namespace) -> dict:
         per_round.setdefault(row["round"], []).append(row["seconds"])
     round_times = [max(times) for times in per_round.values()]  # a round ends when its slowest member ends
     seconds = statistics.median(round_times) if round_times else float("nan")
+    transfer = [r["allreduce_seconds"] for r in warm if "allreduce_seconds" in r]  # after group formation
     size_bytes = args.numel * 4
     for error in errors[:3]:
         print(f"{result['engine']} peer {error['index']} round {error['round']}: {error['error']}", file=sys.stderr)
     return {"engine": result["engine"], "peers": args.peers, "size_mb": size_bytes / 1e6, "codec": args.codec,
             "netns": bool(args.netns), "mbit": args.mbit or "", "round_seconds": seconds,
+            "allreduce_seconds": statistics.median(transfer) if transfer else None,
             "gb_per_s": size_bytes / seconds / 1e9 if round_times else None, "errors": len(errors)}
 
 
@@ -298,12 +300,13 @@ def main() -> None:
         parser.error("--mbit needs --netns")
     engines = ("swarm", "hivemind") if args.engine == "both" else (args.engine,)
     summaries = [summarize(run(args, engine), args) for engine in engines]
-    print(f"{'engine':<10}{'peers':>6}{'MB':>8}{'codec':>7}{'links (Mbit/s)':>18}{'round s':>10}{'GB/s':>8}"
-          f"{'errors':>8}")
+    print(f"{'engine':<10}{'peers':>6}{'MB':>8}{'codec':>7}{'links (Mbit/s)':>18}{'round s':>10}"
+          f"{'all-reduce s':>14}{'GB/s':>8}{'errors':>8}")
     for s in summaries:
         gbps = f"{s['gb_per_s']:.3f}" if s["gb_per_s"] else "-"
+        transfer = f"{s['allreduce_seconds']:.2f}" if s["allreduce_seconds"] is not None else "-"
         print(f"{s['engine']:<10}{s['peers']:>6}{s['size_mb']:>8.1f}{s['codec']:>7}{s['mbit'] or 'loopback':>18}"
-              f"{s['round_seconds']:>10.2f}{gbps:>8}{s['errors']:>8}")
+              f"{s['round_seconds']:>10.2f}{transfer:>14}{gbps:>8}{s['errors']:>8}")
     print(json.dumps(summaries))
 
 
