@@ -41,9 +41,15 @@ def _weight(index: int) -> float:
 
 # ---------------------------------------------------------------- worker: one peer ---------------------------
 def worker(args: argparse.Namespace) -> None:
+    import logging
+
     import torch
 
     torch.set_num_threads(1)
+    # Our all-reduce's own account of failed streams goes to stderr, so a failed round can be explained.
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format=f"peer {args.index} %(asctime)s %(name)s: %(message)s")
+    logging.getLogger("swarm.averaging").setLevel(logging.INFO)
     if args.engine == "hivemind":
         return _hivemind_worker(args)
     from swarm.averaging.allreduce import AdaptiveDeadlines, AllReduceError, GroupAllReduce
@@ -69,11 +75,13 @@ def worker(args: argparse.Namespace) -> None:
         matched = time.monotonic()
         if group is None:
             print(json.dumps({"index": args.index, "round": round_no, "error": "no group"}), flush=True)
+            print(f"peer {args.index} round {round_no}: no group", file=sys.stderr, flush=True)
             continue
         try:
             result = loop.run(allreduce.run(group, vector, _weight(args.index)))
         except AllReduceError as e:
             print(json.dumps({"index": args.index, "round": round_no, "error": str(e)}), flush=True)
+            print(f"peer {args.index} round {round_no}: {e}", file=sys.stderr, flush=True)
             continue
         done = time.monotonic()
         if args.save:

@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 MAX_HEADER_BYTES = 64 << 10
 MAX_PENDING_GROUPS = 8
 MAX_DECISIONS = 64  # (round, attempt) keys whose group we remember, for answering streams about them
+STREAM_RETRIES = 2  # re-opens of a stream that broke before the receiver answered
 COMMIT_GRACE = 2.0  # s to wait for the commit of a member our own commit could not reach (it is likely dead)
 MIN_CHUNK = 1 << 16  # elements; chunk sizes are multiples of CHUNK_ALIGN so codec blocks never straddle chunks
 CHUNK_ALIGN = 4096
@@ -190,7 +191,8 @@ class GroupAllReduce:
         to its mailbox slot as it arrives, so the all-reduce can use it while the rest is still in flight. A client
         member's "pull" and "decision" streams go the other way: we write what it asked for."""
         header = msgpack.unpackb(await recv_frame(reader, MAX_HEADER_BYTES))
-        if not isinstance(header, dict) or header.get("phase") not in ("part", "avg", "commit", "pull", "decision"):
+        if not isinstance(header, dict) or header.get("phase") not in ("part", "avg", "commit", "pull", "decision",
+                                                                       "abort"):
             raise ValueError(f"malformed all-reduce header from {remote}")
         chunks = header.get("chunks", 0)
         if not isinstance(chunks, int) or not 0 <= chunks <= self.max_numel // CHUNK_ALIGN + 2:
@@ -221,6 +223,11 @@ class GroupAllReduce:
         if group_id in self._finished.values():
             return  # a straggler of a group we already finished: nothing left to use it for
         box = self._mailbox(group_id)
+        if phase == "abort":  # that member gave this attempt up: stop waiting for anything from it
+            slot = box.slot("abort", remote)
+            if not slot.done():
+                slot.set_result(True)
+            return
         if phase == "pull":  # a client member fetches the averaged chunks of our part as we make them
             queue, count, stats = await asyncio.wait_for(asyncio.shield(box.slot("outbox", remote)),
                                                          self.deadlines.ceiling)
@@ -242,11 +249,24 @@ class GroupAllReduce:
         await send_frame(writer, b"done")
 
     async def _stream(self, peer: str, header: dict, chunks, stats: dict, die_after_first=None) -> None:
-        """Send `header` and then every (meta, payload) that the async iterator `chunks` yields, as they come."""
-        reader, writer = await self.node.open_stream(peer, self.protocol)
+        """Send `header` and then every (meta, payload) that the async iterator `chunks` yields, as they come.
+
+        A stream that breaks before the receiver's answer is opened again (twice at most): two peers that dial
+        each other at once for their first stream can have one of the two connections closed under it, and
+        nothing of ours was used yet (the receiver's slots take only the first copy of anything)."""
+        for retry in range(STREAM_RETRIES + 1):
+            reader, writer = await self.node.open_stream(peer, self.protocol)
+            try:
+                await send_frame(writer, msgpack.packb(header))
+                answer = await recv_frame(reader, 16)
+                break
+            except (ConnectionError, asyncio.IncompleteReadError):
+                writer.close()
+                if retry == STREAM_RETRIES:
+                    raise
+                await asyncio.sleep(0.1 * (retry + 1))
         try:
-            await send_frame(writer, msgpack.packb(header))
-            if await recv_frame(reader, 16) == b"conflict":
+            if answer == b"conflict":
                 raise GroupConflict(f"{peer[-8:]} is averaging this round in another group")
             async for meta, payload in chunks:
                 await send_frame(writer, msgpack.packb(meta))
@@ -258,6 +278,28 @@ class GroupAllReduce:
                 raise ConnectionError(f"{peer[-8:]} did not confirm the stream")
         finally:
             writer.close()
+
+    def _tell_abort(self, group: Group) -> None:
+        """We gave this attempt up: tell the members we can reach, in the background, so they stop waiting for
+        our parts and fail the attempt now rather than at their deadline (they retry without waiting for us)."""
+        header = {"group_id": group.group_id, "round": group.round, "attempt": group.attempt, "phase": "abort",
+                  "chunks": 0}
+        clients = group.clients or (False,) * len(group.members)
+
+        async def tell(peer: str) -> None:
+            try:
+                reader, writer = await asyncio.wait_for(self.node.open_stream(peer, self.protocol), 5)
+                try:
+                    await send_frame(writer, msgpack.packb(header))
+                    await asyncio.wait_for(recv_frame(reader, 16), 5)
+                finally:
+                    writer.close()
+            except Exception:  # noqa: BLE001 - best effort: their deadline still ends the attempt
+                pass
+
+        for peer, client in zip(group.members, clients):
+            if peer != self.node.peer_id and not client:
+                asyncio.ensure_future(tell(peer))
 
     async def _pull(self, peer: str, header: dict, mailbox: "_Mailbox", chunks: int, stats: dict) -> None:
         """As a client member: fetch the averaged chunks of `peer`'s part into our mailbox, as it makes them."""
@@ -297,7 +339,11 @@ class GroupAllReduce:
             if not outcome.done():
                 outcome.set_result(True)  # client members asking for our decision may apply too
         except GroupConflict as e:
+            self._tell_abort(group)
             raise AllReduceError("conflict", f"round {group.round}: {e}; nothing applied", set()) from None
+        except AllReduceError:
+            self._tell_abort(group)
+            raise
         finally:
             if not outcome.done():
                 outcome.set_result(False)
@@ -336,10 +382,12 @@ class GroupAllReduce:
 
         async def arrival(slot: asyncio.Future, peer: str):
             """The slot's message, or TimeoutError once the deadline passes or `peer` is known to be gone."""
-            if not slot.done() and not gone[peer].is_set():
+            aborted = mailbox.slot("abort", peer)
+            if not slot.done() and not gone[peer].is_set() and not aborted.done():
                 waiter = asyncio.ensure_future(gone[peer].wait())
                 try:
-                    await asyncio.wait({slot, waiter}, timeout=phase_timeout, return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait({slot, waiter, aborted}, timeout=phase_timeout,
+                                       return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     waiter.cancel()
             if not slot.done():
@@ -542,8 +590,16 @@ class GroupAllReduce:
     async def _collect(self, mailbox: _Mailbox, phase: str, senders: list[str], timeout: float) -> dict:
         """Messages of `phase` from `senders` that arrive within `timeout` s: {sender: (header, payload)}."""
         slots = {sender: mailbox.slot(phase, sender) for sender in senders}
-        if slots:
-            await asyncio.wait(list(slots.values()), timeout=timeout)
+        aborts = {sender: mailbox.slot("abort", sender) for sender in senders}
+        deadline = time.monotonic() + timeout
+        while True:
+            # A sender that gave the attempt up before its message came will not send it: stop waiting.
+            waiting = [slot for sender, slot in slots.items() if not slot.done() and not aborts[sender].done()]
+            remaining = deadline - time.monotonic()
+            if not waiting or remaining <= 0:
+                break
+            await asyncio.wait(waiting + [aborts[s] for s, slot in slots.items() if not slot.done()],
+                               timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
         return {sender: slot.result() for sender, slot in slots.items() if slot.done()}
 
     def _validated(self, sender: str, header: dict, payload: bytes,
