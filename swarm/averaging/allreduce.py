@@ -486,7 +486,8 @@ class GroupAllReduce:
                 if not slot.done():
                     slot.set_result((queue, len(chunking[index]), stats))
             else:
-                tasks.append(send(peer, {**base, "phase": "avg", "chunks": len(chunking[index])}, drain(queue)))
+                tasks.append(send(peer, {**base, "phase": "avg", "chunks": len(chunking[index])}, drain(queue),
+                                  die_after_first=("send", group.round)))  # a peer reducing everything sends only these
 
         async def pull(reducer: str) -> None:
             try:
