@@ -26,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+ATTEMPTS = 4  # per round
 
 
 def _vector(index: int, round_no: int, numel: int):
@@ -69,28 +70,34 @@ def worker(args: argparse.Namespace) -> None:
         codec = codecs[round_no % len(codecs)]
         allreduce = allreduces[codec]
         vector = _vector(args.index, round_no, args.numel)
-        started = time.monotonic()
-        group, _ = loop.run(form_group(node, "bench", round_no, 0, Candidate("same", bandwidth, False), set(),
-                                       args.peers, args.peers, timeout=120.0))
-        matched = time.monotonic()
-        if group is None:
-            print(json.dumps({"index": args.index, "round": round_no, "error": "no group"}), flush=True)
-            print(f"peer {args.index} round {round_no}: no group", file=sys.stderr, flush=True)
-            continue
-        try:
-            result = loop.run(allreduce.run(group, vector, _weight(args.index)))
-        except AllReduceError as e:
-            print(json.dumps({"index": args.index, "round": round_no, "error": str(e)}), flush=True)
-            print(f"peer {args.index} round {round_no}: {e}", file=sys.stderr, flush=True)
-            continue
-        done = time.monotonic()
-        if args.save:
-            torch.save({"codec": codec, "vector": vector, "weight": _weight(args.index), "average": result.average,
-                        "members": list(group.members), "shares": list(group.shares), "peer_id": node.peer_id},
-                       Path(args.save) / f"peer{args.index}-round{round_no}.pt")
-        print(json.dumps({"index": args.index, "round": round_no, "seconds": done - started,
-                          "allreduce_seconds": done - matched, "bytes_sent": result.bytes_sent,
-                          "group": len(group.members)}), flush=True)
+        # A failed attempt (nothing applied anywhere) is redone at once under the next attempt number, as peers
+        # do; every failure is still reported (and counted in the summary's errors).
+        for attempt in range(ATTEMPTS):
+            started = time.monotonic()
+            group, _ = loop.run(form_group(node, "bench", round_no, attempt, Candidate("same", bandwidth, False),
+                                           set(), args.peers, args.peers, timeout=120.0))
+            matched = time.monotonic()
+            if group is None:
+                print(json.dumps({"index": args.index, "round": round_no, "attempt": attempt, "error": "no group"}),
+                      flush=True)
+                print(f"peer {args.index} round {round_no}: no group", file=sys.stderr, flush=True)
+                break
+            try:
+                result = loop.run(allreduce.run(group, vector, _weight(args.index)))
+            except AllReduceError as e:
+                print(json.dumps({"index": args.index, "round": round_no, "attempt": attempt, "error": str(e)}),
+                      flush=True)
+                print(f"peer {args.index} round {round_no} attempt {attempt}: {e}", file=sys.stderr, flush=True)
+                continue
+            done = time.monotonic()
+            if args.save:
+                torch.save({"codec": codec, "vector": vector, "weight": _weight(args.index),
+                            "average": result.average, "members": list(group.members), "shares": list(group.shares),
+                            "peer_id": node.peer_id}, Path(args.save) / f"peer{args.index}-round{round_no}.pt")
+            print(json.dumps({"index": args.index, "round": round_no, "attempt": attempt,
+                              "seconds": done - started, "allreduce_seconds": done - matched,
+                              "bytes_sent": result.bytes_sent, "group": len(group.members)}), flush=True)
+            break
     node.shutdown()
     loop.close()
 
