@@ -187,6 +187,16 @@ class Namespaces:
         return ["ip", "netns", "exec", self.names[index]]
 
 
+def kill_sessions(processes: list[subprocess.Popen]) -> None:
+    """SIGKILL each process's whole session (`ip netns exec` may fork) and reap it."""
+    for process in processes:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
+
+
 def netns_available() -> str | None:
     """None if namespaces can be made here, else the reason they cannot."""
     if os.geteuid() != 0:
@@ -240,12 +250,7 @@ def run(args: argparse.Namespace, engine: str) -> dict:
             node.shutdown()
         return {"engine": engine, "rows": rows}
     finally:
-        for process in processes:  # each in its own session: `ip netns exec` may fork, so kill the group
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            process.wait()
+        kill_sessions(processes)
         if namespaces:
             namespaces.__exit__(None, None, None)
 

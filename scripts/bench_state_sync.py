@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -91,7 +90,7 @@ def joiner(args: argparse.Namespace) -> None:
 
 
 def run_case(holder_mbits: list[float], joiner_mbit: float, size_mb: float) -> dict:
-    from allreduce_bench import Namespaces
+    from allreduce_bench import Namespaces, kill_sessions
 
     count = len(holder_mbits) + 1
     processes = []
@@ -118,12 +117,7 @@ def run_case(holder_mbits: list[float], joiner_mbit: float, size_mb: float) -> d
                 raise RuntimeError(f"joiner failed (exit {process.returncode})")
             row = rows[-1]
         finally:
-            for process in processes:
-                try:
-                    os.killpg(process.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                process.wait()
+            kill_sessions(processes)
     link = min(joiner_mbit, sum(holder_mbits)) * 1e6 / 8
     achieved = row["bytes"] / row["seconds"]
     return {"holders_mbit": holder_mbits, "joiner_mbit": joiner_mbit, "mb": row["bytes"] / 1e6,

@@ -301,7 +301,7 @@ class GroupAllReduce:
             if peer != self.node.peer_id and not client:
                 asyncio.ensure_future(tell(peer))
 
-    async def _pull(self, peer: str, header: dict, mailbox: "_Mailbox", chunks: int, stats: dict) -> None:
+    async def _pull(self, peer: str, header: dict, mailbox: "_Mailbox", chunks: int) -> None:
         """As a client member: fetch the averaged chunks of `peer`'s part into our mailbox, as it makes them."""
         reader, writer = await self.node.open_stream(peer, self.protocol)
         try:
@@ -492,7 +492,7 @@ class GroupAllReduce:
         async def pull(reducer: str) -> None:
             try:
                 await self._pull(reducer, {**base, "phase": "pull", "chunks": 0}, mailbox,
-                                 len(chunking[members.index(reducer)]), stats)
+                                 len(chunking[members.index(reducer)]))
             except GroupConflict:
                 raise
             except Exception as e:  # noqa: BLE001 - that reducer is gone for this round
