@@ -16,7 +16,7 @@ import torch
 import msgpack
 
 from swarm.averaging.allreduce import AdaptiveDeadlines, GroupAllReduce
-from swarm.averaging.matchmaking import Candidate, Group, choose_members, group_timeout
+from swarm.averaging.matchmaking import Candidate, Group, choose_members, group_timeout, plan_groups
 from swarm.averaging.partition import optimal_shares, partition
 from swarm.compression import get_codec
 from swarm.dht.node import FRAME_HEADER, recv_frame
@@ -116,6 +116,51 @@ def test_choose_members_majority_digest_and_accusations():
     accused = {**c, "a": Candidate("d1", 1.0, False, ("b",))}
     assert choose_members(accused, 16) == ["a"]
     assert choose_members({}, 16) == []
+
+
+def test_plan_groups_up_to_target_is_one_majority_group():
+    c = {"a": Candidate("d1", 1e6, False), "b": Candidate("d1", 1e6, False), "c": Candidate("d2", 1e6, False)}
+    assert plan_groups(c, 4, 1, 0) == [["a", "b"]], "up to target size: the majority digest, as before"
+    assert plan_groups({}, 4, 1, 0) == []
+    # Five candidates, groups of at most 4 but at least 3: two groups cannot both reach 3, so one capped group.
+    five = {p: Candidate("d", 1e6, False) for p in "abcde"}
+    assert plan_groups(five, 4, 3, 0) == [["a", "b", "c", "d"]]
+
+
+def test_plan_groups_similar_bandwidth_on_even_rounds_and_across_groups_on_odd_rounds():
+    mbit = 125_000.0
+    links = {"a": 25, "b": 1000, "c": 50, "d": 900, "e": 100, "f": 200, "g": 1000, "h": 30}
+    c = {p: Candidate("same", bw * mbit, False) for p, bw in links.items()}
+    even = plan_groups(c, 4, 2, 0)
+    assert even == [["b", "d", "f", "g"], ["a", "c", "e", "h"]], "fast links together, slow links together"
+    # After that round the two groups hold different params: the next round takes one from each in every pair.
+    after = {p: Candidate("fast" if p in even[0] else "slow", cand.bandwidth, False) for p, cand in c.items()}
+    odd = plan_groups(after, 4, 2, 1)
+    assert sorted(map(len, odd)) == [4, 4]
+    for group in odd:
+        digests = [after[p].digest for p in group]
+        assert digests.count("fast") == digests.count("slow") == 2, f"{group} does not mix the two lineages"
+    # A k x g grid: with 9 peers in groups of 3, every odd group has one member of every even group.
+    nine = {f"p{i}": Candidate(f"d{i // 3}", (i + 1) * mbit, False) for i in range(9)}
+    rows = plan_groups(nine, 3, 1, 2)
+    assert len(rows) == 3
+    columns = plan_groups({p: Candidate(next(f"r{j}" for j, row in enumerate(rows) if p in row), cand.bandwidth,
+                                        False) for p, cand in nine.items()}, 3, 1, 3)
+    for column in columns:
+        assert all(len(set(column) & set(row)) == 1 for row in rows), (rows, columns)
+
+
+def test_plan_groups_is_the_same_for_every_viewer_and_gives_every_group_a_reducer():
+    mbit = 125_000.0
+    c = {f"p{i}": Candidate(f"d{i % 2}", (10 + i) * mbit, client=i >= 3) for i in range(6)}  # p3..p5: clients
+    for round_no in range(4):
+        groups = plan_groups(c, 3, 1, round_no)
+        assert plan_groups(dict(reversed(list(c.items()))), 3, 1, round_no) == groups, "order of the view matters"
+        assert sorted(p for g in groups for p in g) == sorted(c), "every candidate is in exactly one group"
+        assert all(any(not c[p].client for p in g) for g in groups), f"a group of clients only: {groups}"
+    # Accused peers are in no group, whoever computes it.
+    accused = {**c, "p0": Candidate("d0", 10 * mbit, False, ("p1",))}
+    assert all("p1" not in g for g in plan_groups(accused, 3, 1, 0))
 
 
 def test_deadlines_follow_measured_rounds_and_grow_after_timeouts():

@@ -119,3 +119,51 @@ def test_client_mode_peer_contributes_without_accepting_streams(swarm):
         expected = sum(t["pseudo_gradient"] * m["weight"] for t, m in zip(tensors, metas)) / total
         torch.testing.assert_close(tensors[0]["average"], expected, rtol=1e-5, atol=1e-7)
         assert all(torch.equal(t["global_after"], tensors[0]["global_after"]) for t in tensors)
+
+
+def test_more_peers_than_a_group_average_in_mixing_groups(swarm):
+    """Four peers, groups of at most two: every round the swarm averages in two groups. Round 0 (all params equal)
+    averages pseudo-gradients only, so the two groups end with different params; round 1 puts one member of each
+    of them in every group, which then averages global params and outer momentum too (losslessly, besides the
+    int8 pseudo-gradients). Within a group everyone ends bit-identical; nobody's work is dropped."""
+    _, maddr = swarm.bootstrap(recipe=Path(__file__).parent / "recipes" / "moshpit.yaml")
+    rounds, names = 3, [f"peer{i}" for i in range(4)]
+    peers = [swarm.peer(maddr, "--until-round", str(rounds), "--trace-dir", str(swarm.workdir / name), name=name)
+             for name in names]
+    for peer in peers:
+        assert peer.wait(300) == 0, peer.output()[-3000:]
+    traces = [_traces(swarm.workdir / name) for name in names]
+    assert all(sorted(t) == list(range(rounds)) for t in traces), "every peer averaged every round"
+    groups_by_round = []
+    for round_no in range(rounds):
+        groups: dict[str, list[tuple[dict, dict]]] = {}
+        for t in traces:
+            groups.setdefault(t[round_no][0]["group_id"], []).append(t[round_no])
+        assert len(groups) == 2 and all(len(g) == 2 for g in groups.values()), f"round {round_no}: {groups.keys()}"
+        for members in groups.values():
+            (meta_a, tensors_a), (meta_b, tensors_b) = members
+            assert meta_a["members"] == meta_b["members"] and meta_a["swarm_size"] == 4
+            assert torch.equal(tensors_a["global_after"], tensors_b["global_after"]), "a group ends bit-identical"
+            total = meta_a["weight"] + meta_b["weight"]
+            assert meta_a["total_weight"] == total, "both members' tokens are in the average"
+            exact = (tensors_a["pseudo_gradient"] * meta_a["weight"]
+                     + tensors_b["pseudo_gradient"] * meta_b["weight"]) / total
+            assert (tensors_a["average"] - exact).abs().max() < 0.05 * exact.abs().max() + 1e-6, "int8 bound"
+            mixed = not torch.equal(tensors_a["global_before"], tensors_b["global_before"])
+            assert meta_a["mix"] == mixed, "a group mixes exactly when its members' params differ"
+            if mixed:
+                # Global params averaged losslessly, weighted by tokens like the pseudo-gradients.
+                n = tensors_a["global_before"].numel()
+                expected = (tensors_a["global_before"] * meta_a["weight"]
+                            + tensors_b["global_before"] * meta_b["weight"]) / total
+                torch.testing.assert_close(tensors_a["mixed_state"][:n], expected, rtol=1e-6, atol=1e-7)
+                assert torch.equal(tensors_a["mixed_state"], tensors_b["mixed_state"])
+        groups_by_round.append([set(g[0][0]["members"]) for g in groups.values()])
+        mixes = [g[0][0]["mix"] for g in groups.values()]
+        assert (not any(mixes)) if round_no == 0 else all(mixes) if round_no == 1 else True, \
+            f"round {round_no}: round 0 starts from equal params, round 1 must mix: {mixes}"
+    first, second = groups_by_round[0], groups_by_round[1]
+    assert all(len(group & other) == 1 for group in second for other in first), \
+        f"round 1 must take one member of each round-0 group: {first} then {second}"
+    digests = {t[0][0]["digest"] for t in traces}
+    assert len(digests) == 2, "after round 0 the two groups hold different params"

@@ -43,8 +43,11 @@ CHUNK_ALIGN = 4096
 CHUNKS_PER_PART = 8
 
 
-def chunk_bounds(start: int, end: int) -> list[tuple[int, int]]:
-    """[start, end) cut into about CHUNKS_PER_PART chunks of at least MIN_CHUNK elements (the same on every peer)."""
+def chunk_bounds(start: int, end: int, split: Optional[int] = None) -> list[tuple[int, int]]:
+    """[start, end) cut into about CHUNKS_PER_PART chunks of at least MIN_CHUNK elements (the same on every peer),
+    none of which straddles `split` (where the vector's lossless tail begins)."""
+    if split is not None and start < split < end:
+        return chunk_bounds(start, split) + chunk_bounds(split, end)
     size = max(MIN_CHUNK, CHUNK_ALIGN * -(-(end - start) // (CHUNKS_PER_PART * CHUNK_ALIGN)))
     return [(a, min(a + size, end)) for a in range(start, end, size)]
 
@@ -140,6 +143,7 @@ class GroupAllReduce:
         # ("conflict") instead of waiting out its deadline for parts we will never send.
         self._decisions: dict[tuple[int, int], asyncio.Future] = {}
         self._outcomes: dict[str, asyncio.Future] = {}  # group id -> whether we applied it (for client members)
+        self._unasked: dict[str, set[str]] = {}  # group id -> client members that have not asked our decision yet
 
     async def start(self) -> None:
         await self.node.add_stream_handler(self.protocol, self._on_stream)
@@ -186,6 +190,14 @@ class GroupAllReduce:
             self._mailboxes[group_id] = _Mailbox()
         return self._mailboxes[group_id]
 
+    async def settle(self, timeout: float) -> None:
+        """Before this peer stops: wait (at most `timeout` s) until the client members of the last group we
+        applied have asked for our decision, so a peer stopping right after its last round does not leave them
+        behind with an average it applied and they could not."""
+        deadline = time.monotonic() + timeout
+        while any(self._unasked.values()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
     async def _on_stream(self, remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One stream = a header, then `chunks` chunks (a meta frame and a payload frame each). Every chunk goes
         to its mailbox slot as it arrives, so the all-reduce can use it while the rest is still in flight. A client
@@ -219,6 +231,7 @@ class GroupAllReduce:
             except asyncio.TimeoutError:
                 applied = False
             await send_frame(writer, b"apply" if applied else b"abort")
+            self._unasked.get(group_id, set()).discard(remote)
             return
         if group_id in self._finished.values():
             return  # a straggler of a group we already finished: nothing left to use it for
@@ -328,14 +341,20 @@ class GroupAllReduce:
         finally:
             writer.close()
 
-    async def run(self, group: Group, vector: torch.Tensor, weight: float) -> AllReduceResult:
+    async def run(self, group: Group, vector: torch.Tensor, weight: float,
+                  exact_from: Optional[int] = None) -> AllReduceResult:
         """Average `vector` (flat fp32) over `group`, weighted by `weight`; raises AllReduceError on failure,
-        naming the members suspected of causing it, so the caller can retry at once without them."""
+        naming the members suspected of causing it, so the caller can retry at once without them. Elements from
+        `exact_from` on travel uncompressed (global params and momentum of a mixing group: a lossy codec would
+        move the params themselves); every member must pass the same layout."""
         self._running[(group.round, group.attempt)] = group.group_id
         await self.decide(group.round, group.attempt, group.group_id)
         outcome = self._outcome(group.group_id)
         try:
-            result = await self._run(group, vector, weight)
+            result = await self._run(group, vector, weight, exact_from)
+            clients = {peer for peer, client in zip(group.members, group.clients) if client} - {self.node.peer_id}
+            if clients and not any(c for peer, c in zip(group.members, group.clients) if peer == self.node.peer_id):
+                self._unasked = {group.group_id: clients}  # only the last group matters (see settle)
             if not outcome.done():
                 outcome.set_result(True)  # client members asking for our decision may apply too
         except GroupConflict as e:
@@ -356,7 +375,8 @@ class GroupAllReduce:
         self.deadlines.record(result.seconds)
         return result
 
-    async def _run(self, group: Group, vector: torch.Tensor, weight: float) -> AllReduceResult:
+    async def _run(self, group: Group, vector: torch.Tensor, weight: float,
+                   exact_from: Optional[int]) -> AllReduceResult:
         started = time.monotonic()
         me, members = self.node.peer_id, group.members
         others = [m for m in members if m != me]
@@ -366,7 +386,12 @@ class GroupAllReduce:
         servers = [m for m in others if not clients[members.index(m)]]  # the members we can open streams to
         vector = vector.detach().to(torch.float32).contiguous().view(-1)
         bounds = partition(vector.numel(), group.shares)
-        chunking = [chunk_bounds(*bound) for bound in bounds]
+        split = vector.numel() if exact_from is None else min(max(int(exact_from), 0), vector.numel())
+        chunking = [chunk_bounds(a, b, split) for a, b in bounds]
+        exact = get_codec("none")
+
+        def codec_at(a: int):
+            return self.codec if a < split else exact
         mailbox = self._mailbox(group.group_id)
         base = {"group_id": group.group_id, "round": group.round, "attempt": group.attempt}
         phase_timeout = self.deadlines.phase_timeout(group.phase_timeout)
@@ -396,9 +421,9 @@ class GroupAllReduce:
 
         async def parts_for(j: int):
             for a, b in chunking[j]:
-                payload = self._outgoing(vector[a:b], bad)
-                if self.codec.name != "none" and not bad:
-                    delivered[a:b] = self.codec.decode(payload)
+                payload = self._outgoing(vector[a:b], bad, codec_at(a))
+                if codec_at(a).name != "none" and not bad:
+                    delivered[a:b] = codec_at(a).decode(payload)
                 yield {}, payload
                 await asyncio.sleep(0)  # let other streams interleave
 
@@ -437,7 +462,7 @@ class GroupAllReduce:
                         continue
                     stats["received"] += len(payload)
                     self.faults.maybe_die("reduce", group.round)  # dies while reducing, parts in hand
-                    part, sender_weight = self._validated(sender, header, payload, b - a)
+                    part, sender_weight = self._validated(sender, header, payload, b - a, codec_at(a))
                     if part is None:
                         alive.remove(sender)
                         rejected.append(sender)
@@ -449,12 +474,12 @@ class GroupAllReduce:
                     raise AllReduceError("bad_data", "the group's total weight is zero: nobody trained this round",
                                          set())
                 average = total / total_weight
-                encoded = self.codec.encode(average)
-                result[a:b] = self.codec.decode(encoded, max_numel=b - a)  # exactly what the others will hold
+                encoded = codec_at(a).encode(average)
+                result[a:b] = codec_at(a).decode(encoded, max_numel=b - a)  # exactly what the others will hold
                 meta = {"contributors": sorted(contributors), "rejected": sorted(rejected),
                         "total_weight": total_weight}
                 accounts.setdefault(me, []).append(meta)
-                outgoing = self._outgoing(average, bad) if bad else encoded
+                outgoing = self._outgoing(average, bad, codec_at(a)) if bad else encoded
                 for queue in queues.values():
                     queue.put_nowait((meta, outgoing))
 
@@ -469,7 +494,7 @@ class GroupAllReduce:
                 stats["received"] += len(payload)
                 self.faults.maybe_die("reduce", group.round)  # (when our own share is empty)
                 try:
-                    result[a:b] = self._decode(reducer, payload, b - a)
+                    result[a:b] = self._decode(reducer, payload, b - a, codec_at(a))
                 except AllReduceError:
                     bad_reducers.add(reducer)  # every member decodes the same bytes, so all of them reject it
                     return
@@ -576,7 +601,7 @@ class GroupAllReduce:
         return AllReduceResult(result, delivered, group_weight, len(members), stats["sent"], stats["received"],
                                time.monotonic() - started)
 
-    def _outgoing(self, part: torch.Tensor, bad: Optional[str]) -> bytes:
+    def _outgoing(self, part: torch.Tensor, bad: Optional[str], codec) -> bytes:
         """The encoded part, or (under fault injection) a named kind of bad data."""
         if bad == "garbage":
             return b"\x00garbage" * 8
@@ -585,8 +610,8 @@ class GroupAllReduce:
             payload[len(payload) - 4 * part.numel():] = torch.full_like(part, float("nan")).numpy().tobytes()
             return bytes(payload)
         if bad == "short":
-            return self.codec.encode(part[: max(part.numel() // 2, 1)])
-        return self.codec.encode(part)
+            return codec.encode(part[: max(part.numel() // 2, 1)])
+        return codec.encode(part)
 
     async def _collect(self, mailbox: _Mailbox, phase: str, senders: list[str], timeout: float) -> dict:
         """Messages of `phase` from `senders` that arrive within `timeout` s: {sender: (header, payload)}."""
@@ -603,8 +628,8 @@ class GroupAllReduce:
                                timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
         return {sender: slot.result() for sender, slot in slots.items() if slot.done()}
 
-    def _validated(self, sender: str, header: dict, payload: bytes,
-                   numel: int) -> tuple[Optional[torch.Tensor], float]:
+    def _validated(self, sender: str, header: dict, payload: bytes, numel: int,
+                   codec) -> tuple[Optional[torch.Tensor], float]:
         """A contribution's decoded part and weight, or (None, 0) if it is bad: the sender is then left out of
         this part, which every member sees in the contributor list, so the round is redone without it."""
         sender_weight = header.get("weight")
@@ -613,13 +638,13 @@ class GroupAllReduce:
             self.on_bad_peer(sender, "bad_weight")
             return None, 0.0
         try:
-            return self._decode(sender, payload, numel), float(sender_weight)
+            return self._decode(sender, payload, numel, codec), float(sender_weight)
         except AllReduceError:
             return None, 0.0
 
-    def _decode(self, sender: str, payload: bytes, numel: int) -> torch.Tensor:
+    def _decode(self, sender: str, payload: bytes, numel: int, codec) -> torch.Tensor:
         try:
-            part = self.codec.decode(payload, max_numel=numel)
+            part = codec.decode(payload, max_numel=numel)
         except CodecError as e:
             self.on_bad_peer(sender, "undecodable")
             raise AllReduceError("bad_data", f"peer {sender[-8:]} sent undecodable data: {e}", {sender}) from None

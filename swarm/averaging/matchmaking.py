@@ -1,8 +1,15 @@
 """Group formation for one averaging attempt of an outer round: peers that reached the averaging point announce
 themselves (params digest, measured bandwidth, whether they accept connections) under the attempt's key, wait for
-the peers they expect, and adopt the member list and reduction shares published by the group's leader (the
-smallest peer id among the candidates). Every member checks the same group id in the all-reduce, so a peer whose
-view differed fails that attempt cleanly instead of averaging with the wrong set.
+the peers they expect, and adopt the member list and reduction shares published by their group's leader (its
+smallest peer id). Every member checks the same group id in the all-reduce, so a peer whose view differed fails
+that attempt cleanly instead of averaging with the wrong set.
+
+Up to `target_group_size` candidates form one group of the majority params digest. With more, every peer computes
+the same split into groups from the same view (Moshpit-style): on even rounds peers of similar measured bandwidth
+average together, so a slow home uplink does not hold up fibre peers; on odd rounds every group takes its members
+from different groups of the round before, so what each group learned spreads through the swarm. Groups then
+hold different global params, so a group whose members' digests differ averages global params and outer momentum
+too ("mix"), and the digest agreement is per group.
 
 Entries are written under the writer's owned subkey, which hivemind signs with its key; readers count only
 entries whose signature and peer id check out, so nobody can enter, accuse or lead in another peer's name.
@@ -47,16 +54,20 @@ class Group:
     group_id: str
     phase_timeout: Optional[float] = None  # agreed all-reduce deadline: the slowest measured member's
     clients: tuple[bool, ...] = ()  # per member: accepts no inbound streams (it pulls what it needs)
+    mix: bool = False  # members hold different global params: average params and outer momentum too
+    swarm_size: int = 0  # candidates the leader split into groups (its estimate of the peers in this round)
 
     @classmethod
     def of(cls, round_no: int, attempt: int, members: Sequence[str], shares: Sequence[float],
-           phase_timeout: Optional[float] = None, clients: Sequence[bool] = ()) -> "Group":
+           phase_timeout: Optional[float] = None, clients: Sequence[bool] = (), mix: bool = False,
+           swarm_size: int = 0) -> "Group":
         ordered = tuple(members)
         clients = tuple(bool(c) for c in clients) or (False,) * len(ordered)
+        swarm_size = max(int(swarm_size), len(ordered))
         text = (f"{round_no}|{attempt}|{'|'.join(ordered)}|{','.join(f'{s:.9f}' for s in shares)}|{phase_timeout}"
-                f"|{''.join('c' if c else 's' for c in clients)}")
+                f"|{''.join('c' if c else 's' for c in clients)}|{int(mix)}|{swarm_size}")
         return cls(round_no, attempt, ordered, tuple(shares), hashlib.sha256(text.encode()).hexdigest()[:32],
-                   phase_timeout, clients)
+                   phase_timeout, clients, bool(mix), swarm_size)
 
     def is_client(self, peer: str) -> bool:
         return self.clients[self.members.index(peer)]
@@ -81,6 +92,53 @@ def choose_members(candidates: dict[str, Candidate], target_size: int) -> list[s
     counts = Counter(c.digest for c in candidates.values())
     best = min(counts, key=lambda digest: (-counts[digest], digest))
     return sorted(peer for peer, c in candidates.items() if c.digest == best)[:target_size]
+
+
+def bandwidth_class(bandwidth: float) -> int:
+    """Half-octave bucket of a measured bandwidth, so that round-to-round noise does not reshuffle groups."""
+    return math.floor(2 * math.log2(bandwidth)) if bandwidth > 1 else 0
+
+
+def plan_groups(candidates: dict[str, Candidate], target_size: int, min_size: int, round_no: int) -> list[list[str]]:
+    """Split this attempt's candidates into groups; a pure function, so every peer with the same view computes the
+    same groups. Up to `target_size` candidates (or too few for two groups of `min_size`): one group, as
+    `choose_members`. Otherwise all candidates, whatever their digest, in k = ceil(n / target_size) groups of
+    nearly equal size. Even rounds: consecutive runs of the bandwidth order, so similar links average together.
+    Odd rounds: every k-th peer in the order of (digest, bandwidth), so each group takes its members from as many
+    of the previous round's groups (digests) as it can, and what each group learned spreads through the swarm:
+    with n = k * g the two layouts are the rows and columns of a grid."""
+    accused = {peer for c in candidates.values() for peer in c.excluded}
+    candidates = {peer: c for peer, c in candidates.items() if peer not in accused}
+    n = len(candidates)
+    k = min(-(-n // max(target_size, 1)), n // max(min_size, 1))
+    if k <= 1:
+        members = choose_members(candidates, target_size)
+        return [members] if members else []
+    if round_no % 2 == 0:
+        order = sorted(candidates, key=lambda peer: (-bandwidth_class(candidates[peer].bandwidth), peer))
+        sizes = [n // k + (1 if i < n % k else 0) for i in range(k)]
+        starts = [sum(sizes[:i]) for i in range(k)]
+        groups = [order[start:start + size] for start, size in zip(starts, sizes)]
+    else:
+        order = sorted(candidates, key=lambda peer: (candidates[peer].digest,
+                                                     -bandwidth_class(candidates[peer].bandwidth), peer))
+        groups = [order[i::k] for i in range(k)]
+    _give_every_group_a_reducer(groups, candidates)
+    return [sorted(group) for group in groups]
+
+
+def _give_every_group_a_reducer(groups: list[list[str]], candidates: dict[str, Candidate]) -> None:
+    """A group of client-mode peers only could not average: swap one of them with a server of a group that has
+    two or more (deterministically: the first such group, its last server)."""
+    for group in groups:
+        if any(not candidates[peer].client for peer in group):
+            continue
+        donors = [g for g in groups if sum(not candidates[peer].client for peer in g) >= 2]
+        if not donors:
+            return
+        donor = donors[0]
+        server = [peer for peer in donor if not candidates[peer].client][-1]
+        donor[donor.index(server)], group[0] = group[0], server
 
 
 def _parse_candidate(value: object) -> Optional[Candidate]:
@@ -143,7 +201,7 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
 
     while True:
         candidates = {**await _read_candidates(node, key, excluded), me: me_as}
-        if len(candidates) >= target_size or (expected <= set(candidates) and len(candidates) >= min_size):
+        if expected <= set(candidates) and len(candidates) >= min_size:
             break
         if time.monotonic() >= deadline:
             # Stragglers: let entries written at this moment reach every reader before deciding.
@@ -152,8 +210,9 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
             break
         await asyncio.sleep(POLL_SECONDS)
     seen = len(candidates) - 1
-    members = choose_members(candidates, target_size)
-    if me not in members:
+    groups = plan_groups(candidates, target_size, min_size, round_no)
+    members = next((group for group in groups if me in group), [])
+    if not members:
         logger.info("round %d: not in this attempt's group (another params digest, or accused of bad data)",
                     round_no)
         return None, seen
@@ -168,33 +227,37 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
             return None, seen
         await node.store(final_key(run_id, round_no, attempt),
                          {"members": members, "shares": shares, "clients": [candidates[m].client for m in members],
-                          "phase_timeout": group_timeout([candidates[m] for m in members])}, ttl=ttl,
-                         subkey=node.owned_subkey)
+                          "phase_timeout": group_timeout([candidates[m] for m in members]),
+                          "mix": len({candidates[m].digest for m in members}) > 1,
+                          "swarm_size": sum(len(group) for group in groups)}, ttl=ttl, subkey=node.owned_subkey)
 
     # Wait as long as the leader may still be waiting for its own candidates (it may have started later).
     final_deadline = time.monotonic() + timeout + 2 * SETTLE_SECONDS
+    leader = members[0]
     while time.monotonic() < final_deadline:
         finals = await _read_finals(node, run_id, round_no, attempt, excluded)
-        if finals:
-            if min(finals) != members[0]:
-                # Our views differ: a smaller-id leader may be writing at this moment, so wait and re-read.
+        mine = {writer: final for writer, final in finals.items() if me in final[0]}
+        if leader in finals or mine:
+            if leader not in mine or min(mine) != leader:
+                # Our views differ: another leader may be writing at this moment, so wait and re-read.
                 await asyncio.sleep(SETTLE_SECONDS)
                 finals = await _read_finals(node, run_id, round_no, attempt, excluded)
-            leader = min(finals)
-            chosen, shares, phase_timeout, clients = finals[leader]
-            if me not in chosen:
+                mine = {writer: final for writer, final in finals.items() if me in final[0]}
+            if not mine:
                 logger.info("round %d: leader %s formed a group without me", round_no, leader[-8:])
                 return None, seen
+            chosen, shares, phase_timeout, clients, mix, swarm_size = mine[min(mine)]
             if len(chosen) < min_size:
                 return None, seen
-            return Group.of(round_no, attempt, chosen, shares, phase_timeout, clients), seen
+            return Group.of(round_no, attempt, chosen, shares, phase_timeout, clients, mix, swarm_size), seen
         await asyncio.sleep(POLL_SECONDS)
     logger.info("round %d: no group leader published a group in time", round_no)
     return None, seen
 
 
 async def _read_finals(node: SwarmNode, run_id: str, round_no: int, attempt: int,
-                       excluded: set[str]) -> dict[str, tuple[list[str], list[float], Optional[float], list[bool]]]:
+                       excluded: set[str]) -> dict[str, tuple[list[str], list[float], Optional[float], list[bool],
+                                                               bool, int]]:
     raw = signed_entries(await node.get(final_key(run_id, round_no, attempt)))
     finals = {}
     for writer, value in raw.items():
@@ -209,10 +272,14 @@ async def _read_finals(node: SwarmNode, run_id: str, round_no: int, attempt: int
                 and abs(sum(shares) - 1) < 1e-6 and not excluded & set(members)
                 and (value.get("phase_timeout") is None or _is_seconds(value.get("phase_timeout")))):
             timeout, clients = value.get("phase_timeout"), value.get("clients", [False] * len(members))
+            mix, swarm_size = value.get("mix", False), value.get("swarm_size", len(members))
             if not isinstance(clients, list) or len(clients) != len(members) or \
                     not all(isinstance(c, bool) for c in clients) or \
                     any(c and share > 0 for c, share in zip(clients, shares)) or all(clients):
                 continue  # a client never reduces, and someone must
+            if not isinstance(mix, bool) or isinstance(swarm_size, bool) or not isinstance(swarm_size, int) or \
+                    not len(members) <= swarm_size <= 1 << 20:
+                continue
             finals[writer] = (members, [float(s) for s in shares], None if timeout is None else float(timeout),
-                              clients)
+                              clients, mix, swarm_size)
     return finals

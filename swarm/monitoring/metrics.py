@@ -63,6 +63,10 @@ class PeerMetrics:
         self.averaging_failures = Counter("swarm_averaging_failures_total", "Rounds not averaged, by reason",
                                           ["reason"], registry=r)
         self.resyncs = Counter("swarm_resyncs_total", "State downloads from other peers", registry=r)
+        self.mixing_rounds = Counter("swarm_mixing_rounds_total", "Rounds whose group also averaged global params "
+                                     "and outer momentum (members came from groups that had diverged)", registry=r)
+        self.round_peers = Gauge("swarm_round_peers", "Peers the last round's groups were formed from (above the "
+                                 "target group size they average in several groups)", registry=r)
         self.bad_peers = Counter("swarm_bad_peer_messages_total", "Invalid contributions from peers, by reason",
                                  ["reason"], registry=r)
         self.invalid_records = Counter("swarm_invalid_records_total", "Malformed DHT records seen", registry=r)

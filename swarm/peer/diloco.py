@@ -52,6 +52,30 @@ class DiLoCo:
             self._digest = None
         self.reset_local()
 
+    def flat_state(self) -> torch.Tensor:
+        """Global params then outer momentum (zeros before the first outer step, which torch's SGD treats the
+        same), flat fp32: what a mixing group averages besides the pseudo-gradients."""
+        with self.lock:
+            momentum = [self.outer_optimizer.state.get(p, {}).get("momentum_buffer") for p in self.global_params]
+            return torch.cat([p.view(-1) for p in self.global_params] +
+                             [(torch.zeros_like(p) if m is None else m).view(-1)
+                              for p, m in zip(self.global_params, momentum)])
+
+    def load_flat_state(self, state: torch.Tensor) -> None:
+        """Set global params and outer momentum from a `flat_state()` layout (a mixing group's average of them),
+        before the outer step applies the group's averaged pseudo-gradient."""
+        if state.numel() != 2 * self.numel:
+            raise ValueError(f"averaged state has {state.numel()} elements, expected {2 * self.numel}")
+        with self.lock, torch.no_grad():
+            offset = 0
+            for param in self.global_params:
+                param.copy_(state[offset:offset + param.numel()].view_as(param))
+                momentum = state[self.numel + offset:self.numel + offset + param.numel()].view_as(param)
+                if self.outer_optimizer.defaults["momentum"] > 0:
+                    self.outer_optimizer.state[param]["momentum_buffer"] = momentum.to(torch.float32).clone()
+                offset += param.numel()
+            self._digest = None
+
     def reset_local(self) -> None:
         """Local params := global params (cast to the model's device and dtype)."""
         with torch.no_grad():

@@ -19,7 +19,8 @@ from typing import Optional
 import torch
 
 from swarm import __version__
-from swarm.averaging.allreduce import AdaptiveDeadlines, AllReduceError, AllReduceResult, GroupAllReduce
+from swarm.averaging.allreduce import (COMMIT_GRACE, AdaptiveDeadlines, AllReduceError, AllReduceResult,
+                                      GroupAllReduce)
 from swarm.averaging.faults import FaultPlan
 from swarm.averaging.matchmaking import Candidate, Group, form_group
 from swarm.compression import ErrorFeedback
@@ -110,8 +111,8 @@ class Peer:
         logger.info("model: %.2fM parameters, %d blocks, on %s", self.diloco.numel / 1e6, self.n_blocks,
                     self.device)
 
-        self.allreduce = GroupAllReduce(
-            self.node, r.run_id, r.averaging.codec, self.diloco.numel,
+        self.allreduce = GroupAllReduce(  # a mixing group averages pseudo-gradient, params and momentum: 3 x numel
+            self.node, r.run_id, r.averaging.codec, 3 * self.diloco.numel,
             AdaptiveDeadlines(r.averaging.min_phase_timeout, r.averaging.allreduce_timeout),
             on_bad_peer=self._on_bad_peer, faults=self.faults)
         if s.client_mode:
@@ -360,18 +361,19 @@ class Peer:
         round_no, digest = contribution.round_no, contribution.digest
         started, retries = time.monotonic(), 0
         while True:
-            if self._swarm_reference()[0] > round_no:
+            if self._swarm_reference()[0] > round_no and not self._others_still_in(round_no):
                 return "failed", attempt, None, None, started  # the swarm moved on: the main loop re-syncs
             if self._excluded_round != round_no:
                 self._excluded, self._unresponsive, self._excluded_round = set(), set(), round_no
             # Peers that failed this round together retry together: follow the highest attempt number announced.
             self.attempt = attempt = max([attempt] + self.announcer.attempts(round_no))
             self.announcer.refresh_now(self.loop)
-            # Wait for peers of this round with our params, unless their heartbeat stopped (crashed peers'
-            # records linger until they expire; a few missed heartbeats are enough not to wait for them).
+            # Wait for the peers of this round, unless their heartbeat stopped (crashed peers' records linger
+            # until they expire; a few missed heartbeats are enough not to wait for them). Peers with other params
+            # come too: with more peers than one group holds, groups of different params mix.
             fresh_after = self.node.now() - 5 * HEARTBEAT_SECONDS
             expected = {p.peer_id for p in self.announcer.view if p.round == round_no and p.updated >= fresh_after
-                        and p.state in ("training", "averaging") and p.digest == digest}
+                        and p.state in ("training", "averaging")}
             self.faults.maybe_die("matchmaking", round_no)
             me_as = Candidate(digest, self.bandwidth, client=self.settings.client_mode,
                               phase_timeout=self.allreduce.deadlines.measured())
@@ -388,8 +390,11 @@ class Peer:
                 self.metrics.averaging_failures.labels(reason="no_group").inc()
                 logger.info("round %d: no group formed (attempt %d); training on", round_no, attempt)
                 return ("failed" if others_seen else "alone"), attempt, None, None, started
+            vector, exact_from = contribution.pseudo_gradient, None
+            if group.mix:  # members hold different global params: average them (and momentum) too, losslessly
+                vector, exact_from = torch.cat([vector, self.diloco.flat_state()]), vector.numel()
             try:
-                result = self.loop.run(self.allreduce.run(group, contribution.pseudo_gradient, contribution.weight),
+                result = self.loop.run(self.allreduce.run(group, vector, contribution.weight, exact_from),
                                        timeout=r.averaging.allreduce_timeout + 10)
                 return "applied", attempt, result, group, started
             except (AllReduceError, TimeoutError) as e:
@@ -404,14 +409,31 @@ class Peer:
                     return "failed", attempt, None, None, started
                 attempt += 1  # a member failed mid-round, or views differed: redo the round at once
 
+    def _others_still_in(self, round_no: int) -> bool:
+        """Whether this round can still be averaged here although some group already finished it: the swarm
+        averages in several groups (more live peers than a group holds) and enough peers are still at this round
+        to form one. A lone straggler of a single-group swarm re-syncs instead."""
+        fresh_after, r = self.node.now() - 5 * HEARTBEAT_SECONDS, self.recipe.averaging
+        live = [p for p in self.announcer.view if p.peer_id != self.node.peer_id and p.updated >= fresh_after
+                and p.state in ("training", "averaging") and p.round >= round_no]
+        return len(live) + 1 > r.target_group_size and \
+            sum(p.round == round_no for p in live) + 1 >= max(r.min_group_size, 2)
+
     def _apply(self, contribution: Contribution, result: AllReduceResult, group: Group, started: float) -> None:
         r = self.recipe
-        round_no = contribution.round_no
-        self.error_feedback.update(contribution.pseudo_gradient, result.delivered)
+        round_no, n = contribution.round_no, self.diloco.numel
+        average, mixed_state = result.average[:n], result.average[n:] if group.mix else None
+        self.error_feedback.update(contribution.pseudo_gradient, result.delivered[:n])
         global_before = self._flat_global() if self.settings.trace_dir else None
         progress_since = None if contribution.snapshot is None else self._flat_local() - contribution.snapshot
-        self.diloco.outer_step(result.average, int(result.total_weight))
-        self.last_group_size = result.group_size
+        if mixed_state is not None:
+            self.diloco.load_flat_state(mixed_state)
+            self.metrics.mixing_rounds.inc()
+        # With several groups, each sees only its own tokens: count the swarm's (its estimate) in the schedule.
+        tokens = result.total_weight * group.swarm_size / max(result.group_size, 1)
+        self.diloco.outer_step(average, int(round(tokens)))
+        self.last_group_size = max(result.group_size, group.swarm_size)
+        self.metrics.round_peers.set(group.swarm_size)
         if progress_since is None:
             self.tokens_in_round = self.steps_in_round = 0
         if result.seconds > 0 and result.bytes_sent:
@@ -419,20 +441,25 @@ class Peer:
             self.bandwidth = 0.5 * self.bandwidth + 0.5 * (result.bytes_sent + result.bytes_received) / result.seconds
             self.bandwidth_up = result.bytes_sent / result.seconds
             self.bandwidth_down = result.bytes_received / result.seconds
+        wire_per_param = self.allreduce.codec.bytes_per_param(max(n // result.group_size, 1))
+        if mixed_state is not None:
+            wire_per_param = (wire_per_param + 2 * 4.0) / 3  # params and momentum travel as fp32
         self.metrics.record_allreduce(  # issue #7: also the bytes before compression and the ratio
-            result.bytes_sent, result.bytes_received, result.seconds, result.group_size,
-            self.allreduce.codec.bytes_per_param(max(self.diloco.numel // result.group_size, 1)))
+            result.bytes_sent, result.bytes_received, result.seconds, result.group_size, wire_per_param)
         self.metrics.outer_round.set(self.diloco.round)
         self.val_loss = validation_loss(self.model, self.eval_batches, self.device)  # of the new global params
         self.metrics.val_loss.set(self.val_loss)
         if progress_since is not None:
             self.diloco.add_to_local(progress_since)  # overlap: keep the steps made while averaging
-        logger.info("round %d: averaged with %d peers in %.2f s (%.1f MB sent), matchmaking %.1f s; "
-                    "val loss %.4f, train loss %.4f, digest %s", round_no, result.group_size, result.seconds,
-                    result.bytes_sent / 1e6, time.monotonic() - started - result.seconds, self.val_loss,
-                    self.loss or float("nan"), self.diloco.digest())
+        logger.info("round %d: averaged with %d peers%s in %.2f s (%.1f MB sent), matchmaking %.1f s; "
+                    "val loss %.4f, train loss %.4f, digest %s", round_no, result.group_size,
+                    f" (one of the groups of {group.swarm_size} peers, params mixed)" if group.mix else
+                    f" (one of the groups of {group.swarm_size} peers)" if group.swarm_size > result.group_size
+                    else "", result.seconds, result.bytes_sent / 1e6, time.monotonic() - started - result.seconds,
+                    self.val_loss, self.loss or float("nan"), self.diloco.digest())
         if self.settings.trace_dir:
-            self._trace(round_no, group, contribution.pseudo_gradient, contribution.weight, result, global_before)
+            self._trace(round_no, group, contribution.pseudo_gradient, contribution.weight, result, global_before,
+                        average, mixed_state)
         if self.settings.checkpoint_dir and self.diloco.round % r.checkpoint_every == 0:
             self._checkpoint()
         self.announcer.refresh_now(self.loop)
@@ -454,19 +481,22 @@ class Peer:
         with self.diloco.lock:
             return torch.cat([p.view(-1) for p in self.diloco.global_params]).clone()
 
-    def _trace(self, round_no, group, pseudo_gradient, weight, result, global_before) -> None:
+    def _trace(self, round_no, group, pseudo_gradient, weight, result, global_before, average, mixed_state) -> None:
         import json
 
         from safetensors.torch import save_file
 
         directory = Path(self.settings.trace_dir)
         directory.mkdir(parents=True, exist_ok=True)
-        save_file({"pseudo_gradient": pseudo_gradient.contiguous(), "average": result.average.contiguous(),
-                   "global_before": global_before, "global_after": self._flat_global()},
-                  str(directory / f"round-{round_no:06d}.safetensors"))
+        tensors = {"pseudo_gradient": pseudo_gradient.contiguous(), "average": average.contiguous(),
+                   "global_before": global_before, "global_after": self._flat_global()}
+        if mixed_state is not None:
+            tensors["mixed_state"] = mixed_state.contiguous()  # the group's average of params and momentum
+        save_file(tensors, str(directory / f"round-{round_no:06d}.safetensors"))
         (directory / f"round-{round_no:06d}.json").write_text(json.dumps({
             "peer_id": self.node.peer_id, "round": round_no, "weight": weight, "members": list(group.members),
-            "shares": list(group.shares), "clients": list(group.clients), "group_id": group.group_id, "total_weight": result.total_weight, "loss": self.loss,
+            "shares": list(group.shares), "clients": list(group.clients), "group_id": group.group_id,
+            "mix": group.mix, "swarm_size": group.swarm_size, "total_weight": result.total_weight, "loss": self.loss,
             "val_loss": self.val_loss, "digest": self.diloco.digest()}))
 
     def _checkpoint(self) -> None:
@@ -494,6 +524,11 @@ class Peer:
     def shutdown(self) -> None:
         self.progress.close()  # issue #7
         self.state = "offline"
+        if getattr(self, "allreduce", None) is not None and self.loop is not None and not self.settings.client_mode:
+            try:  # client members of our last group may still be asking whether we applied it
+                self.loop.run(self.allreduce.settle(COMMIT_GRACE + 3), timeout=10)
+            except Exception:  # noqa: BLE001 - they re-sync when we are gone
+                logger.debug("could not wait for client members", exc_info=True)
         if self.announcer is not None and self.loop is not None:
             try:
                 self.loop.run(self.announcer.announce_offline(), timeout=10)
