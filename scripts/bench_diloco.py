@@ -8,6 +8,8 @@ peer runs (swarm/peer/simulation.py), at the same total tokens and the same inne
   (e) DiLoCo with a single worker (M=1), H steps per round
   (f) as (b) with overlap: round t's average arrives --overlap-delay inner steps into round t+1 and is applied
       then, as peers with `outer.overlap` do (nobody waits for the all-reduce)
+  (g) as (b), but the M workers average in groups of --group-size, split as peers split themselves when more are
+      online than `target_group_size` (Moshpit-style: groups of other params also average params and momentum)
 
 on the bundled corpus, and prints final validation loss and bytes each worker sent (butterfly all-reduce
 accounting), then one JSON line.
@@ -31,7 +33,7 @@ import torch  # noqa: E402
 
 from swarm.config import parse_recipe  # noqa: E402
 from swarm.peer.data import prepare_run_data  # noqa: E402
-from swarm.peer.simulation import simulate_data_parallel, simulate_diloco  # noqa: E402
+from swarm.peer.simulation import simulate_data_parallel, simulate_diloco, simulate_groups  # noqa: E402
 
 
 def main() -> None:
@@ -53,7 +55,9 @@ def main() -> None:
     parser.add_argument("--overlap-delay", type=int, default=10,
                         help="(f): inner steps of round t+1 done before round t's average arrives (H or more: a "
                              "whole round late)")
-    parser.add_argument("--only", help="comma-separated subset of a,b,c,d,e,f")
+    parser.add_argument("--group-size", type=int, default=2,
+                        help="(g): target group size, so the M workers average in several mixing groups")
+    parser.add_argument("--only", help="comma-separated subset of a,b,c,d,e,f,g")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     m, h, rounds = args.workers, args.inner_steps, args.rounds
@@ -81,6 +85,8 @@ def main() -> None:
               lambda: simulate_diloco(single, data, [0], rounds * m, h, "none")),
         "f": (f"DiLoCo M={m} H={h} overlap {args.overlap_delay}",
               lambda: simulate_diloco(recipe, data, shards, rounds, h, "none", overlap_delay=args.overlap_delay)),
+        "g": (f"DiLoCo M={m} groups of {args.group_size}",
+              lambda: simulate_groups(recipe, data, shards, rounds, h, args.group_size, "none")),
     }
     chosen = args.only.split(",") if args.only else list(configs)
     rows = []

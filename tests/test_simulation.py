@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from swarm.config import load_recipe
 from swarm.peer.data import prepare_run_data
-from swarm.peer.simulation import simulate_diloco
+from swarm.peer.simulation import simulate_diloco, simulate_groups
 
 RECIPE = Path(__file__).parent / "recipes" / "fixed_steps.yaml"
 ROUNDS = 3
@@ -64,3 +64,24 @@ def test_simulated_overlap_keeps_local_progress_on_the_new_global_params(cache_d
     torch.testing.assert_close(flat[0], flat[None], rtol=1e-4, atol=1e-5)
     assert (flat[2] - flat[None]).abs().max() > 1e-4, "a late average must change the run"
     assert runs[2].val_losses[-1] < runs[2].val_losses[0]
+
+
+def test_simulated_groups_are_diloco_when_one_group_holds_everyone_and_mix_otherwise(cache_dir):
+    """The benchmark's config g: workers split into groups as peers split themselves. A group as large as the
+    swarm is plain DiLoCo; groups of 2 out of 4 leave round 0 with two lineages, which round 1 merges (every
+    group averages params across them), and the run still learns."""
+    recipe = load_recipe(RECIPE)
+    data = prepare_run_data(recipe.data.source, recipe.data.tokenizer, recipe.data.vocab_size,
+                            recipe.data.val_fraction, recipe.data.seq_len, recipe.data.batch_size, recipe.data.seed,
+                            cache_dir)
+    plain = simulate_diloco(recipe, data, shards=[0, 1], rounds=2, inner_steps=3)
+    one_group = simulate_groups(recipe, data, shards=[0, 1], rounds=2, inner_steps=3, group_size=2)
+    torch.testing.assert_close(torch.cat([p.view(-1) for p in one_group.global_params]),
+                               torch.cat([p.view(-1) for p in plain.global_params]), rtol=1e-4, atol=1e-6)
+    grouped = simulate_groups(recipe, data, shards=[0, 1, 2, 3], rounds=3, inner_steps=3, group_size=2)
+    assert grouped.val_losses[-1] < grouped.val_losses[0]
+    mixing = simulate_groups(recipe, data, shards=[0, 1, 2, 3], rounds=2, inner_steps=3, group_size=2)
+    alone = simulate_groups(recipe, data, shards=[0, 1, 2, 3], rounds=2, inner_steps=3, group_size=1)
+    assert mixing.bytes_per_worker > 8 * sum(p.numel() for p in mixing.global_params) / 2, \
+        "round 1 sends params and momentum (fp32) besides the pseudo-gradients"
+    assert alone.bytes_per_worker == 0, "groups of one send nothing"

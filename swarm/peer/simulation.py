@@ -122,6 +122,63 @@ def simulate_diloco(recipe: Recipe, data: RunData, shards: list[int], rounds: in
     return result
 
 
+def simulate_groups(recipe: Recipe, data: RunData, shards: list[int], rounds: int, inner_steps: int,
+                    group_size: int, codec_name: Optional[str] = None, device: str = "cpu") -> SimulationResult:
+    """M = len(shards) workers averaging in groups of at most `group_size`, split each round exactly as peers
+    split themselves (matchmaking.plan_groups, equal bandwidths): every worker holds its own global params and
+    outer momentum, a group averages its pseudo-gradients (through the codec, with error feedback), and a group
+    whose members hold different params averages params and momentum too (lossless) before the outer step.
+    `val_losses` are the mean over the groups' params after each round; `global_params` are worker 0's."""
+    from swarm.averaging.matchmaking import Candidate, plan_groups
+
+    codec = get_codec(codec_name or recipe.averaging.codec)
+    workers = [build_model(recipe.model, data.vocab_size).to(device) for _ in shards]
+    dilocos = [DiLoCo(model, recipe.outer) for model in workers]
+    optimizers = [make_inner_optimizer(model, recipe.inner) for model in workers]
+    batches = [data.train.batches(shard, recipe.data.num_shards, recipe.data.batch_size, recipe.data.seed)
+               for shard in shards]
+    feedback = [ErrorFeedback() for _ in shards]
+    tokens_per_step = recipe.data.batch_size * recipe.data.seq_len
+    result = SimulationResult(dilocos[0].global_params)
+    last_swarm = 1
+    for round_no in range(rounds):
+        delivered = []
+        for index, model in enumerate(workers):
+            for step in range(inner_steps):
+                lr = learning_rate(recipe.inner, schedule_tokens(dilocos[index].tokens_seen, step * tokens_per_step,
+                                                                 last_swarm), recipe.total_tokens)
+                inner_step(model, optimizers[index], next(batches[index]), torch.device(device), lr,
+                           recipe.inner.grad_clip)
+            to_send = feedback[index].compensate(dilocos[index].pseudo_gradient())
+            payload = codec.encode(to_send)
+            delivered.append((codec.decode(payload) if codec.name != "none" else to_send, len(payload)))
+            feedback[index].update(to_send, delivered[-1][0])
+        weight = inner_steps * tokens_per_step
+        candidates = {f"w{i:04d}": Candidate(d.digest(), 1.0, False) for i, d in enumerate(dilocos)}
+        groups = [[int(peer[1:]) for peer in group] for group in plan_groups(candidates, group_size, 1, round_no)]
+        losses = []
+        for group in groups:
+            average = sum(delivered[i][0] for i in group) / len(group)  # equal weights: equal steps
+            if codec.name != "none":
+                average = codec.decode(codec.encode(average))
+            payload = delivered[group[0]][1]
+            if len({dilocos[i].digest() for i in group}) > 1:
+                state = sum(dilocos[i].flat_state() for i in group) / len(group)
+                for i in group:
+                    dilocos[i].load_flat_state(state)
+                payload += 8 * dilocos[0].numel
+            for i in group:
+                dilocos[i].outer_step(average, weight * len(shards))  # each group counts the swarm's tokens
+            result.bytes_per_worker += _allreduce_bytes(payload, len(group)) * len(group) / len(shards)
+            losses.append(validation_loss(workers[group[0]], data.eval_batches, torch.device(device)))
+        last_swarm = len(shards)
+        result.tokens += weight * len(shards)
+        result.val_losses.append(sum(losses) / len(losses))
+        logger.info("groups of %d, M=%d round %d: val loss %.4f over %d groups", group_size, len(shards), round_no,
+                    result.val_losses[-1], len(groups))
+    return result
+
+
 def _flat(model: torch.nn.Module) -> torch.Tensor:
     with torch.no_grad():
         return torch.cat([p.detach().cpu().float().view(-1) for p in model.parameters()])
