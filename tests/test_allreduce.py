@@ -122,9 +122,11 @@ def test_plan_groups_up_to_target_is_one_majority_group():
     c = {"a": Candidate("d1", 1e6, False), "b": Candidate("d1", 1e6, False), "c": Candidate("d2", 1e6, False)}
     assert plan_groups(c, 4, 1, 0) == [["a", "b"]], "up to target size: the majority digest, as before"
     assert plan_groups({}, 4, 1, 0) == []
-    # Five candidates, groups of at most 4 but at least 3: two groups cannot both reach 3, so one capped group.
+    # Five candidates, groups of 4 but at least 3: two groups cannot both reach 3, and leaving one peer out would
+    # drop its work, so one group of five.
     five = {p: Candidate("d", 1e6, False) for p in "abcde"}
-    assert plan_groups(five, 4, 3, 0) == [["a", "b", "c", "d"]]
+    assert plan_groups(five, 4, 3, 0) == [["a", "b", "c", "d", "e"]]
+    assert plan_groups(five, 4, 2, 0) == [["a", "b", "c"], ["d", "e"]]
 
 
 def test_plan_groups_similar_bandwidth_on_even_rounds_and_across_groups_on_odd_rounds():

@@ -101,3 +101,47 @@ def test_diverged_peers_never_send_and_rejoin_the_next_average(swarm):
         expected = (ta["pseudo_gradient"] * meta_a["weight"] + tb["pseudo_gradient"] * meta_b["weight"]) / total
         torch.testing.assert_close(ta["average"], expected, rtol=1e-5, atol=1e-7)
         assert torch.equal(ta["global_after"], tb["global_after"]) and torch.isfinite(ta["global_after"]).all()
+
+
+def test_sigkill_in_one_of_several_groups(swarm):
+    """Four peers in groups of two (recipes/moshpit.yaml); one is SIGKILLed while reducing in round 1, a mixing
+    round. Its partner applies nothing of that attempt, gets the state of the group that finished, and the three
+    survivors go on together; every average anyone applied is exact for its group, and the survivors end with
+    the same params."""
+    rounds = 12  # the group without the dead peer goes on meanwhile: enough rounds left to meet again
+    _, maddr = swarm.bootstrap(recipe=Path(__file__).parent / "recipes" / "moshpit.yaml")
+    faulty = swarm.peer(maddr, "--until-round", str(rounds), "--inject-fault", "reduce@1", name="faulty")
+    faulty.wait_for("training round 0", 120)
+    survivors = [swarm.peer(maddr, "--until-round", str(rounds), "--trace-dir", str(swarm.workdir / f"trace{i}"),
+                            name=f"survivor{i}") for i in range(3)]
+    fired = faulty.wait_for(r"FAULT INJECTED: SIGKILL at reduce of round (\d+)", 150)
+    fault_round = int(fired.group(1))
+    assert faulty.wait(10) == -9, "the fault must really have fired"
+    for peer in survivors:
+        assert peer.wait(240) == 0, peer.output()[-3000:]
+    traces = [{int(p.stem.split("-")[1]): _trace(swarm.workdir / f"trace{i}", int(p.stem.split("-")[1]))
+               for p in (swarm.workdir / f"trace{i}").glob("round-*.json")} for i in range(3)]
+    faulty_id = faulty.wait_for(PEER_ID, 5).group(1)
+    checked = 0
+    for round_no in range(rounds):
+        by_group: dict[str, list] = {}
+        for t in traces:
+            if round_no in t:
+                by_group.setdefault(t[round_no][0]["group_id"], []).append(t[round_no])
+        for members in by_group.values():
+            metas, tensors = [m for m, _ in members], [t for _, t in members]
+            assert all(torch.equal(t["global_after"], tensors[0]["global_after"]) for t in tensors), \
+                "a group ends bit-identical"
+            if round_no >= fault_round:
+                assert faulty_id not in metas[0]["members"], "nothing with the dead peer is applied"
+            if len(members) == len(metas[0]["members"]):  # every member traced: check the average itself
+                total = sum(m["weight"] for m in metas)
+                assert metas[0]["total_weight"] == total
+                exact = sum(t["pseudo_gradient"] * m["weight"] for t, m in zip(tensors, metas)) / total
+                assert (tensors[0]["average"] - exact).abs().max() < 0.05 * exact.abs().max() + 1e-6
+                checked += 1
+    assert checked >= 2, "the survivors averaged together after the fault"
+    after = [t[max(t)][1]["global_after"] for t in traces]
+    assert all(torch.equal(a, after[0]) for a in after), "the survivors end with the same params"
+    assert all(max(t) == rounds - 1 for t in traces), "every survivor averaged the last round"
+    assert fault_round <= rounds - 2

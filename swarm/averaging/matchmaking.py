@@ -34,6 +34,7 @@ from swarm.dht.validation import subkey_owner
 logger = logging.getLogger(__name__)
 POLL_SECONDS = 0.1
 SETTLE_SECONDS = 0.4
+FINAL_GRACE_SECONDS = 2.0  # how long after other groups' leaders published we still wait for ours
 
 
 @dataclass(frozen=True)
@@ -101,8 +102,8 @@ def bandwidth_class(bandwidth: float) -> int:
 
 def plan_groups(candidates: dict[str, Candidate], target_size: int, min_size: int, round_no: int) -> list[list[str]]:
     """Split this attempt's candidates into groups; a pure function, so every peer with the same view computes the
-    same groups. Up to `target_size` candidates (or too few for two groups of `min_size`): one group, as
-    `choose_members`. Otherwise all candidates, whatever their digest, in k = ceil(n / target_size) groups of
+    same groups. Up to `target_size` candidates: one group, as `choose_members`; too few for two groups of
+    `min_size`: one group of all of them (over the target by less than `min_size`). Otherwise all candidates, whatever their digest, in k = ceil(n / target_size) groups of
     nearly equal size. Even rounds: consecutive runs of the bandwidth order, so similar links average together.
     Odd rounds: every k-th peer in the order of (digest, bandwidth), so each group takes its members from as many
     of the previous round's groups (digests) as it can, and what each group learned spreads through the swarm:
@@ -112,7 +113,8 @@ def plan_groups(candidates: dict[str, Candidate], target_size: int, min_size: in
     n = len(candidates)
     k = min(-(-n // max(target_size, 1)), n // max(min_size, 1))
     if k <= 1:
-        members = choose_members(candidates, target_size)
+        # Too few for two groups of min_size: one group a little over the target rather than peers left out.
+        members = choose_members(candidates, max(target_size, n))
         return [members] if members else []
     if round_no % 2 == 0:
         order = sorted(candidates, key=lambda peer: (-bandwidth_class(candidates[peer].bandwidth), peer))
@@ -233,10 +235,17 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
 
     # Wait as long as the leader may still be waiting for its own candidates (it may have started later).
     final_deadline = time.monotonic() + timeout + 2 * SETTLE_SECONDS
-    leader = members[0]
+    leader, others_published = members[0], None
     while time.monotonic() < final_deadline:
         finals = await _read_finals(node, run_id, round_no, attempt, excluded)
         mine = {writer: final for writer, final in finals.items() if me in final[0]}
+        if finals and not mine and leader not in finals:
+            # Other groups' leaders published and ours did not: views that agree publish within moments of each
+            # other, so after a grace our leader most likely followed another group; retry rather than wait.
+            others_published = others_published or time.monotonic()
+            if time.monotonic() - others_published > FINAL_GRACE_SECONDS:
+                logger.info("round %d: groups were published, none with me", round_no)
+                return None, seen
         if leader in finals or mine:
             if leader not in mine or min(mine) != leader:
                 # Our views differ: another leader may be writing at this moment, so wait and re-read.

@@ -44,6 +44,7 @@ from swarm.runtime import LoopThread, install_stop_handlers
 logger = logging.getLogger("swarm.peer")
 EVAL_BATCHES = 4
 MAX_IMMEDIATE_RETRIES = 3  # then train on and try again later: failures that keep coming need fresh views
+RESYNC_BACKOFF = 10.0  # s of training after a failed state download before the next try
 
 
 @dataclass(frozen=True)
@@ -167,8 +168,10 @@ class Peer:
             logger.info("starting from the recipe's initial params (round 0, digest %s)", self.diloco.digest())
 
     def _swarm_reference(self) -> tuple[int, str, list[str]]:
-        """(highest round of live peers, the digest most of them hold, the peers holding it)."""
-        live = [p for p in self.announcer.view if p.peer_id != self.node.peer_id
+        """(highest round of live peers, the digest most of them hold, the peers holding it). A peer whose
+        heartbeat stopped (its record lingers until it expires) is not live: it can serve nothing."""
+        fresh_after = self.node.now() - 5 * HEARTBEAT_SECONDS
+        live = [p for p in self.announcer.view if p.peer_id != self.node.peer_id and p.updated >= fresh_after
                 and p.state in ("training", "averaging") and p.digest]
         if not live:
             return 0, "", []
@@ -221,6 +224,7 @@ class Peer:
         self.rounds_done, self.next_attempt = 0, 0
         tokens_per_step = r.data.batch_size * r.data.seq_len
         self.retry_after_tokens = 0
+        self.resync_after = 0.0  # monotonic time before which we do not try another state download
         window_start, window_tokens = time.monotonic(), 0
         run_started, compute_seconds = time.monotonic(), 0.0
         self.round_started = time.monotonic()
@@ -261,11 +265,13 @@ class Peer:
                 continue  # the round changed: re-check whether we are finished before preparing another
 
             behind = self._swarm_reference()
-            if behind[0] > self.diloco.round and behind[2]:
+            if behind[0] > self.diloco.round and behind[2] and time.monotonic() >= self.resync_after:
                 logger.info("the swarm is at round %d and I am at %d: re-syncing", behind[0], self.diloco.round)
                 self.pending = None  # an average still in flight belongs to a round we are leaving
                 if self._resync(behind[2], behind[1], reason="behind the swarm"):
                     self.next_attempt, self.retry_after_tokens = 0, 0
+                else:  # train on, and do not hammer holders that just failed us
+                    self.resync_after = time.monotonic() + RESYNC_BACKOFF
                 self.state = "training"
                 continue
             # -- issue #7: per-step gauges (they also catch resyncs and resumed checkpoints) and the progress line
