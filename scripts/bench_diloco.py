@@ -47,6 +47,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="inner batch per worker (sequences)")
     parser.add_argument("--lr", type=float, default=2e-3, help="inner AdamW lr (also the data-parallel lr)")
     parser.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov lr for M workers (DiLoCo: 0.7)")
+    parser.add_argument("--outer-momentum", type=float, default=0.9, help="outer Nesterov momentum (DiLoCo: 0.9)")
+    parser.add_argument("--dp-lr", type=float, help="AdamW lr of (a) only (default: --lr), to tune the baseline too")
     parser.add_argument("--outer-lr-single", type=float, default=0.7,
                         help="outer lr for the M=1 run (a single worker's pseudo-gradient is not averaged down, "
                              "so it may need a smaller one)")
@@ -68,16 +70,18 @@ def main() -> None:
                   "num_layers": args.layers, "num_heads": 4, "max_seq_len": args.seq_len},
         "data": {"seq_len": args.seq_len, "batch_size": args.batch, "vocab_size": 4096},
         "inner": {"lr": args.lr, "warmup_tokens": total_tokens // 20},
-        "outer": {"lr": args.outer_lr},
+        "outer": {"lr": args.outer_lr, "momentum": args.outer_momentum},
         "total_tokens": total_tokens,
     })
+    baseline = recipe if args.dp_lr is None else \
+        recipe.model_copy(update={"inner": recipe.inner.model_copy(update={"lr": args.dp_lr})})
     single = recipe.model_copy(update={"outer": recipe.outer.model_copy(update={"lr": args.outer_lr_single})})
     data = prepare_run_data(recipe.data.source, recipe.data.tokenizer, recipe.data.vocab_size,
                             recipe.data.val_fraction, recipe.data.seq_len, recipe.data.batch_size, recipe.data.seed,
                             args.cache_dir, eval_batches=16)
     shards = list(range(m))
     configs = {
-        "a": ("data-parallel", lambda: simulate_data_parallel(recipe, data, shards, steps=h * rounds, eval_every=h)),
+        "a": ("data-parallel", lambda: simulate_data_parallel(baseline, data, shards, steps=h * rounds, eval_every=h)),
         "b": (f"DiLoCo M={m} H={h} fp32", lambda: simulate_diloco(recipe, data, shards, rounds, h, "none")),
         "c": (f"DiLoCo M={m} H={h} int8", lambda: simulate_diloco(recipe, data, shards, rounds, h, "int8")),
         "d": (f"DiLoCo M={m} H={h} int4", lambda: simulate_diloco(recipe, data, shards, rounds, h, "int4")),

@@ -107,20 +107,19 @@ def test_partition_by_shares_is_exact():
         partition(10, [0.0, 0.0])
 
 
-def test_choose_members_majority_digest_and_accusations():
+def test_choose_members_takes_every_lineage_and_leaves_out_the_accused():
     c = {"a": Candidate("d1", 1.0, False), "b": Candidate("d1", 1.0, False), "c": Candidate("d2", 1.0, False)}
-    assert choose_members(c, 16) == ["a", "b"], "the majority digest wins; a stale peer waits for the next round"
+    assert choose_members(c, 16) == ["a", "b", "c"], "other params digests are mixed in, not left to re-sync"
     assert choose_members(c, 1) == ["a"]
-    assert choose_members({"x": Candidate("d2", 1, False), "y": Candidate("d1", 1, False)}, 16) == ["y"]  # tie
     # An honest peer that caught "b" sending bad data is never grouped with it, whoever computes the group.
     accused = {**c, "a": Candidate("d1", 1.0, False, ("b",))}
-    assert choose_members(accused, 16) == ["a"]
+    assert choose_members(accused, 16) == ["a", "c"]
     assert choose_members({}, 16) == []
 
 
-def test_plan_groups_up_to_target_is_one_majority_group():
+def test_plan_groups_up_to_target_is_one_group():
     c = {"a": Candidate("d1", 1e6, False), "b": Candidate("d1", 1e6, False), "c": Candidate("d2", 1e6, False)}
-    assert plan_groups(c, 4, 1, 0) == [["a", "b"]], "up to target size: the majority digest, as before"
+    assert plan_groups(c, 4, 1, 0) == [["a", "b", "c"]], "up to target size: one group of every lineage"
     assert plan_groups({}, 4, 1, 0) == []
     # Five candidates, groups of 4 but at least 3: two groups cannot both reach 3, and leaving one peer out would
     # drop its work, so one group of five.

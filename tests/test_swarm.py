@@ -134,7 +134,7 @@ def test_more_peers_than_a_group_average_in_mixing_groups(swarm):
         assert peer.wait(300) == 0, peer.output()[-3000:]
     traces = [_traces(swarm.workdir / name) for name in names]
     assert all(sorted(t) == list(range(rounds)) for t in traces), "every peer averaged every round"
-    groups_by_round = []
+    groups_by_round, split_from_four = [], 0
     for round_no in range(rounds):
         groups: dict[str, list[tuple[dict, dict]]] = {}
         for t in traces:
@@ -142,7 +142,8 @@ def test_more_peers_than_a_group_average_in_mixing_groups(swarm):
         assert len(groups) == 2 and all(len(g) == 2 for g in groups.values()), f"round {round_no}: {groups.keys()}"
         for members in groups.values():
             (meta_a, tensors_a), (meta_b, tensors_b) = members
-            assert meta_a["members"] == meta_b["members"] and meta_a["swarm_size"] == 4
+            assert meta_a["members"] == meta_b["members"]
+            split_from_four += meta_a["swarm_size"] == 4  # (a retry after a failed attempt plans fewer)
             assert torch.equal(tensors_a["global_after"], tensors_b["global_after"]), "a group ends bit-identical"
             total = meta_a["weight"] + meta_b["weight"]
             assert meta_a["total_weight"] == total, "both members' tokens are in the average"
@@ -162,6 +163,7 @@ def test_more_peers_than_a_group_average_in_mixing_groups(swarm):
         mixes = [g[0][0]["mix"] for g in groups.values()]
         assert (not any(mixes)) if round_no == 0 else all(mixes) if round_no == 1 else True, \
             f"round {round_no}: round 0 starts from equal params, round 1 must mix: {mixes}"
+    assert split_from_four, "no round was split into groups from a plan of all four peers"
     first, second = groups_by_round[0], groups_by_round[1]
     assert all(len(group & other) == 1 for group in second for other in first), \
         f"round 1 must take one member of each round-0 group: {first} then {second}"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from typing import Callable, Optional
 
 import msgpack
 import torch
+from hivemind.p2p import P2PDaemonError
 
 from swarm.averaging.faults import FaultPlan
 from swarm.averaging.matchmaking import Group
@@ -36,7 +38,7 @@ logger = logging.getLogger(__name__)
 MAX_HEADER_BYTES = 64 << 10
 MAX_PENDING_GROUPS = 8
 MAX_DECISIONS = 64  # (round, attempt) keys whose group we remember, for answering streams about them
-STREAM_RETRIES = 2  # re-opens of a stream that broke before the receiver answered
+STREAM_RETRIES = 3  # re-opens of a stream that broke before the receiver answered
 COMMIT_GRACE = 2.0  # s to wait for the commit of a member our own commit could not reach (it is likely dead)
 MIN_CHUNK = 1 << 16  # elements; chunk sizes are multiples of CHUNK_ALIGN so codec blocks never straddle chunks
 CHUNK_ALIGN = 4096
@@ -234,6 +236,8 @@ class GroupAllReduce:
             self._unasked.get(group_id, set()).discard(remote)
             return
         if group_id in self._finished.values():
+            if chunks == 0:  # a reopened commit whose first copy we used: confirm it, or its sender logs a failure
+                await send_frame(writer, b"done")
             return  # a straggler of a group we already finished: nothing left to use it for
         box = self._mailbox(group_id)
         if phase == "abort":  # that member gave this attempt up: stop waiting for anything from it
@@ -264,30 +268,45 @@ class GroupAllReduce:
     async def _stream(self, peer: str, header: dict, chunks, stats: dict, die_after_first=None) -> None:
         """Send `header` and then every (meta, payload) that the async iterator `chunks` yields, as they come.
 
-        A stream that breaks before the receiver's answer is opened again (twice at most): two peers that dial
-        each other at once for their first stream can have one of the two connections closed under it, and
-        nothing of ours was used yet (the receiver's slots take only the first copy of anything)."""
+        A stream that fails to open, or breaks before the receiver's answer, is opened again (STREAM_RETRIES
+        times at most, backing off with jitter): the receiver's daemon resets a stream it cannot hand to the
+        receiver's process at once (its handler socket's queue is full while that process is busy), and nothing
+        of ours was used yet (the receiver's slots take only the first copy of anything)."""
         for retry in range(STREAM_RETRIES + 1):
-            reader, writer = await self.node.open_stream(peer, self.protocol)
+            writer = None
             try:
+                reader, writer = await self.node.open_stream(peer, self.protocol)
                 await send_frame(writer, msgpack.packb(header))
                 answer = await recv_frame(reader, 16)
                 break
-            except (ConnectionError, asyncio.IncompleteReadError):
-                writer.close()
+            except (ConnectionError, asyncio.IncompleteReadError, P2PDaemonError):
+                if writer is not None:
+                    writer.close()
                 if retry == STREAM_RETRIES:
                     raise
-                await asyncio.sleep(0.1 * (retry + 1))
+                await asyncio.sleep(0.2 * 2 ** retry * (0.5 + random.random()))
         try:
             if answer == b"conflict":
                 raise GroupConflict(f"{peer[-8:]} is averaging this round in another group")
+            sent = 0
             async for meta, payload in chunks:
                 await send_frame(writer, msgpack.packb(meta))
                 await send_frame(writer, payload)
                 stats["sent"] += len(payload)
+                sent += 1
                 if die_after_first is not None:
                     self.faults.maybe_die(*die_after_first)  # dies with some chunks delivered, others not
-            if await recv_frame(reader, 16) != b"done":
+            try:
+                confirmed = await recv_frame(reader, 16) == b"done"
+            except (ConnectionError, asyncio.IncompleteReadError):
+                confirmed = False
+            if not confirmed:
+                if sent:
+                    # Every chunk was written; whether they arrived, the reducers' contributor lists and the
+                    # receiver's commit tell everyone. A lost confirmation must not fail the round by itself.
+                    logger.info("%s did not confirm the %s stream; the round's accounts decide", peer[-8:],
+                                header.get("phase"))
+                    return
                 raise ConnectionError(f"{peer[-8:]} did not confirm the stream")
         finally:
             writer.close()

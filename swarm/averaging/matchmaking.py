@@ -4,12 +4,12 @@ the peers they expect, and adopt the member list and reduction shares published 
 smallest peer id). Every member checks the same group id in the all-reduce, so a peer whose view differed fails
 that attempt cleanly instead of averaging with the wrong set.
 
-Up to `target_group_size` candidates form one group of the majority params digest. With more, every peer computes
+Up to `target_group_size` candidates form one group. With more, every peer computes
 the same split into groups from the same view (Moshpit-style): on even rounds peers of similar measured bandwidth
 average together, so a slow home uplink does not hold up fibre peers; on odd rounds every group takes its members
 from different groups of the round before, so what each group learned spreads through the swarm. Groups then
 hold different global params, so a group whose members' digests differ averages global params and outer momentum
-too ("mix"), and the digest agreement is per group.
+too ("mix"), and the digest agreement is per group; any group, one or many, leaves its members identical.
 
 Entries are written under the writer's owned subkey, which hivemind signs with its key; readers count only
 entries whose signature and peer id check out, so nobody can enter, accuse or lead in another peer's name.
@@ -22,7 +22,6 @@ import hashlib
 import logging
 import math
 import time
-from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
@@ -82,17 +81,13 @@ def group_timeout(candidates: Sequence[Candidate]) -> Optional[float]:
 
 
 def choose_members(candidates: dict[str, Candidate], target_size: int) -> list[str]:
-    """Candidates that share the most common params digest (ties: the smallest digest), sorted by peer id and
-    capped at `target_size`, leaving out every peer that some candidate caught sending bad data this round (so
-    an honest peer that refuses a bad one is never put in a group with it). A pure function: every peer with the
-    same view picks the same members."""
+    """One group: the candidates sorted by peer id, capped at `target_size`, leaving out every peer that some
+    candidate caught sending bad data this round (so an honest peer that refuses a bad one is never put in a
+    group with it). Members of different params digests (lineages of earlier multi-group rounds, or a peer whose
+    last commit went astray) are all welcome: their group mixes params, and leaves them identical. A pure
+    function: every peer with the same view picks the same members."""
     accused = {peer for c in candidates.values() for peer in c.excluded}
-    candidates = {peer: c for peer, c in candidates.items() if peer not in accused}
-    if not candidates:
-        return []
-    counts = Counter(c.digest for c in candidates.values())
-    best = min(counts, key=lambda digest: (-counts[digest], digest))
-    return sorted(peer for peer, c in candidates.items() if c.digest == best)[:target_size]
+    return sorted(peer for peer in candidates if peer not in accused)[:target_size]
 
 
 def bandwidth_class(bandwidth: float) -> int:
@@ -215,8 +210,7 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
     groups = plan_groups(candidates, target_size, min_size, round_no)
     members = next((group for group in groups if me in group), [])
     if not members:
-        logger.info("round %d: not in this attempt's group (another params digest, or accused of bad data)",
-                    round_no)
+        logger.info("round %d: not in this attempt's group (accused of bad data)", round_no)
         return None, seen
     if len(members) < min_size:
         return None, seen

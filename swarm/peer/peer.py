@@ -376,10 +376,11 @@ class Peer:
             self.announcer.refresh_now(self.loop)
             # Wait for the peers of this round, unless their heartbeat stopped (crashed peers' records linger
             # until they expire; a few missed heartbeats are enough not to wait for them). Peers with other params
-            # come too: with more peers than one group holds, groups of different params mix.
+            # come too: with more peers than one group holds, groups of different params mix. So do peers still
+            # starting up at this round (a new swarm's round 0): left out, they would only re-sync afterwards.
             fresh_after = self.node.now() - 5 * HEARTBEAT_SECONDS
             expected = {p.peer_id for p in self.announcer.view if p.round == round_no and p.updated >= fresh_after
-                        and p.state in ("training", "averaging")}
+                        and p.state in ("training", "averaging", "syncing")}
             self.faults.maybe_die("matchmaking", round_no)
             me_as = Candidate(digest, self.bandwidth, client=self.settings.client_mode,
                               phase_timeout=self.allreduce.deadlines.measured())
