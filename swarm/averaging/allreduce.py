@@ -206,7 +206,7 @@ class GroupAllReduce:
         member's "pull" and "decision" streams go the other way: we write what it asked for."""
         header = msgpack.unpackb(await recv_frame(reader, MAX_HEADER_BYTES))
         if not isinstance(header, dict) or header.get("phase") not in ("part", "avg", "commit", "pull", "decision",
-                                                                       "abort"):
+                                                                       "abort", "ping"):
             raise ValueError(f"malformed all-reduce header from {remote}")
         chunks = header.get("chunks", 0)
         if not isinstance(chunks, int) or not 0 <= chunks <= self.max_numel // CHUNK_ALIGN + 2:
@@ -227,6 +227,8 @@ class GroupAllReduce:
             return
         await send_frame(writer, b"ok")
         phase = header["phase"]
+        if phase == "ping":  # a sender whose stream lost its confirmation checks that we are still here
+            return
         if phase == "decision":  # a client member asks whether we apply this group's average
             try:
                 applied = await asyncio.wait_for(asyncio.shield(self._outcome(group_id)), self.deadlines.ceiling)
@@ -301,15 +303,27 @@ class GroupAllReduce:
             except (ConnectionError, asyncio.IncompleteReadError):
                 confirmed = False
             if not confirmed:
-                if sent:
-                    # Every chunk was written; whether they arrived, the reducers' contributor lists and the
-                    # receiver's commit tell everyone. A lost confirmation must not fail the round by itself.
+                if sent and await self._alive(peer, header):
+                    # Every chunk was written and the receiver is alive: whether they arrived, the reducers'
+                    # contributor lists and its commit tell everyone. A lost confirmation alone fails no round.
                     logger.info("%s did not confirm the %s stream; the round's accounts decide", peer[-8:],
                                 header.get("phase"))
                     return
                 raise ConnectionError(f"{peer[-8:]} did not confirm the stream")
         finally:
             writer.close()
+
+    async def _alive(self, peer: str, header: dict, timeout: float = 3.0) -> bool:
+        """Whether `peer` still answers a stream about this group (a dead peer's daemon resets it at once)."""
+        try:
+            reader, writer = await asyncio.wait_for(self.node.open_stream(peer, self.protocol), timeout)
+            try:
+                await send_frame(writer, msgpack.packb({**header, "phase": "ping", "chunks": 0}))
+                return await asyncio.wait_for(recv_frame(reader, 16), timeout) == b"ok"
+            finally:
+                writer.close()
+        except Exception:  # noqa: BLE001 - any failure means we cannot count on it
+            return False
 
     def _tell_abort(self, group: Group) -> None:
         """We gave this attempt up: tell the members we can reach, in the background, so they stop waiting for
