@@ -385,9 +385,8 @@ class GroupAllReduce:
         outcome = self._outcome(group.group_id)
         try:
             result = await self._run(group, vector, weight, exact_from)
-            clients = {peer for peer, client in zip(group.members, group.clients) if client} - {self.node.peer_id}
-            if clients and not any(c for peer, c in zip(group.members, group.clients) if peer == self.node.peer_id):
-                self._unasked = {group.group_id: clients}  # only the last group matters (see settle)
+            if not group.is_client(self.node.peer_id):  # only the last group matters (see settle)
+                self._unasked = {group.group_id: {peer for peer in group.members if group.is_client(peer)}}
             if not outcome.done():
                 outcome.set_result(True)  # client members asking for our decision may apply too
         except GroupConflict as e:

@@ -167,12 +167,17 @@ class Peer:
         else:
             logger.info("starting from the recipe's initial params (round 0, digest %s)", self.diloco.digest())
 
+    def _live_peers(self, states: tuple[str, ...] = ("training", "averaging")) -> list[PeerRecord]:
+        """Other peers in one of `states` whose heartbeat is fresh (a crashed peer's record lingers until it
+        expires; a few missed heartbeats are enough to stop counting on it)."""
+        fresh_after = self.node.now() - 5 * HEARTBEAT_SECONDS
+        return [p for p in self.announcer.view if p.peer_id != self.node.peer_id and p.updated >= fresh_after
+                and p.state in states]
+
     def _swarm_reference(self) -> tuple[int, str, list[str]]:
         """(highest round of live peers, the digest most of them hold, the peers holding it). A peer whose
         heartbeat stopped (its record lingers until it expires) is not live: it can serve nothing."""
-        fresh_after = self.node.now() - 5 * HEARTBEAT_SECONDS
-        live = [p for p in self.announcer.view if p.peer_id != self.node.peer_id and p.updated >= fresh_after
-                and p.state in ("training", "averaging") and p.digest]
+        live = [p for p in self._live_peers() if p.digest]
         if not live:
             return 0, "", []
         top = max(p.round for p in live)
@@ -378,9 +383,8 @@ class Peer:
             # until they expire; a few missed heartbeats are enough not to wait for them). Peers with other params
             # come too: with more peers than one group holds, groups of different params mix. So do peers still
             # starting up at this round (a new swarm's round 0): left out, they would only re-sync afterwards.
-            fresh_after = self.node.now() - 5 * HEARTBEAT_SECONDS
-            expected = {p.peer_id for p in self.announcer.view if p.round == round_no and p.updated >= fresh_after
-                        and p.state in ("training", "averaging", "syncing")}
+            expected = {p.peer_id for p in self._live_peers(("training", "averaging", "syncing"))
+                        if p.round == round_no}
             self.faults.maybe_die("matchmaking", round_no)
             me_as = Candidate(digest, self.bandwidth, client=self.settings.client_mode,
                               phase_timeout=self.allreduce.deadlines.measured())
@@ -420,9 +424,8 @@ class Peer:
         """Whether this round can still be averaged here although some group already finished it: the swarm
         averages in several groups (more live peers than a group holds) and enough peers are still at this round
         to form one. A lone straggler of a single-group swarm re-syncs instead."""
-        fresh_after, r = self.node.now() - 5 * HEARTBEAT_SECONDS, self.recipe.averaging
-        live = [p for p in self.announcer.view if p.peer_id != self.node.peer_id and p.updated >= fresh_after
-                and p.state in ("training", "averaging") and p.round >= round_no]
+        r = self.recipe.averaging
+        live = [p for p in self._live_peers() if p.round >= round_no]
         return len(live) + 1 > r.target_group_size and \
             sum(p.round == round_no for p in live) + 1 >= max(r.min_group_size, 2)
 
