@@ -53,7 +53,8 @@ def worker(args: argparse.Namespace) -> None:
     logging.getLogger("swarm.averaging").setLevel(logging.INFO)
     if args.engine == "hivemind":
         return _hivemind_worker(args)
-    from swarm.averaging.allreduce import AdaptiveDeadlines, AllReduceError, GroupAllReduce
+    from swarm.averaging.allreduce import AllReduceError, GroupAllReduce
+    from swarm.averaging.deadlines import AdaptiveDeadlines
     from swarm.averaging.matchmaking import Candidate, form_group
     from swarm.dht.node import NetworkOptions, SwarmNode
     from swarm.runtime import LoopThread

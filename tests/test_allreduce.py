@@ -15,7 +15,8 @@ import torch
 
 import msgpack
 
-from swarm.averaging.allreduce import AdaptiveDeadlines, GroupAllReduce
+from swarm.averaging.allreduce import GroupAllReduce
+from swarm.averaging.deadlines import AdaptiveDeadlines
 from swarm.averaging.matchmaking import Candidate, Group, choose_members, group_timeout, plan_groups
 from swarm.averaging.partition import optimal_shares, partition
 from swarm.compression import get_codec

@@ -18,27 +18,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import msgpack
 import torch
-from hivemind.p2p import P2PDaemonError
 
+from swarm.averaging.deadlines import AdaptiveDeadlines
 from swarm.averaging.faults import FaultPlan
 from swarm.averaging.matchmaking import Group
 from swarm.averaging.partition import partition
+from swarm.averaging.streams import MAX_HEADER_BYTES, GroupConflict, StreamClient, read_chunk
 from swarm.compression import CodecError, get_codec
 from swarm.dht.node import SwarmNode, recv_frame, send_frame
 
 logger = logging.getLogger(__name__)
-MAX_HEADER_BYTES = 64 << 10
 MAX_PENDING_GROUPS = 8
 MAX_DECISIONS = 64  # (round, attempt) keys whose group we remember, for answering streams about them
-STREAM_RETRIES = 3  # re-opens of a stream that broke before the receiver answered
 COMMIT_GRACE = 2.0  # s to wait for the commit of a member our own commit could not reach (it is likely dead)
 MIN_CHUNK = 1 << 16  # elements; chunk sizes are multiples of CHUNK_ALIGN so codec blocks never straddle chunks
 CHUNK_ALIGN = 4096
@@ -61,44 +58,6 @@ class AllReduceError(RuntimeError):
     def __init__(self, reason: str, message: str, suspects: set[str], rejected: set[str] = frozenset()):
         super().__init__(message)
         self.reason, self.suspects, self.rejected = reason, set(suspects), set(rejected)
-
-
-class AdaptiveDeadlines:
-    """Per-phase timeouts that follow the measured durations of recent all-reduces: a multiple of the slowest
-    recent round, clamped to [floor, ceiling] from the recipe. Slow swarms do not time out every round; fast
-    swarms do not wait long for a dead peer."""
-
-    def __init__(self, floor: float, ceiling: float, factor: float = 3.0, window: int = 8):
-        self.floor, self.ceiling, self.factor = floor, ceiling, factor
-        self.recent: deque[float] = deque(maxlen=window)
-
-    def record(self, seconds: float) -> None:
-        self.recent.append(seconds)
-
-    def record_timeout(self, waited: float) -> None:
-        """An attempt failed because someone did not deliver within `waited` s: a dead peer, or links slower
-        than recent rounds measured. Count it as a round of 2/3 x `waited` s, so the next deadline is twice as
-        long (up to the ceiling): a swarm whose links got slower does not fail every round from then on."""
-        self.recent.append(2.0 * waited / self.factor)
-
-    def measured(self) -> Optional[float]:
-        """The deadline our own measurements give, or None before the first round (shared in matchmaking)."""
-        return self.clamp(self.factor * max(self.recent)) if self.recent else None
-
-    def clamp(self, seconds: float) -> float:
-        return min(max(seconds, self.floor), self.ceiling)
-
-    def phase_timeout(self, group_timeout: Optional[float] = None) -> float:
-        """The group's agreed deadline (the slowest measured member's, from matchmaking) if there is one, else
-        ours; before anything was measured, the ceiling."""
-        if group_timeout is not None:
-            return self.clamp(group_timeout)
-        measured = self.measured()
-        return self.ceiling if measured is None else measured
-
-
-class GroupConflict(RuntimeError):
-    """A member is averaging the same round and attempt in a different group."""
 
 
 @dataclass
@@ -136,6 +95,8 @@ class GroupAllReduce:
         self.faults = faults or FaultPlan()
         self.protocol = f"swarm.{run_id}.allreduce"
         self.max_numel = max_numel
+        self.max_payload = 16 + 8 * max_numel + MAX_HEADER_BYTES  # the largest chunk any codec makes, with slack
+        self.streams = StreamClient(node, self.protocol, self.max_payload, self.faults)
         self.on_bad_peer = on_bad_peer or (lambda peer, reason: None)
         self._mailboxes: dict[str, _Mailbox] = {}
         self._running: dict[tuple[int, int], str] = {}  # (round, attempt) -> group id we are averaging in
@@ -260,119 +221,11 @@ class GroupAllReduce:
         if not header_slot.done():
             header_slot.set_result(header)
         for index in range(chunks):
-            meta = msgpack.unpackb(await recv_frame(reader, MAX_HEADER_BYTES))
-            payload = await recv_frame(reader, max_bytes=16 + 8 * self.max_numel + MAX_HEADER_BYTES)
+            chunk = await read_chunk(reader, self.max_payload)
             slot = box.slot(phase, remote, index)
             if not slot.done():
-                slot.set_result((meta if isinstance(meta, dict) else {}, payload))
+                slot.set_result(chunk)
         await send_frame(writer, b"done")
-
-    async def _stream(self, peer: str, header: dict, chunks, stats: dict, die_after_first=None) -> None:
-        """Send `header` and then every (meta, payload) that the async iterator `chunks` yields, as they come.
-
-        A stream that fails to open, or breaks before the receiver's answer, is opened again (STREAM_RETRIES
-        times at most, backing off with jitter): the receiver's daemon resets a stream it cannot hand to the
-        receiver's process at once (its handler socket's queue is full while that process is busy), and nothing
-        of ours was used yet (the receiver's slots take only the first copy of anything)."""
-        for retry in range(STREAM_RETRIES + 1):
-            writer = None
-            try:
-                reader, writer = await self.node.open_stream(peer, self.protocol)
-                await send_frame(writer, msgpack.packb(header))
-                answer = await recv_frame(reader, 16)
-                break
-            except (ConnectionError, asyncio.IncompleteReadError, P2PDaemonError):
-                if writer is not None:
-                    writer.close()
-                if retry == STREAM_RETRIES:
-                    raise
-                await asyncio.sleep(0.2 * 2 ** retry * (0.5 + random.random()))
-        try:
-            if answer == b"conflict":
-                raise GroupConflict(f"{peer[-8:]} is averaging this round in another group")
-            sent = 0
-            async for meta, payload in chunks:
-                await send_frame(writer, msgpack.packb(meta))
-                await send_frame(writer, payload)
-                stats["sent"] += len(payload)
-                sent += 1
-                if die_after_first is not None:
-                    self.faults.maybe_die(*die_after_first)  # dies with some chunks delivered, others not
-            try:
-                confirmed = await recv_frame(reader, 16) == b"done"
-            except (ConnectionError, asyncio.IncompleteReadError):
-                confirmed = False
-            if not confirmed:
-                if sent and await self._alive(peer, header):
-                    # Every chunk was written and the receiver is alive: whether they arrived, the reducers'
-                    # contributor lists and its commit tell everyone. A lost confirmation alone fails no round.
-                    logger.info("%s did not confirm the %s stream; the round's accounts decide", peer[-8:],
-                                header.get("phase"))
-                    return
-                raise ConnectionError(f"{peer[-8:]} did not confirm the stream")
-        finally:
-            writer.close()
-
-    async def _alive(self, peer: str, header: dict, timeout: float = 3.0) -> bool:
-        """Whether `peer` still answers a stream about this group (a dead peer's daemon resets it at once)."""
-        try:
-            reader, writer = await asyncio.wait_for(self.node.open_stream(peer, self.protocol), timeout)
-            try:
-                await send_frame(writer, msgpack.packb({**header, "phase": "ping", "chunks": 0}))
-                return await asyncio.wait_for(recv_frame(reader, 16), timeout) == b"ok"
-            finally:
-                writer.close()
-        except Exception:  # noqa: BLE001 - any failure means we cannot count on it
-            return False
-
-    def _tell_abort(self, group: Group) -> None:
-        """We gave this attempt up: tell the members we can reach, in the background, so they stop waiting for
-        our parts and fail the attempt now rather than at their deadline (they retry without waiting for us)."""
-        header = {"group_id": group.group_id, "round": group.round, "attempt": group.attempt, "phase": "abort",
-                  "chunks": 0}
-        clients = group.clients or (False,) * len(group.members)
-
-        async def tell(peer: str) -> None:
-            try:
-                reader, writer = await asyncio.wait_for(self.node.open_stream(peer, self.protocol), 5)
-                try:
-                    await send_frame(writer, msgpack.packb(header))
-                    await asyncio.wait_for(recv_frame(reader, 16), 5)
-                finally:
-                    writer.close()
-            except Exception:  # noqa: BLE001 - best effort: their deadline still ends the attempt
-                pass
-
-        for peer, client in zip(group.members, clients):
-            if peer != self.node.peer_id and not client:
-                asyncio.ensure_future(tell(peer))
-
-    async def _pull(self, peer: str, header: dict, mailbox: "_Mailbox", chunks: int) -> None:
-        """As a client member: fetch the averaged chunks of `peer`'s part into our mailbox, as it makes them."""
-        reader, writer = await self.node.open_stream(peer, self.protocol)
-        try:
-            await send_frame(writer, msgpack.packb(header))
-            if await recv_frame(reader, 16) == b"conflict":
-                raise GroupConflict(f"{peer[-8:]} is averaging this round in another group")
-            for index in range(chunks):
-                meta = msgpack.unpackb(await recv_frame(reader, MAX_HEADER_BYTES))
-                payload = await recv_frame(reader, max_bytes=16 + 8 * self.max_numel + MAX_HEADER_BYTES)
-                slot = mailbox.slot("avg", peer, index)
-                if not slot.done():
-                    slot.set_result((meta if isinstance(meta, dict) else {}, payload))
-        finally:
-            writer.close()
-
-    async def _ask_decision(self, peer: str, header: dict) -> bool:
-        """As a client member: whether `peer` applies the group's average (it does once every member committed)."""
-        reader, writer = await self.node.open_stream(peer, self.protocol)
-        try:
-            await send_frame(writer, msgpack.packb(header))
-            if await recv_frame(reader, 16) == b"conflict":
-                return False
-            return await recv_frame(reader, 16) == b"apply"
-        finally:
-            writer.close()
 
     async def run(self, group: Group, vector: torch.Tensor, weight: float,
                   exact_from: Optional[int] = None) -> AllReduceResult:
@@ -390,10 +243,10 @@ class GroupAllReduce:
             if not outcome.done():
                 outcome.set_result(True)  # client members asking for our decision may apply too
         except GroupConflict as e:
-            self._tell_abort(group)
+            self.streams.tell_abort(group)
             raise AllReduceError("conflict", f"round {group.round}: {e}; nothing applied", set()) from None
         except AllReduceError:
-            self._tell_abort(group)
+            self.streams.tell_abort(group)
             raise
         finally:
             if not outcome.done():
@@ -461,7 +314,7 @@ class GroupAllReduce:
 
         async def send(peer: str, header: dict, chunks, die_after_first=None) -> None:
             try:
-                await self._stream(peer, header, chunks, stats, die_after_first)
+                await self.streams.send(peer, header, chunks, stats, die_after_first)
             except GroupConflict:
                 raise
             except Exception as e:  # noqa: BLE001 - any transport error means that peer is gone for this round
@@ -548,7 +401,8 @@ class GroupAllReduce:
 
         async def pull(reducer: str) -> None:
             try:
-                await self._pull(reducer, {**base, "phase": "pull", "chunks": 0}, mailbox,
+                await self.streams.pull(reducer, {**base, "phase": "pull", "chunks": 0},
+                                        lambda i: mailbox.slot("avg", reducer, i),
                                  len(chunking[members.index(reducer)]))
             except GroupConflict:
                 raise
@@ -608,7 +462,7 @@ class GroupAllReduce:
         if i_am_client:
             # We cannot receive commits: ask every non-client member whether it applies (it does only once every
             # member committed), and apply only if all of them do.
-            asked = [asyncio.ensure_future(self._ask_decision(peer, {**base, "phase": "decision", "chunks": 0}))
+            asked = [asyncio.ensure_future(self.streams.ask_decision(peer, {**base, "phase": "decision", "chunks": 0}))
                      for peer in servers]
             done, pending = await asyncio.wait(asked, timeout=phase_timeout)
             for task in pending:

@@ -19,8 +19,8 @@ from typing import Optional
 import torch
 
 from swarm import __version__
-from swarm.averaging.allreduce import (COMMIT_GRACE, AdaptiveDeadlines, AllReduceError, AllReduceResult,
-                                      GroupAllReduce)
+from swarm.averaging.allreduce import COMMIT_GRACE, AllReduceError, AllReduceResult, GroupAllReduce
+from swarm.averaging.deadlines import AdaptiveDeadlines
 from swarm.averaging.faults import FaultPlan
 from swarm.averaging.matchmaking import Candidate, Group, form_group
 from swarm.compression import ErrorFeedback
