@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """Benchmark and check harness for the group all-reduce: N worker processes (optionally each in its own network
 namespace with shaped bandwidth) average seeded random vectors through our GroupAllReduce, or through hivemind's
-DecentralizedAverager for comparison. Prints a table, then one JSON line.
+DecentralizedAverager for comparison, or (--engine tcp) just the bytes a butterfly moves over plain TCP sockets:
+the floor these links allow any all-reduce. Prints a table, then one JSON line.
 
     python scripts/allreduce_bench.py --peers 4 --size-mb 100                 # loopback
     python scripts/allreduce_bench.py --peers 4 --size-mb 25 --netns --mbit 25,50,100,200 --engine both
+    python scripts/allreduce_bench.py --peers 4 --size-mb 25 --netns --mbit 100 --engine all   # + the TCP floor
     python scripts/allreduce_bench.py --peers 3 --numel 1000000 --codec int8 --save DIR   # used by the tests
 
 With --save, every worker writes its input vectors, weights and results to DIR so a test can check them against
@@ -53,6 +55,8 @@ def worker(args: argparse.Namespace) -> None:
     logging.getLogger("swarm.averaging").setLevel(logging.INFO)
     if args.engine == "hivemind":
         return _hivemind_worker(args)
+    if args.engine == "tcp":
+        return _tcp_worker(args)
     from swarm.averaging.allreduce import AllReduceError, GroupAllReduce
     from swarm.averaging.deadlines import AdaptiveDeadlines
     from swarm.averaging.matchmaking import Candidate, form_group
@@ -126,6 +130,82 @@ def _hivemind_worker(args: argparse.Namespace) -> None:
                           **({} if gathered else {"error": "hivemind step failed"})}), flush=True)
     averager.shutdown()
     dht.shutdown()
+
+
+def _tcp_worker(args: argparse.Namespace) -> None:
+    """The harness's floor, not an all-reduce: every pair of workers exchanges over one plain TCP connection the
+    bytes a butterfly all-reduce with these shares moves between them, S * (p_i + p_j) each way, all at once and
+    with no dependency between the scatter and the gather. No all-reduce over TCP through these links can be
+    faster; the gap between this and the butterfly bound is what the links themselves (frame headers, ACKs on the
+    upload, TCP's congestion control under `tbf`) cost."""
+    import socket
+
+    from swarm.averaging.partition import optimal_shares
+
+    addresses = [(host, int(port)) for host, port in (a.rsplit(":", 1) for a in args.tcp_addresses.split(","))]
+    n, me = args.peers, args.index
+    bandwidths = [float(b) for b in args.tcp_bandwidths.split(",")] if args.tcp_bandwidths else [1.0] * n
+    shares = optimal_shares(bandwidths, [True] * n)
+    size = args.numel * 4
+    listener = socket.create_server(addresses[me], backlog=n)
+    connections: dict[int, socket.socket] = {}
+    for j in range(me + 1, n):  # the lower index connects, so each pair has exactly one connection
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                connection = socket.create_connection(addresses[j], timeout=5)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        connection.sendall(me.to_bytes(4, "big"))
+        connections[j] = connection
+    while len(connections) < n - 1:
+        connection, _ = listener.accept()
+        connections[int.from_bytes(_read(connection, 4), "big")] = connection
+    for connection in connections.values():
+        connection.settimeout(None)
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    block = bytes(1 << 20)
+    for round_no in range(args.rounds):
+        for connection in connections.values():  # start together: everyone is connected and waiting
+            connection.sendall(b"R")
+        for connection in connections.values():
+            _read(connection, 1)
+        started = time.monotonic()
+        volume = {j: int(size * (shares[me] + shares[j])) for j in connections}
+
+        def send(j: int) -> None:
+            left = volume[j]
+            while left:
+                sent = connections[j].send(memoryview(block)[:min(left, len(block))])
+                left -= sent
+
+        threads = [threading.Thread(target=send, args=(j,)) for j in connections]
+        threads += [threading.Thread(target=_read, args=(connections[j], volume[j], False)) for j in connections]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        seconds = time.monotonic() - started
+        print(json.dumps({"index": me, "round": round_no, "attempt": 0, "seconds": seconds,
+                          "allreduce_seconds": seconds, "bytes_sent": sum(volume.values()), "group": n}), flush=True)
+    for connection in connections.values():
+        connection.close()
+    listener.close()
+
+
+def _read(connection, count: int, keep: bool = True) -> bytes:
+    chunks, left = [], count
+    while left:
+        data = connection.recv(min(left, 1 << 20))
+        if not data:
+            raise ConnectionError("peer closed the connection")
+        left -= len(data)
+        if keep:
+            chunks.append(data)
+    return b"".join(chunks)
 
 
 # ---------------------------------------------------------------- network namespaces -------------------------
@@ -233,13 +313,18 @@ def run(args: argparse.Namespace, engine: str) -> dict:
         else:
             node = SwarmNode([], NetworkOptions())
             maddr = node.visible_maddrs()[0]
+        tcp_port = 20000 + os.getpid() % 20000  # the tcp engine's fixed ports (one per worker on loopback)
+        tcp_addresses = ",".join(f"{namespaces.address(i)}:{tcp_port}" if namespaces else f"127.0.0.1:{tcp_port + i}"
+                                 for i in range(args.peers))
+        tcp_bandwidths = ",".join(str(mbits[i]) for i in range(args.peers)) if mbits and args.bandwidth_hints else ""
         for index in range(args.peers):
             host = f"/ip4/{namespaces.address(index)}/tcp/0" if namespaces else "/ip4/127.0.0.1/tcp/0"
             hint = mbits[index] * 1e6 / 8 if mbits and args.bandwidth_hints else 0.0
             argv = [sys.executable, __file__, "worker", "--initial-peers", maddr, "--index", str(index),
                     "--peers", str(args.peers), "--numel", str(args.numel), "--codec", args.codec,
                     "--rounds", str(args.rounds), "--engine", engine, "--host-maddr", host,
-                    "--bandwidth-hint", str(hint)] + (["--save", args.save] if args.save else [])
+                    "--bandwidth-hint", str(hint), "--tcp-addresses", tcp_addresses,
+                    "--tcp-bandwidths", tcp_bandwidths] + (["--save", args.save] if args.save else [])
             prefix = namespaces.prefix(index) if namespaces else []
             processes.append(subprocess.Popen(prefix + argv, stdout=subprocess.PIPE, text=True,
                                               env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True))
@@ -270,7 +355,7 @@ def summarize(result: dict, args: argparse.Namespace) -> dict:
     for error in errors[:3]:
         print(f"{result['engine']} peer {error['index']} round {error['round']}: {error['error']}", file=sys.stderr)
     return {"engine": result["engine"], "peers": args.peers, "size_mb": size_bytes / 1e6, "codec": args.codec,
-            "netns": bool(args.netns), "mbit": args.mbit or "", "round_seconds": seconds,
+            "netns": bool(args.netns), "mbit": args.mbit or "", "rounds": len(round_times), "round_seconds": seconds,
             "allreduce_seconds": statistics.median(transfer) if transfer else None,
             "gb_per_s": size_bytes / seconds / 1e9 if round_times else None, "errors": len(errors)}
 
@@ -289,6 +374,8 @@ def main() -> None:
     w.add_argument("--host-maddr", default="/ip4/127.0.0.1/tcp/0")
     w.add_argument("--bandwidth-hint", type=float, default=0.0)
     w.add_argument("--save")
+    w.add_argument("--tcp-addresses", default="")
+    w.add_argument("--tcp-bandwidths", default="")
     d = sub.add_parser("dht")
     d.add_argument("--host-maddr", required=True)
     for p in (parser,):
@@ -297,7 +384,9 @@ def main() -> None:
         p.add_argument("--numel", type=int, help="vector size in elements (overrides --size-mb)")
         p.add_argument("--codec", default="none")
         p.add_argument("--rounds", type=int, default=3, help="round 0 is a warm-up and not timed")
-        p.add_argument("--engine", choices=("swarm", "hivemind", "both"), default="swarm")
+        p.add_argument("--engine", choices=("swarm", "hivemind", "both", "tcp", "all"), default="swarm",
+                       help="both: swarm and hivemind; tcp: the bytes a butterfly moves over plain TCP (the "
+                            "harness's floor, no all-reduce); all: the three")
         p.add_argument("--netns", action="store_true", help="one network namespace per peer (root)")
         p.add_argument("--mbit", help="per-peer link rates in Mbit/s, e.g. 25,50,100,200 (needs --netns)")
         p.add_argument("--bandwidth-hints", action="store_true",
@@ -319,7 +408,7 @@ def main() -> None:
     args.numel = args.numel or int(args.size_mb * 1e6 / 4)
     if args.mbit and not args.netns:
         parser.error("--mbit needs --netns")
-    engines = ("swarm", "hivemind") if args.engine == "both" else (args.engine,)
+    engines = {"both": ("swarm", "hivemind"), "all": ("tcp", "swarm", "hivemind")}.get(args.engine, (args.engine,))
     summaries = [summarize(run(args, engine), args) for engine in engines]
     print(f"{'engine':<10}{'peers':>6}{'MB':>8}{'codec':>7}{'links (Mbit/s)':>18}{'round s':>10}"
           f"{'all-reduce s':>14}{'GB/s':>8}{'errors':>8}")

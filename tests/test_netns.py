@@ -42,3 +42,19 @@ def test_shaped_links_in_namespaces(tmp_path):
             assert torch.equal(s["average"], saved[0]["average"])
     leftovers = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "swh" not in leftovers, "the harness must remove its namespaces"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(REASON is not None, reason=f"network namespaces unavailable here: {REASON}")
+def test_plain_tcp_floor_obeys_the_shaping():
+    """The bench's `tcp` engine (a butterfly's bytes over plain sockets, the floor quoted beside our engine) goes
+    through the same shaped links: it too cannot beat the bound, and it moves its bytes every round."""
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "allreduce_bench.py"), "--engine", "tcp",
+                             "--peers", str(PEERS), "--numel", str(NUMEL), "--netns", "--mbit", str(MBIT),
+                             "--rounds", "3", "--timeout", "100"],
+                            capture_output=True, text=True, timeout=150, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])[0]
+    assert summary["engine"] == "tcp" and summary["errors"] == 0 and summary["rounds"] == 2  # round 0 is warm-up
+    bound = 2 * (PEERS - 1) / PEERS * NUMEL * 4 * 8 / (MBIT * 1e6)
+    assert summary["round_seconds"] >= 0.9 * bound, f"links are not shaped: {summary} vs bound {bound:.2f} s"
