@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""Compute utilisation (time in inner steps / wall time) of a real swarm on 127.0.0.1, with and without
+`outer.overlap`: a bootstrap and --peers peers started through the `swarm-peer` CLI, each training until the
+swarm reaches --rounds outer rounds; every peer reports its own utilisation when it stops. Prints a table, then
+one JSON line.
+
+    python scripts/bench_utilization.py                    # 4 peers, 1.4M-parameter model, 5 rounds, both modes
+    python scripts/bench_utilization.py --peers 2 --rounds 3 --modes overlap
+
+All peers share this machine's cores (4 peers on 2 cores: each inner step takes about twice as long as alone),
+and the links are loopback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import yaml
+
+UTILIZATION = re.compile(r"compute utilisation ([\d.]+)%")
+MADDR = re.compile(r"--initial-peers (\S+)")
+
+
+def recipe(args: argparse.Namespace, overlap: bool) -> dict:
+    tokens_per_step = args.batch * args.seq_len
+    return {
+        "run_id": f"util-{'overlap' if overlap else 'plain'}-{os.getpid()}",
+        "model": {"hidden_size": args.hidden, "intermediate_size": int(args.hidden * 8 / 3) // 8 * 8,
+                  "num_layers": args.layers, "num_heads": 4, "max_seq_len": args.seq_len},
+        "data": {"vocab_size": 512, "seq_len": args.seq_len, "batch_size": args.batch},
+        "inner": {"lr": 0.003, "warmup_tokens": 4 * tokens_per_step},
+        "outer": {"overlap": overlap},
+        "averaging": {"codec": "none", "min_group_size": 2, "target_group_size": args.peers,
+                      "matchmaking_timeout": 10, "allreduce_timeout": 60},
+        "tokens_per_round": args.peers * args.inner_steps * tokens_per_step,
+        "total_tokens": 10 * args.rounds * args.peers * args.inner_steps * tokens_per_step,
+    }
+
+
+class Child:
+    """A `python -m swarm ...` process in its own session, its output kept line by line."""
+
+    def __init__(self, argv: list[str]):
+        self.lines: list[str] = []
+        self.process = subprocess.Popen([sys.executable, "-m", "swarm", *argv], stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        threading.Thread(target=lambda: self.lines.extend(self.process.stdout), daemon=True).start()
+
+    def find(self, pattern: re.Pattern, timeout: float) -> re.Match | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if match := pattern.search(line):
+                    return match
+            if self.process.poll() is not None:
+                time.sleep(0.5)  # let the reader catch up with the last lines
+                return next((m for line in self.lines if (m := pattern.search(line))), None)
+            time.sleep(0.1)
+        return None
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+
+
+def run(args: argparse.Namespace, overlap: bool, workdir: Path) -> dict:
+    path = workdir / f"recipe-{'overlap' if overlap else 'plain'}.yaml"
+    path.write_text(yaml.safe_dump(recipe(args, overlap)))
+    children: list[Child] = []
+    try:
+        boot = Child(["bootstrap", "--recipe", str(path)])
+        children.append(boot)
+        found = boot.find(MADDR, 60)
+        if found is None:
+            raise RuntimeError("the bootstrap printed no address:\n" + "".join(boot.lines[-20:]))
+        started = time.monotonic()
+        peers = [Child(["join", "--initial-peers", found.group(1), "--device", "cpu", "--num-threads", "1",
+                        "--cache-dir", args.cache_dir, "--until-round", str(args.rounds)])
+                 for _ in range(args.peers)]
+        children += peers
+        values = []
+        for index, peer in enumerate(peers):
+            match = peer.find(UTILIZATION, args.timeout - (time.monotonic() - started))
+            if match is None:
+                raise RuntimeError(f"peer {index} reported no utilisation:\n" + "".join(peer.lines[-30:]))
+            values.append(float(match.group(1)) / 100)
+        return {"overlap": overlap, "peers": args.peers, "rounds": args.rounds, "utilization": values,
+                "mean": sum(values) / len(values), "seconds": time.monotonic() - started}
+    finally:
+        for child in children:
+            child.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=5, help="peers stop once the swarm reaches this round")
+    parser.add_argument("--inner-steps", type=int, default=50, help="inner steps per peer per round (on average)")
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--modes", default="plain,overlap", help="comma-separated: plain, overlap")
+    parser.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "swarm-bench-cache"))
+    parser.add_argument("--timeout", type=float, default=600.0, help="per mode")
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind through `finally`: kill our children
+    results = []
+    with tempfile.TemporaryDirectory() as workdir:
+        for mode in args.modes.split(","):
+            results.append(run(args, mode == "overlap", Path(workdir)))
+            row = results[-1]
+            print(f"  {mode}: {', '.join(f'{v:.1%}' for v in row['utilization'])} ({row['seconds']:.0f} s)",
+                  flush=True)
+    print(f"{'mode':<10}{'peers':>6}{'rounds':>7}{'mean':>8}{'min':>8}{'max':>8}{'seconds':>9}")
+    for row in results:
+        print(f"{'overlap' if row['overlap'] else 'plain':<10}{row['peers']:>6}{row['rounds']:>7}"
+              f"{row['mean']:>8.1%}{min(row['utilization']):>8.1%}{max(row['utilization']):>8.1%}"
+              f"{row['seconds']:>9.0f}")
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
