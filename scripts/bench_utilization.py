@@ -2,7 +2,8 @@
 """Compute utilisation (time in inner steps / wall time) of a real swarm on 127.0.0.1, with and without
 `outer.overlap`: a bootstrap and --peers peers started through the `swarm-peer` CLI, each training until the
 swarm reaches --rounds outer rounds; every peer reports its own utilisation when it stops. Prints a table, then
-one JSON line.
+one JSON line. Also reports how far the rounds' tokens overshoot the recipe's tokens_per_round (peers see each
+other's progress through announcements, so a round ends a little after the swarm reached its target).
 
     python scripts/bench_utilization.py                    # 4 peers, 1.4M-parameter model, 5 rounds, both modes
     python scripts/bench_utilization.py --peers 2 --rounds 3 --modes overlap
@@ -29,6 +30,7 @@ import yaml
 
 UTILIZATION = re.compile(r"compute utilisation ([\d.]+)%")
 MADDR = re.compile(r"--initial-peers (\S+)")
+ROUND_TOKENS = re.compile(r"round \d+: averaged with .* sent, (\d+) tokens\)")
 
 
 def recipe(args: argparse.Namespace, overlap: bool) -> dict:
@@ -98,11 +100,21 @@ def run(args: argparse.Namespace, overlap: bool, workdir: Path) -> dict:
             if match is None:
                 raise RuntimeError(f"peer {index} reported no utilisation:\n" + "".join(peer.lines[-30:]))
             values.append(float(match.group(1)) / 100)
+        # Tokens each round averaged (every member logs the same total), against the recipe's target.
+        tokens = [int(m.group(1)) for line in peers[0].lines if (m := ROUND_TOKENS.search(line))]
+        target = recipe(args, overlap)["tokens_per_round"]
         return {"overlap": overlap, "peers": args.peers, "rounds": args.rounds, "utilization": values,
-                "mean": sum(values) / len(values), "seconds": time.monotonic() - started}
+                "mean": sum(values) / len(values), "seconds": time.monotonic() - started,
+                "tokens_per_round": tokens, "tokens_over_target": sum(tokens) / len(tokens) / target - 1}
     finally:
         for child in children:
             child.kill()
+        if args.log_dir:
+            mode = "overlap" if overlap else "plain"
+            Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+            for index, child in enumerate(children):
+                name = "bootstrap" if index == 0 else f"peer{index - 1}"
+                (Path(args.log_dir) / f"{mode}-{name}.log").write_text("".join(child.lines))
 
 
 def main() -> None:
@@ -117,6 +129,7 @@ def main() -> None:
     parser.add_argument("--modes", default="plain,overlap", help="comma-separated: plain, overlap")
     parser.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "swarm-bench-cache"))
     parser.add_argument("--timeout", type=float, default=600.0, help="per mode")
+    parser.add_argument("--log-dir", help="write every process's output there")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind through `finally`: kill our children
     results = []
@@ -126,11 +139,12 @@ def main() -> None:
             row = results[-1]
             print(f"  {mode}: {', '.join(f'{v:.1%}' for v in row['utilization'])} ({row['seconds']:.0f} s)",
                   flush=True)
-    print(f"{'mode':<10}{'peers':>6}{'rounds':>7}{'mean':>8}{'min':>8}{'max':>8}{'seconds':>9}")
+    print(f"{'mode':<10}{'peers':>6}{'rounds':>7}{'mean':>8}{'min':>8}{'max':>8}{'seconds':>9}"
+          f"{'tokens/round vs target':>24}")
     for row in results:
         print(f"{'overlap' if row['overlap'] else 'plain':<10}{row['peers']:>6}{row['rounds']:>7}"
               f"{row['mean']:>8.1%}{min(row['utilization']):>8.1%}{max(row['utilization']):>8.1%}"
-              f"{row['seconds']:>9.0f}")
+              f"{row['seconds']:>9.0f}{row['tokens_over_target']:>+24.1%}")
     print(json.dumps(results))
 
 

@@ -21,6 +21,7 @@ from swarm.runtime import LoopThread
 logger = logging.getLogger(__name__)
 RECORD_TTL = 45.0  # a peer that vanishes leaves the swarm view within this many seconds
 INTERVAL = 1.0  # progress is read from the view, so it must stay fresh
+EXTRAPOLATE_SECONDS = 3 * INTERVAL  # how far ahead of its last announcement another peer's progress is estimated
 
 
 class Announcer:
@@ -69,11 +70,21 @@ class Announcer:
         record = self.record()
         await self.node.store(self.key, record.to_wire(), ttl=RECORD_TTL, subkey=self.node.owned_subkey)
 
-    def swarm_progress(self, round_no: int, my_tokens: int) -> int:
-        """Tokens the swarm processed in `round_no`: ours (live) plus what the other peers announced."""
-        others = sum(p.tokens_in_round for p in self.view if p.round == round_no and p.peer_id != self.node.peer_id
-                     and p.state in ("training", "averaging"))
-        return my_tokens + others
+    def swarm_progress(self, round_no: int, my_tokens: int, now: float | None = None) -> int:
+        """Tokens the swarm processed in `round_no`: ours (live) plus the other peers', each extrapolated from
+        its last announcement at its announced speed while it is training (at most EXTRAPOLATE_SECONDS ahead).
+        Announcements are up to a heartbeat or two old: read as they are, a swarm of fast peers reaches the
+        round's tokens in one peer's view seconds before another's, and the first peer then waits that long
+        in matchmaking for the last."""
+        now = self.node.now() if now is None else now
+        others = 0.0
+        for p in self.view:
+            if p.round != round_no or p.peer_id == self.node.peer_id or p.state not in ("training", "averaging"):
+                continue
+            others += p.tokens_in_round
+            if p.state == "training":
+                others += p.tokens_per_s * min(max(now - p.updated, 0.0), EXTRAPOLATE_SECONDS)
+        return my_tokens + int(others)
 
     def attempts(self, round_no: int) -> list[int]:
         return [p.attempt for p in self.view if p.round == round_no and p.state in ("training", "averaging")]

@@ -295,7 +295,10 @@ class Peer:
             if not due or self.tokens_in_round < self.retry_after_tokens:
                 continue
             if self.pending is not None:  # the last average is still in flight: wait for it (time not computing)
+                waited = time.monotonic()
                 self._finish_pending()
+                logger.info("round due while the last average was in flight: waited %.2f s for it",
+                            time.monotonic() - waited)
                 continue
             if self.faults.local("explode", self.diloco.round):
                 with torch.no_grad():
@@ -461,11 +464,12 @@ class Peer:
         self.metrics.val_loss.set(self.val_loss)
         if progress_since is not None:
             self.diloco.add_to_local(progress_since)  # overlap: keep the steps made while averaging
-        logger.info("round %d: averaged with %d peers%s in %.2f s (%.1f MB sent), matchmaking %.1f s; "
+        logger.info("round %d: averaged with %d peers%s in %.2f s (%.1f MB sent, %d tokens), matchmaking %.1f s; "
                     "val loss %.4f, train loss %.4f, digest %s", round_no, result.group_size,
                     f" (one of the groups of {group.swarm_size} peers, params mixed)" if group.mix else
                     f" (one of the groups of {group.swarm_size} peers)" if group.swarm_size > result.group_size
-                    else "", result.seconds, result.bytes_sent / 1e6, time.monotonic() - started - result.seconds,
+                    else "", result.seconds, result.bytes_sent / 1e6, int(result.total_weight),
+                    time.monotonic() - started - result.seconds,
                     self.val_loss, self.loss or float("nan"), self.diloco.digest())
         if self.settings.trace_dir:
             self._trace(round_no, group, contribution.pseudo_gradient, contribution.weight, result, global_before,

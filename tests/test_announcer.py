@@ -1,0 +1,38 @@
+"""The swarm's progress as a peer reads it from the announcements in its view."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from swarm.dht.records import PeerRecord
+from swarm.peer.announcer import EXTRAPOLATE_SECONDS, Announcer
+
+
+def record(peer_id: str, state: str, round_no: int, tokens: int, tokens_per_s: float, updated: float) -> PeerRecord:
+    return PeerRecord(peer_id=peer_id, state=state, version="0", run_id="run", round=round_no,
+                      tokens_in_round=tokens, block_start=0, block_end=2, tokens_per_s=tokens_per_s,
+                      updated=updated)
+
+
+def announcer(view: list[PeerRecord]) -> Announcer:
+    node = SimpleNamespace(peer_id="me", now=lambda: 100.0)
+    result = Announcer(node, "run", 2, record=lambda: None, metrics=None)
+    result.view = view
+    return result
+
+
+def test_progress_extrapolates_training_peers_from_their_last_announcement():
+    view = [record("a", "training", 3, 1000, 500.0, updated=99.0),   # 1 s old: +500
+            record("b", "averaging", 3, 2000, 500.0, updated=98.0),  # not training: as announced
+            record("c", "training", 2, 9999, 500.0, updated=99.0),   # another round: not counted
+            record("d", "offline", 3, 9999, 500.0, updated=99.0),    # gone: not counted
+            record("me", "training", 3, 7777, 500.0, updated=99.0)]  # our own record: the live count is used
+    assert announcer(view).swarm_progress(3, 300) == 300 + 1500 + 2000
+
+
+def test_extrapolation_is_bounded_and_never_negative():
+    stale = record("a", "training", 0, 1000, 100.0, updated=0.0)  # 100 s old (a stopped heartbeat)
+    future = record("b", "training", 0, 1000, 100.0, updated=200.0)  # a clock ahead of ours
+    assert announcer([stale]).swarm_progress(0, 0) == 1000 + int(100.0 * EXTRAPOLATE_SECONDS)
+    assert announcer([future]).swarm_progress(0, 0) == 1000
+    assert announcer([stale]).swarm_progress(0, 0, now=0.0) == 1000
