@@ -5,7 +5,7 @@ swarm reaches --rounds outer rounds; every peer reports its own utilisation when
 one JSON line. Also reports how far the rounds' tokens overshoot the recipe's tokens_per_round (peers see each
 other's progress through announcements, so a round ends a little after the swarm reached its target).
 
-    python scripts/bench_utilization.py                    # 4 peers, 1.4M-parameter model, 5 rounds, both modes
+    python scripts/bench_utilization.py                    # 4 peers, 0.52M-parameter model, 5 rounds, both modes
     python scripts/bench_utilization.py --peers 2 --rounds 3 --modes overlap
 
 All peers share this machine's cores (4 peers on 2 cores: each inner step takes about twice as long as alone),

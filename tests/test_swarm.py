@@ -88,9 +88,10 @@ def test_overlapping_rounds_keep_peers_identical(swarm):
         expected = (a["pseudo_gradient"] * meta_a["weight"] + b["pseudo_gradient"] * meta_b["weight"]) / total
         torch.testing.assert_close(a["average"], expected, rtol=1e-5, atol=1e-7)
         assert torch.equal(a["global_after"], b["global_after"])
-    for trace in traces:  # the local progress kept across delayed updates is real learning
-        train = [trace[r][0]["loss"] for r in range(ROUNDS)]
-        assert train[-1] < train[0], f"training loss did not fall with overlap: {train}"
+    for trace in traces:  # delayed updates still learn: the global params' validation loss (fixed held-out
+        # batches, so not the noise of one training batch) falls from round to round
+        val = [trace[r][0]["val_loss"] for r in range(ROUNDS)]
+        assert val[-1] < val[0], f"validation loss did not fall with overlap: {val}"
 
 
 def test_client_mode_peer_contributes_without_accepting_streams(swarm):
