@@ -403,7 +403,7 @@ class GroupAllReduce:
             try:
                 await self.streams.pull(reducer, {**base, "phase": "pull", "chunks": 0},
                                         lambda i: mailbox.slot("avg", reducer, i),
-                                 len(chunking[members.index(reducer)]))
+                                        len(chunking[members.index(reducer)]))
             except GroupConflict:
                 raise
             except Exception as e:  # noqa: BLE001 - that reducer is gone for this round
@@ -462,8 +462,8 @@ class GroupAllReduce:
         if i_am_client:
             # We cannot receive commits: ask every non-client member whether it applies (it does only once every
             # member committed), and apply only if all of them do.
-            asked = [asyncio.ensure_future(self.streams.ask_decision(peer, {**base, "phase": "decision", "chunks": 0}))
-                     for peer in servers]
+            decision = {**base, "phase": "decision", "chunks": 0}
+            asked = [asyncio.ensure_future(self.streams.ask_decision(peer, decision)) for peer in servers]
             done, pending = await asyncio.wait(asked, timeout=phase_timeout)
             for task in pending:
                 task.cancel()
