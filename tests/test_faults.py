@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
@@ -102,3 +103,31 @@ def test_diverged_peers_never_send_and_rejoin_the_next_average(swarm):
         torch.testing.assert_close(ta["average"], expected, rtol=1e-5, atol=1e-7)
         assert torch.equal(ta["global_after"], tb["global_after"]) and torch.isfinite(ta["global_after"]).all()
 
+
+
+def test_sigkill_in_one_of_two_groups_leaves_no_survivor_behind(swarm):
+    """Four peers in groups of two (Moshpit-style); one is SIGKILLed while reducing. Its partner cannot finish
+    that round (it has nobody left to average with, and all-or-nothing forbids applying a part), so it re-syncs
+    from the group that did; from then on the three survivors average as one group and end bit-identical."""
+    rounds = 4
+    recipe = yaml.safe_load((Path(__file__).parent / "recipes" / "moshpit.yaml").read_text())
+    # Rounds of about 15 s, longer than a matchmaking timeout and a re-sync (real rounds take minutes): the
+    # partner must be back before the others finish their last round and stop serving state.
+    recipe["tokens_per_round"] = 40 * recipe["tokens_per_round"]
+    (swarm.workdir / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    _, maddr = swarm.bootstrap(recipe=swarm.workdir / "recipe.yaml")
+    faulty = swarm.peer(maddr, "--until-round", str(rounds), "--inject-fault", "reduce@1", name="faulty")
+    faulty.wait_for("training round 0", 120)
+    survivors = [swarm.peer(maddr, "--until-round", str(rounds), "--trace-dir", str(swarm.workdir / f"trace{i}"),
+                            name=f"survivor{i}") for i in range(3)]
+    fired = faulty.wait_for(r"FAULT INJECTED: SIGKILL at reduce of round (\d+)", 150)
+    assert faulty.wait(10) == -9, "the fault must really have fired"
+    fault_round = int(fired.group(1))
+    assert fault_round <= rounds - 3, "the fault must fire early enough for the swarm to go on after it"
+    for peer in survivors:
+        assert peer.wait(180) == 0, peer.output()[-3000:]
+    last = [_trace(swarm.workdir / f"trace{i}", rounds - 1) for i in range(3)]
+    assert all(meta["members"] == last[0][0]["members"] and len(meta["members"]) == 3 for meta, _ in last), \
+        "the three survivors average the last round as one group"
+    assert all(torch.equal(t["global_after"], last[0][1]["global_after"]) for _, t in last)
+    assert any("re-syncing" in p.output() for p in survivors), "the dead peer's partner re-synced from the others"

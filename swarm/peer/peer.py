@@ -426,9 +426,12 @@ class Peer:
     def _others_still_in(self, round_no: int) -> bool:
         """Whether this round can still be averaged here although some group already finished it: the swarm
         averages in several groups (more live peers than a group holds) and enough peers are still at this round
-        to form one. A lone straggler of a single-group swarm re-syncs instead."""
+        to form one. A lone straggler of a single-group swarm re-syncs instead. Peers that just failed to deliver
+        in this round do not count: a member SIGKILLed mid-round keeps a fresh-looking record for a few seconds,
+        and its partner would wait a whole matchmaking timeout for it instead of re-syncing at once."""
         r = self.recipe.averaging
-        live = [p for p in self._live_peers() if p.round >= round_no]
+        live = [p for p in self._live_peers() if p.round >= round_no
+                and not (self._excluded_round == round_no and p.peer_id in self._unresponsive | self._excluded)]
         return len(live) + 1 > r.target_group_size and \
             sum(p.round == round_no for p in live) + 1 >= max(r.min_group_size, 2)
 
