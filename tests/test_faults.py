@@ -103,7 +103,6 @@ def test_diverged_peers_never_send_and_rejoin_the_next_average(swarm):
         assert torch.equal(ta["global_after"], tb["global_after"]) and torch.isfinite(ta["global_after"]).all()
 
 
-
 def test_sigkill_in_one_of_two_groups_leaves_no_survivor_behind(swarm):
     """Four peers in groups of two (Moshpit-style); one is SIGKILLed while reducing. Its partner cannot finish
     that round (it has nobody left to average with, and all-or-nothing forbids applying a part), so it re-syncs

@@ -430,8 +430,8 @@ class Peer:
         in this round do not count: a member SIGKILLed mid-round keeps a fresh-looking record for a few seconds,
         and its partner would wait a whole matchmaking timeout for it instead of re-syncing at once."""
         r = self.recipe.averaging
-        live = [p for p in self._live_peers() if p.round >= round_no
-                and not (self._excluded_round == round_no and p.peer_id in self._unresponsive | self._excluded)]
+        failed = self._unresponsive | self._excluded if self._excluded_round == round_no else set()
+        live = [p for p in self._live_peers() if p.round >= round_no and p.peer_id not in failed]
         return len(live) + 1 > r.target_group_size and \
             sum(p.round == round_no for p in live) + 1 >= max(r.min_group_size, 2)
 
