@@ -23,7 +23,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 from swarm.averaging.partition import optimal_shares
 from swarm.dht.node import SwarmNode
@@ -177,14 +177,20 @@ async def _read_candidates(node: SwarmNode, key: str, excluded: set[str]) -> dic
 
 async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, me_as: Candidate,
                      expected: set[str], min_size: int, target_size: int, timeout: float,
-                     excluded: Iterable[str] = (), not_waiting_for: Iterable[str] = ()) -> tuple[Optional[Group], int]:
+                     excluded: Iterable[str] = (), not_waiting_for: Iterable[str] = (),
+                     still_in: Optional[Callable[[], Optional[set[str]]]] = None) -> tuple[Optional[Group], int]:
     """Find this attempt's group: (group, others seen), with group None if no group of at least `min_size`
     formed within about `timeout` s. A peer that saw nobody else may retry under the same attempt number.
 
     `expected` are peers believed to be in this round (from their announcements): we wait for them, but never
     past the deadline, so a peer that crashed only delays the round. `excluded` peers (they sent bad data earlier
     in this round) are neither waited for nor accepted, nor followed as leaders; `not_waiting_for` peers (they did
-    not deliver in an earlier attempt) are not waited for, but accepted if they show up."""
+    not deliver in an earlier attempt) are not waited for, but accepted if they show up.
+
+    `still_in`, polled while we wait, names the peers whose announcements still show this round: expected peers
+    that left it (they averaged it elsewhere, or their heartbeat stopped) are no longer waited for. It returns None
+    once the swarm moved on without us; we then give up at once (the caller re-syncs) instead of waiting out the
+    deadline for peers that will never come."""
     me = node.peer_id
     excluded = set(excluded) - {me}
     expected = set(expected) - excluded - set(not_waiting_for)
@@ -200,6 +206,14 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
         candidates = {**await _read_candidates(node, key, excluded), me: me_as}
         if expected <= set(candidates) and len(candidates) >= min_size:
             break
+        if still_in is not None:
+            in_round = still_in()
+            if in_round is None:
+                logger.info("round %d: the swarm moved on while I waited for a group", round_no)
+                return None, max(len(candidates) - 1, 1)
+            expected &= in_round | set(candidates)
+            if expected <= set(candidates) and len(candidates) >= min_size:
+                break
         if time.monotonic() >= deadline:
             # Stragglers: let entries written at this moment reach every reader before deciding.
             await asyncio.sleep(SETTLE_SECONDS)

@@ -375,8 +375,8 @@ class Peer:
         round_no, digest = contribution.round_no, contribution.digest
         started, retries = time.monotonic(), 0
         while True:
-            if self._swarm_reference()[0] > round_no and not self._others_still_in(round_no):
-                return "failed", attempt, None, None, started  # the swarm moved on: the main loop re-syncs
+            if self._moved_on(round_no):
+                return "failed", attempt, None, None, started  # the main loop re-syncs
             if self._excluded_round != round_no:
                 self._excluded, self._unresponsive, self._excluded_round = set(), set(), round_no
             # Peers that failed this round together retry together: follow the highest attempt number announced.
@@ -386,8 +386,9 @@ class Peer:
             # until they expire; a few missed heartbeats are enough not to wait for them). Peers with other params
             # come too: with more peers than one group holds, groups of different params mix. So do peers still
             # starting up at this round (a new swarm's round 0): left out, they would only re-sync afterwards.
-            expected = {p.peer_id for p in self._live_peers(("training", "averaging", "syncing"))
-                        if p.round == round_no}
+            # While we wait, peers that leave the round are no longer waited for; once the swarm has moved on
+            # without us, we stop waiting and re-sync.
+            expected = self._in_round(round_no)
             self.faults.maybe_die("matchmaking", round_no)
             me_as = Candidate(digest, self.bandwidth, client=self.settings.client_mode,
                               phase_timeout=self.allreduce.deadlines.measured())
@@ -395,7 +396,9 @@ class Peer:
                 group, others_seen = self.loop.run(form_group(
                     self.node, r.run_id, round_no, attempt, me_as, expected, r.averaging.min_group_size,
                     r.averaging.target_group_size, r.averaging.matchmaking_timeout, excluded=self._excluded,
-                    not_waiting_for=self._unresponsive), timeout=3 * r.averaging.matchmaking_timeout + 30)
+                    not_waiting_for=self._unresponsive,
+                    still_in=lambda: None if self._moved_on(round_no) else self._in_round(round_no)),
+                    timeout=3 * r.averaging.matchmaking_timeout + 30)
             except TimeoutError:
                 group, others_seen = None, 1
             if group is None:
@@ -422,6 +425,13 @@ class Peer:
                 if (not suspects | rejected and reason != "conflict") or retries > MAX_IMMEDIATE_RETRIES:
                     return "failed", attempt, None, None, started
                 attempt += 1  # a member failed mid-round, or views differed: redo the round at once
+
+    def _in_round(self, round_no: int) -> set[str]:
+        return {p.peer_id for p in self._live_peers(("training", "averaging", "syncing")) if p.round == round_no}
+
+    def _moved_on(self, round_no: int) -> bool:
+        """Whether the swarm finished this round without us and nobody is left to average it with."""
+        return self._swarm_reference()[0] > round_no and not self._others_still_in(round_no)
 
     def _others_still_in(self, round_no: int) -> bool:
         """Whether this round can still be averaged here although some group already finished it: the swarm
