@@ -70,6 +70,7 @@ class Peer:
         self.node: Optional[SwarmNode] = None
         self.announcer: Optional[Announcer] = None
         self._last_checkpoint_round = -1
+        self.pending: Optional[tuple[concurrent.futures.Future, Contribution]] = None  # overlap: average in flight
 
     # ---- start-up ------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -214,7 +215,14 @@ class Peer:
             block_end=self.block_range[1], digest=self.diloco.digest(), device=self.device.type,
             device_name=self.device_info.name, device_memory=self.device_info.memory_bytes,  # issue #3
             tokens_per_s=self.tokens_per_s, bandwidth_up=self.bandwidth_up, bandwidth_down=self.bandwidth_down,
-            loss=self.loss, val_loss=self.val_loss, attempt=self.attempt, updated=self.node.now())
+            loss=self.loss, val_loss=self.val_loss, attempt=self.attempt, updated=self.node.now(),
+            progress_round=None if self.pending is None else self._counting_round())
+
+    def _counting_round(self) -> int:
+        """The round our tokens_in_round count toward: with overlap, the next one as soon as this round's
+        contribution went to the background all-reduce. Without it, the swarm's progress of the new round would
+        include other peers' stale announcements of the last one, and the next round would come due at once."""
+        return self.diloco.round + (self.pending is not None)
 
     def _on_bad_peer(self, peer_id: str, reason: str) -> None:
         self.metrics.bad_peers.labels(reason=reason).inc()
@@ -233,7 +241,7 @@ class Peer:
         window_start, window_tokens = time.monotonic(), 0
         run_started, compute_seconds = time.monotonic(), 0.0
         self.round_started = time.monotonic()
-        self.pending: Optional[tuple[concurrent.futures.Future, Contribution]] = None
+        self.pending = None
         background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="averaging")
         self.state = "training"
         self.metrics.set_state(self.state)
@@ -279,19 +287,19 @@ class Peer:
                     self.resync_after = time.monotonic() + RESYNC_BACKOFF
                 self.state = "training"
                 continue
+            swarm_tokens = self.announcer.swarm_progress(self._counting_round(), self.tokens_in_round)
             # -- issue #7: per-step gauges (they also catch resyncs and resumed checkpoints) and the progress line
             self.metrics.set_state(self.state)
             self.metrics.outer_round.set(self.diloco.round)
             self.progress.update(state=self.state, round_no=self.diloco.round, tokens_per_s=self.tokens_per_s,
-                                 loss=self.loss, swarm_tokens=self.announcer.swarm_progress(self.diloco.round,
-                                                                                            self.tokens_in_round),
+                                 loss=self.loss, swarm_tokens=swarm_tokens,
                                  steps_in_round=self.steps_in_round, recipe=r, view=self.announcer.view,
                                  peer_id=self.node.peer_id, last_group_size=self.metrics.last_group_size)
             # -- end issue #7
             if r.inner_steps_per_round:
                 due = self.steps_in_round >= r.inner_steps_per_round
             else:
-                due = self.announcer.swarm_progress(self.diloco.round, self.tokens_in_round) >= r.tokens_per_round
+                due = swarm_tokens >= r.tokens_per_round
             if not due or self.tokens_in_round < self.retry_after_tokens:
                 continue
             if self.pending is not None:  # the last average is still in flight: wait for it (time not computing)
