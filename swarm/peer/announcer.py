@@ -54,6 +54,16 @@ class Announcer:
         except Exception as e:  # noqa: BLE001 - the heartbeat retries; a missed refresh is not fatal
             logger.debug("announcement refresh failed: %r", e)
 
+    def refresh_soon(self, loop: LoopThread) -> None:
+        """Publish our record and re-read the view in the background."""
+        loop.submit(self._refresh_quietly())
+
+    async def _refresh_quietly(self) -> None:
+        try:
+            await self.refresh()
+        except Exception as e:  # noqa: BLE001 - the heartbeat retries; a missed refresh is not fatal
+            logger.debug("announcement refresh failed: %r", e)
+
     async def run(self) -> None:
         while True:
             try:

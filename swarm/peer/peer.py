@@ -497,7 +497,12 @@ class Peer:
                         average, mixed_state)
         if self.settings.checkpoint_dir and self.diloco.round % r.checkpoint_every == 0:
             self._checkpoint()
-        self.announcer.refresh_now(self.loop)
+        if progress_since is None:
+            self.announcer.refresh_now(self.loop)
+        else:
+            # Overlap: our tokens already counted toward the next round, so the view needs no refresh before
+            # training goes on; publishing the new round must not hold up the training thread.
+            self.announcer.refresh_soon(self.loop)
 
     def _recover(self, why: str) -> None:
         """Never send a diverged pseudo-gradient: drop local progress and restart the round from global."""
