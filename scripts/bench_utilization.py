@@ -7,14 +7,17 @@ other's progress through announcements, so a round ends a little after the swarm
 
     python scripts/bench_utilization.py                    # 4 peers, 0.52M-parameter model, 5 rounds, both modes
     python scripts/bench_utilization.py --peers 2 --rounds 3 --modes overlap
+    python scripts/bench_utilization.py --netns --mbit 20 --rounds 6   # each peer in its own network namespace,
+                                                                        # up and down links shaped by tc tbf (root)
 
-All peers share this machine's cores (4 peers on 2 cores: each inner step takes about twice as long as alone),
-and the links are loopback.
+All peers share this machine's cores (4 peers on 2 cores: each inner step takes about twice as long as alone).
+Without --netns the links are loopback.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -31,6 +34,8 @@ import yaml
 UTILIZATION = re.compile(r"compute utilisation ([\d.]+)%")
 MADDR = re.compile(r"--initial-peers (\S+)")
 ROUND_TOKENS = re.compile(r"round \d+: averaged with .* sent, (\d+) tokens\)")
+ALLREDUCE_SECONDS = re.compile(r"round \d+: averaged with .* in ([\d.]+) s \(")
+MATCHMAKING = re.compile(r"round \d+: averaged with .* matchmaking ([\d.]+) s")
 
 
 def recipe(args: argparse.Namespace, overlap: bool) -> dict:
@@ -52,9 +57,9 @@ def recipe(args: argparse.Namespace, overlap: bool) -> dict:
 class Child:
     """A `python -m swarm ...` process in its own session, its output kept line by line."""
 
-    def __init__(self, argv: list[str]):
+    def __init__(self, argv: list[str], prefix: list[str] | None = None):
         self.lines: list[str] = []
-        self.process = subprocess.Popen([sys.executable, "-m", "swarm", *argv], stdout=subprocess.PIPE,
+        self.process = subprocess.Popen([*(prefix or []), sys.executable, "-m", "swarm", *argv], stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, text=True, start_new_session=True,
                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
         threading.Thread(target=lambda: self.lines.extend(self.process.stdout), daemon=True).start()
@@ -79,20 +84,45 @@ class Child:
         self.process.wait()
 
 
+def _mean(pattern: re.Pattern, peers: list[Child]) -> float:
+    values = [float(m.group(1)) for peer in peers for line in peer.lines if (m := pattern.search(line))]
+    return sum(values) / max(len(values), 1)
+
+
 def run(args: argparse.Namespace, overlap: bool, workdir: Path) -> dict:
+    with contextlib.ExitStack() as stack:
+        spaces = None
+        if args.netns:
+            from allreduce_bench import Namespaces
+
+            mbits = [float(x) for x in args.mbit.split(",")] if args.mbit else [0.0]
+            mbits += [mbits[-1]] * (args.peers - len(mbits))
+            spaces = stack.enter_context(Namespaces(args.peers + 1, mbits[:args.peers] + [0.0]))  # last: bootstrap
+        return _run(args, overlap, workdir, spaces)
+
+
+def _run(args: argparse.Namespace, overlap: bool, workdir: Path, spaces) -> dict:
     path = workdir / f"recipe-{'overlap' if overlap else 'plain'}.yaml"
     path.write_text(yaml.safe_dump(recipe(args, overlap)))
     children: list[Child] = []
+
+    def where(index: int) -> tuple[list[str], list[str]]:  # (command prefix, listening address options)
+        if spaces is None:
+            return [], []
+        return spaces.prefix(index), ["--host-maddrs", f"/ip4/{spaces.address(index)}/tcp/0"]
+
     try:
-        boot = Child(["bootstrap", "--recipe", str(path)])
+        prefix, listen = where(args.peers)
+        boot = Child(["bootstrap", "--recipe", str(path), *listen], prefix)
         children.append(boot)
         found = boot.find(MADDR, 60)
         if found is None:
             raise RuntimeError("the bootstrap printed no address:\n" + "".join(boot.lines[-20:]))
         started = time.monotonic()
         peers = [Child(["join", "--initial-peers", found.group(1), "--device", "cpu", "--num-threads", "1",
-                        "--cache-dir", args.cache_dir, "--until-round", str(args.rounds)])
-                 for _ in range(args.peers)]
+                        "--cache-dir", args.cache_dir, "--until-round", str(args.rounds), *where(i)[1]],
+                       where(i)[0])
+                 for i in range(args.peers)]
         children += peers
         values = []
         for index, peer in enumerate(peers):
@@ -103,7 +133,9 @@ def run(args: argparse.Namespace, overlap: bool, workdir: Path) -> dict:
         # Tokens each round averaged (every member logs the same total), against the recipe's target.
         tokens = [int(m.group(1)) for line in peers[0].lines if (m := ROUND_TOKENS.search(line))]
         target = recipe(args, overlap)["tokens_per_round"]
-        return {"overlap": overlap, "peers": args.peers, "rounds": args.rounds, "utilization": values,
+        return {"overlap": overlap, "peers": args.peers, "rounds": args.rounds, "mbit": args.mbit or "",
+                "allreduce_seconds": _mean(ALLREDUCE_SECONDS, peers), "matchmaking_seconds": _mean(MATCHMAKING, peers),
+                "utilization": values,
                 "mean": sum(values) / len(values), "seconds": time.monotonic() - started,
                 "tokens_per_round": tokens, "tokens_over_target": sum(tokens) / len(tokens) / target - 1}
     finally:
@@ -130,7 +162,16 @@ def main() -> None:
     parser.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "swarm-bench-cache"))
     parser.add_argument("--timeout", type=float, default=600.0, help="per mode")
     parser.add_argument("--log-dir", help="write every process's output there")
+    parser.add_argument("--netns", action="store_true", help="one network namespace per peer (root)")
+    parser.add_argument("--mbit", help="per-peer link rates in Mbit/s, e.g. 20 or 10,20,40,80 (needs --netns)")
     args = parser.parse_args()
+    if args.mbit and not args.netns:
+        parser.error("--mbit needs --netns")
+    if args.netns:
+        from allreduce_bench import netns_available
+
+        if (reason := netns_available()) is not None:
+            parser.error(f"--netns: {reason}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind through `finally`: kill our children
     results = []
     with tempfile.TemporaryDirectory() as workdir:
@@ -140,11 +181,12 @@ def main() -> None:
             print(f"  {mode}: {', '.join(f'{v:.1%}' for v in row['utilization'])} ({row['seconds']:.0f} s)",
                   flush=True)
     print(f"{'mode':<10}{'peers':>6}{'rounds':>7}{'mean':>8}{'min':>8}{'max':>8}{'seconds':>9}"
-          f"{'tokens/round vs target':>24}")
+          f"{'s/round':>9}{'matchmaking s':>15}{'all-reduce s':>14}{'tokens/round vs target':>24}")
     for row in results:
         print(f"{'overlap' if row['overlap'] else 'plain':<10}{row['peers']:>6}{row['rounds']:>7}"
               f"{row['mean']:>8.1%}{min(row['utilization']):>8.1%}{max(row['utilization']):>8.1%}"
-              f"{row['seconds']:>9.0f}{row['tokens_over_target']:>+24.1%}")
+              f"{row['seconds']:>9.0f}{row['seconds'] / row['rounds']:>9.1f}{row['matchmaking_seconds']:>15.2f}"
+              f"{row['allreduce_seconds']:>14.2f}{row['tokens_over_target']:>+24.1%}")
     print(json.dumps(results))
 
 
