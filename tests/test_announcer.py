@@ -9,10 +9,10 @@ from swarm.peer.announcer import EXTRAPOLATE_SECONDS, Announcer
 
 
 def record(peer_id: str, state: str, round_no: int, tokens: int, tokens_per_s: float, updated: float,
-           progress_round: int | None = None) -> PeerRecord:
+           in_flight_tokens: int | None = None) -> PeerRecord:
     return PeerRecord(peer_id=peer_id, state=state, version="0", run_id="run", round=round_no,
                       tokens_in_round=tokens, block_start=0, block_end=2, tokens_per_s=tokens_per_s,
-                      updated=updated, progress_round=progress_round)
+                      updated=updated, in_flight_tokens=in_flight_tokens)
 
 
 def announcer(view: list[PeerRecord]) -> Announcer:
@@ -39,13 +39,13 @@ def test_extrapolation_is_bounded_and_never_negative():
     assert announcer([stale]).swarm_progress(0, 0, now=0.0) == 1000
 
 
-def test_with_overlap_tokens_count_toward_the_round_after_the_one_in_flight():
-    """Peers whose average of round 3 is in flight announce round 3 (their params) but count their tokens toward
-    round 4. A peer that applied it already is at round 4. A record from before a peer handed round 3 to the
-    background counts toward round 3 only: read as round 4's progress, it would make round 4 due at once."""
-    view = [record("a", "training", 3, 1000, 0.0, updated=100.0, progress_round=4),  # round 3's average in flight
-            record("b", "training", 4, 2000, 0.0, updated=100.0),                    # applied it
-            record("c", "training", 3, 50000, 0.0, updated=100.0)]                   # still collecting round 3
+def test_with_overlap_tokens_handed_in_count_toward_their_round_and_later_ones_toward_the_next():
+    """Peer a handed in round 3 (7000 tokens, its average in flight) and trained 1000 tokens since; b applied round
+    3 already; c still collects round 3. A peer still collecting round 3 counts a's 7000 (not 0: it would wait
+    for tokens that will never come), a peer past it counts a's 1000 toward round 4 and not its 7000 again."""
+    view = [record("a", "training", 3, 1000, 0.0, updated=100.0, in_flight_tokens=7000),
+            record("b", "training", 4, 2000, 0.0, updated=100.0),
+            record("c", "training", 3, 50000, 0.0, updated=100.0)]
     progress = announcer(view)
     assert progress.swarm_progress(4, 10) == 10 + 1000 + 2000
-    assert progress.swarm_progress(3, 10) == 10 + 50000
+    assert progress.swarm_progress(3, 10) == 10 + 7000 + 50000

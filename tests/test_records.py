@@ -59,7 +59,7 @@ def test_record_round_trips_and_ignores_unknown_fields():
 
 def test_old_records_without_new_fields_still_parse():
     wire = record("QmPeer").to_wire()
-    for name in ("device_name", "device_memory", "bandwidth_up", "bandwidth_down", "progress_round"):
+    for name in ("device_name", "device_memory", "bandwidth_up", "bandwidth_down", "in_flight_tokens"):
         del wire[name]
     parsed = PeerRecord.from_wire("QmPeer", wire)
     assert (parsed.device_name, parsed.device_memory, parsed.bandwidth_up, parsed.bandwidth_down) == ("", 0, 0, 0)
@@ -72,8 +72,8 @@ def test_old_records_without_new_fields_still_parse():
     ("tokens_per_s", -1.0), ("tokens_per_s", math.nan), ("tokens_per_s", math.inf), ("tokens_per_s", 1e15),
     ("tokens_per_s", False), ("bandwidth_up", -5.0), ("bandwidth_down", 1e20), ("device_memory", -1),
     ("device_memory", 1 << 60), ("device_memory", 1.0), ("loss", math.nan), ("loss", "low"), ("updated", -1.0),
-    ("digest", "x" * 10_000), ("device_name", ["a"]), ("run_id", None), ("progress_round", -1),
-    ("progress_round", "4"),
+    ("digest", "x" * 10_000), ("device_name", ["a"]), ("run_id", None), ("in_flight_tokens", -1),
+    ("in_flight_tokens", "4"),
 ])
 def test_malformed_fields_are_rejected(field, value):
     wire = {**record().to_wire(), field: value}

@@ -69,15 +69,15 @@ class PeerRecord:
     loss: Optional[float] = None
     val_loss: Optional[float] = None
     attempt: int = 0  # averaging attempts of this round so far: peers that failed together retry together
-    # The round whose contribution tokens_in_round counts toward, where that is not `round`: with overlap, round + 1
-    # from when round's contribution goes to the background all-reduce until its average is applied.
-    progress_round: Optional[int] = None
+    # With overlap: the tokens of `round` handed to an all-reduce still in flight; tokens_in_round then count
+    # toward round + 1 already. None otherwise.
+    in_flight_tokens: Optional[int] = None
     updated: float = 0.0
 
     @property
     def counting_round(self) -> int:
         """The round that tokens_in_round counts toward."""
-        return self.round if self.progress_round is None else self.progress_round
+        return self.round + (self.in_flight_tokens is not None)
 
     def to_wire(self) -> dict:
         out = asdict(self)
@@ -111,8 +111,8 @@ class PeerRecord:
         for name in ("round", "tokens_in_round", "block_start", "block_end", "attempt"):
             _integer(getattr(self, name), name, 1 << 62)
         _integer(self.device_memory, "device_memory", MAX_MEMORY)
-        if self.progress_round is not None:
-            _integer(self.progress_round, "progress_round", 1 << 62)
+        if self.in_flight_tokens is not None:
+            _integer(self.in_flight_tokens, "in_flight_tokens", 1 << 62)
         if not self.block_start < self.block_end or (n_blocks is not None and self.block_end > n_blocks):
             raise InvalidRecord(f"block range [{self.block_start}, {self.block_end}) is outside the model")
         for name, bound in (("tokens_per_s", MAX_TOKENS_PER_S), ("bandwidth_up", MAX_BANDWIDTH),

@@ -81,16 +81,23 @@ class Announcer:
         await self.node.store(self.key, record.to_wire(), ttl=RECORD_TTL, subkey=self.node.owned_subkey)
 
     def swarm_progress(self, round_no: int, my_tokens: int, now: float | None = None) -> int:
-        """Tokens the swarm processed toward the contributions of round `round_no` (with overlap, a peer whose
-        average of the round before is still in flight already counts toward this one): ours (live) plus the other
+        """Tokens the swarm processed toward the contributions of round `round_no`: ours (live) plus the other
         peers', each extrapolated from its last announcement at its announced speed while it is training (at most
-        EXTRAPOLATE_SECONDS ahead). Announcements are up to a heartbeat or two old: read as they are, a swarm of
-        fast peers reaches the round's tokens in one peer's view seconds before another's, and the first peer then
-        waits that long in matchmaking for the last."""
+        EXTRAPOLATE_SECONDS ahead). With overlap, a peer whose contribution of `round_no` is in flight counts with
+        the tokens it handed in, and its tokens since count toward the round after.
+
+        Announcements are up to a heartbeat or two old: read as they are, a swarm of fast peers reaches the round's
+        tokens in one peer's view seconds before another's, and the first peer then waits that long in matchmaking
+        for the last."""
         now = self.node.now() if now is None else now
         others = 0.0
         for p in self.view:
-            if p.counting_round != round_no or p.peer_id == self.node.peer_id or p.state not in ("training", "averaging"):
+            if p.peer_id == self.node.peer_id or p.state not in ("training", "averaging"):
+                continue
+            if p.in_flight_tokens is not None and p.round == round_no:
+                others += p.in_flight_tokens
+                continue
+            if p.counting_round != round_no:
                 continue
             others += p.tokens_in_round
             if p.state == "training":

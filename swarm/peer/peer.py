@@ -216,12 +216,12 @@ class Peer:
             device_name=self.device_info.name, device_memory=self.device_info.memory_bytes,  # issue #3
             tokens_per_s=self.tokens_per_s, bandwidth_up=self.bandwidth_up, bandwidth_down=self.bandwidth_down,
             loss=self.loss, val_loss=self.val_loss, attempt=self.attempt, updated=self.node.now(),
-            progress_round=None if self.pending is None else self._counting_round())
+            in_flight_tokens=None if self.pending is None else self.pending[1].weight)
 
     def _counting_round(self) -> int:
         """The round our tokens_in_round count toward: with overlap, the next one as soon as this round's
-        contribution went to the background all-reduce. Without it, the swarm's progress of the new round would
-        include other peers' stale announcements of the last one, and the next round would come due at once."""
+        contribution went to the background all-reduce (we announce the tokens we handed in apart, so peers still
+        collecting this round count them, and peers past it do not count them twice)."""
         return self.diloco.round + (self.pending is not None)
 
     def _on_bad_peer(self, peer_id: str, reason: str) -> None:
