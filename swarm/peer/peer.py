@@ -71,6 +71,9 @@ class Peer:
         self.announcer: Optional[Announcer] = None
         self._last_checkpoint_round = -1
         self.pending: Optional[tuple[concurrent.futures.Future, Contribution]] = None  # overlap: average in flight
+        # The tokens of that contribution, announced apart (set and cleared next to the statements that move our
+        # tokens and round, so the announcer thread never reads them counted twice or toward the wrong round).
+        self.in_flight_tokens: Optional[int] = None
 
     # ---- start-up ------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -216,13 +219,13 @@ class Peer:
             device_name=self.device_info.name, device_memory=self.device_info.memory_bytes,  # issue #3
             tokens_per_s=self.tokens_per_s, bandwidth_up=self.bandwidth_up, bandwidth_down=self.bandwidth_down,
             loss=self.loss, val_loss=self.val_loss, attempt=self.attempt, updated=self.node.now(),
-            in_flight_tokens=None if self.pending is None else self.pending[1].weight)
+            in_flight_tokens=self.in_flight_tokens)
 
     def _counting_round(self) -> int:
         """The round our tokens_in_round count toward: with overlap, the next one as soon as this round's
         contribution went to the background all-reduce (we announce the tokens we handed in apart, so peers still
         collecting this round count them, and peers past it do not count them twice)."""
-        return self.diloco.round + (self.pending is not None)
+        return self.diloco.round + (self.in_flight_tokens is not None)
 
     def _on_bad_peer(self, peer_id: str, reason: str) -> None:
         self.metrics.bad_peers.labels(reason=reason).inc()
@@ -250,7 +253,7 @@ class Peer:
         while not self.stop_event.is_set() and not self._finished():
             lr = learning_rate(r.inner, schedule_tokens(self.diloco.tokens_seen, self.tokens_in_round,
                                                         self.last_group_size), r.total_tokens)
-            if self.faults.local("diverge", self.diloco.round):
+            if self.faults.local("diverge", self._counting_round()):  # with overlap: while an average is in flight
                 with torch.no_grad():
                     self.diloco.local_params[0].fill_(float("nan"))  # as if the optimizer blew up
             step_started = time.monotonic()
@@ -280,7 +283,7 @@ class Peer:
             behind = self._swarm_reference()
             if behind[0] > self.diloco.round and behind[2] and time.monotonic() >= self.resync_after:
                 logger.info("the swarm is at round %d and I am at %d: re-syncing", behind[0], self.diloco.round)
-                self.pending = None  # an average still in flight belongs to a round we are leaving
+                self.pending = self.in_flight_tokens = None  # an average in flight belongs to a round we leave
                 if self._resync(behind[2], behind[1], reason="behind the swarm"):
                     self.next_attempt, self.retry_after_tokens = 0, 0
                 else:  # train on, and do not hammer holders that just failed us
@@ -319,6 +322,7 @@ class Peer:
                 # Round t's average runs in the background while round t+1's inner steps start; its outer update
                 # is applied when it arrives, keeping the local progress made since the snapshot.
                 self.tokens_in_round = self.steps_in_round = 0
+                self.in_flight_tokens = contribution.weight
                 self.pending = (background.submit(self._reduce, contribution, self.next_attempt), contribution)
             else:
                 self.state = "averaging"
@@ -357,6 +361,7 @@ class Peer:
             return
         self.next_attempt = attempt + (0 if kind == "alone" else 1)  # "alone": nobody used this attempt's keys
         if contribution.snapshot is not None:
+            self.in_flight_tokens = None
             self.tokens_in_round += contribution.weight  # still in our local params, so in the next contribution
         # Keep training before the next try, so a lonely swarm does not spin on matchmaking.
         self.retry_after_tokens = self.tokens_in_round + max(r.tokens_per_round // 4,
@@ -466,6 +471,7 @@ class Peer:
         # With several groups, each sees only its own tokens: count the swarm's (its estimate) in the schedule.
         tokens = result.total_weight * group.swarm_size / max(result.group_size, 1)
         self.diloco.outer_step(average, int(round(tokens)))
+        self.in_flight_tokens = None  # our tokens since count toward the round we are now in
         self.last_group_size = max(result.group_size, group.swarm_size)
         self.metrics.round_peers.set(group.swarm_size)
         if progress_since is None:
@@ -508,6 +514,10 @@ class Peer:
         """Never send a diverged pseudo-gradient: drop local progress and restart the round from global."""
         logger.warning("%s: discarding this round's local progress and restarting from the global params", why)
         self.metrics.averaging_failures.labels(reason="diverged").inc()
+        if self.pending is not None:
+            # Overlap: conclude the average in flight first. Applied later, it would keep "the progress made since
+            # its snapshot", measured from a local model that no longer descends from that snapshot.
+            self._finish_pending()
         self.diloco.reset_local()
         self.inner_optimizer = make_inner_optimizer(self.model, self.recipe.inner)
         self.error_feedback.reset()
