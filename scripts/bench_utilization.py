@@ -17,7 +17,6 @@ Without --netns the links are loopback.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
@@ -59,9 +58,9 @@ class Child:
 
     def __init__(self, argv: list[str], prefix: list[str] | None = None):
         self.lines: list[str] = []
-        self.process = subprocess.Popen([*(prefix or []), sys.executable, "-m", "swarm", *argv], stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.process = subprocess.Popen([*(prefix or []), sys.executable, "-m", "swarm", *argv],
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         threading.Thread(target=lambda: self.lines.extend(self.process.stdout), daemon=True).start()
 
     def find(self, pattern: re.Pattern, timeout: float) -> re.Match | None:
@@ -90,14 +89,13 @@ def _mean(pattern: re.Pattern, peers: list[Child]) -> float:
 
 
 def run(args: argparse.Namespace, overlap: bool, workdir: Path) -> dict:
-    with contextlib.ExitStack() as stack:
-        spaces = None
-        if args.netns:
-            from allreduce_bench import Namespaces
+    if not args.netns:
+        return _run(args, overlap, workdir, None)
+    from allreduce_bench import Namespaces
 
-            mbits = [float(x) for x in args.mbit.split(",")] if args.mbit else [0.0]
-            mbits += [mbits[-1]] * (args.peers - len(mbits))
-            spaces = stack.enter_context(Namespaces(args.peers + 1, mbits[:args.peers] + [0.0]))  # last: bootstrap
+    mbits = [float(x) for x in args.mbit.split(",")] if args.mbit else [0.0]
+    mbits += [mbits[-1]] * (args.peers - len(mbits))
+    with Namespaces(args.peers + 1, mbits[:args.peers] + [0.0]) as spaces:  # the last one: the bootstrap's
         return _run(args, overlap, workdir, spaces)
 
 
@@ -134,8 +132,8 @@ def _run(args: argparse.Namespace, overlap: bool, workdir: Path, spaces) -> dict
         tokens = [int(m.group(1)) for line in peers[0].lines if (m := ROUND_TOKENS.search(line))]
         target = recipe(args, overlap)["tokens_per_round"]
         return {"overlap": overlap, "peers": args.peers, "rounds": args.rounds, "mbit": args.mbit or "",
-                "allreduce_seconds": _mean(ALLREDUCE_SECONDS, peers), "matchmaking_seconds": _mean(MATCHMAKING, peers),
-                "utilization": values,
+                "allreduce_seconds": _mean(ALLREDUCE_SECONDS, peers),
+                "matchmaking_seconds": _mean(MATCHMAKING, peers), "utilization": values,
                 "mean": sum(values) / len(values), "seconds": time.monotonic() - started,
                 "tokens_per_round": tokens, "tokens_over_target": sum(tokens) / len(tokens) / target - 1}
     finally:

@@ -35,8 +35,9 @@ class FakeNode:
         return dict(self.board.entries.get(key, {}))
 
 
-def _match(node: FakeNode, expected: set[str], still_in=None, min_size: int = 2, target_size: int = 4):
-    return form_group(node, "run", 1, 0, Candidate("digest", 1.0, client=False), expected, min_size, target_size, TIMEOUT,
+def _match(node: FakeNode, expected: set[str], still_in=None):
+    """Round 1, attempt 0, groups of 2 to 4."""
+    return form_group(node, "run", 1, 0, Candidate("digest", 1.0, client=False), expected, 2, 4, TIMEOUT,
                       still_in=still_in)
 
 
@@ -93,7 +94,7 @@ def test_a_peer_left_alone_gives_up_once_the_swarm_moved_on():
     assert group is None and seen >= 1
 
 
-def test_without_news_a_missing_peer_is_waited_for_until_the_deadline():
+def test_a_missing_peer_still_in_the_round_is_waited_for():
     """The contrast: while the announcements still show the expected peer in the round, we wait for it."""
     board = Board()
     a, b, late = (FakeNode(board) for _ in range(3))
