@@ -49,3 +49,16 @@ def test_with_overlap_tokens_handed_in_count_toward_their_round_and_later_ones_t
     progress = announcer(view)
     assert progress.swarm_progress(4, 10) == 10 + 1000 + 2000
     assert progress.swarm_progress(3, 10) == 10 + 7000 + 50000
+
+
+def test_a_round_is_due_once_another_live_peer_handed_it_in():
+    """Averaging round 3 (or, with overlap, having it in flight) means that peer's view reached the round's
+    tokens: round 3 is due for everyone. Not for another round, not from our own record, not from a peer whose
+    heartbeat stopped."""
+    averaging = record("a", "averaging", 3, 1000, 0.0, updated=99.0)
+    in_flight = record("b", "training", 3, 10, 0.0, updated=99.0, in_flight_tokens=900)
+    assert announcer([averaging]).handed_in(3) and announcer([in_flight]).handed_in(3)
+    assert not announcer([averaging, in_flight]).handed_in(4)
+    assert not announcer([record("a", "training", 3, 1000, 0.0, updated=99.0)]).handed_in(3)
+    assert not announcer([record("me", "averaging", 3, 1000, 0.0, updated=99.0)]).handed_in(3)
+    assert not announcer([record("a", "averaging", 3, 1000, 0.0, updated=90.0)]).handed_in(3)

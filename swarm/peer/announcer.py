@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 RECORD_TTL = 45.0  # a peer that vanishes leaves the swarm view within this many seconds
 INTERVAL = 1.0  # progress is read from the view, so it must stay fresh
 EXTRAPOLATE_SECONDS = 3 * INTERVAL  # how far ahead of its last announcement another peer's progress is estimated
+FRESH_SECONDS = 5 * INTERVAL  # a record older than this is from a peer whose heartbeat stopped
 
 
 class Announcer:
@@ -103,6 +104,15 @@ class Announcer:
             if p.state == "training":
                 others += p.tokens_per_s * min(max(now - p.updated, 0.0), EXTRAPOLATE_SECONDS)
         return my_tokens + int(others)
+
+    def handed_in(self, round_no: int, now: float | None = None) -> bool:
+        """Whether another live peer already handed in its contribution of `round_no` (it is averaging it, or
+        with overlap has it in flight): its view of the swarm reached the round's tokens, so the round is due here
+        too. Without this, each peer kept training until its own view (read once a heartbeat) caught up, and
+        rounds without overlap carried 10-16% more tokens than the target."""
+        now = self.node.now() if now is None else now
+        return any(p.peer_id != self.node.peer_id and p.round == round_no and now - p.updated <= FRESH_SECONDS
+                   and (p.state == "averaging" or p.in_flight_tokens is not None) for p in self.view)
 
     def attempts(self, round_no: int) -> list[int]:
         return [p.attempt for p in self.view if p.round == round_no and p.state in ("training", "averaging")]

@@ -30,7 +30,7 @@ from swarm.dht.records import PeerRecord
 from swarm.monitoring.metrics import PeerMetrics
 from swarm.monitoring.progress import ProgressLine  # issue #7
 from swarm.peer import checkpoint as ckpt
-from swarm.peer.announcer import INTERVAL as HEARTBEAT_SECONDS
+from swarm.peer.announcer import FRESH_SECONDS
 from swarm.peer.announcer import Announcer, fetch_recipe
 from swarm.peer.data import prepare_run_data
 from swarm.peer.diloco import DiLoCo
@@ -174,7 +174,7 @@ class Peer:
     def _live_peers(self, states: tuple[str, ...] = ("training", "averaging")) -> list[PeerRecord]:
         """Other peers in one of `states` whose heartbeat is fresh (a crashed peer's record lingers until it
         expires; a few missed heartbeats are enough to stop counting on it)."""
-        fresh_after = self.node.now() - 5 * HEARTBEAT_SECONDS
+        fresh_after = self.node.now() - FRESH_SECONDS
         return [p for p in self.announcer.view if p.peer_id != self.node.peer_id and p.updated >= fresh_after
                 and p.state in states]
 
@@ -302,7 +302,8 @@ class Peer:
             if r.inner_steps_per_round:
                 due = self.steps_in_round >= r.inner_steps_per_round
             else:
-                due = swarm_tokens >= r.tokens_per_round
+                due = swarm_tokens >= r.tokens_per_round or \
+                    (self.tokens_in_round > 0 and self.announcer.handed_in(self._counting_round()))
             if not due or self.tokens_in_round < self.retry_after_tokens:
                 continue
             if self.pending is not None:  # the last average is still in flight: wait for it (time not computing)
@@ -327,8 +328,9 @@ class Peer:
             else:
                 self.state = "averaging"
                 self.metrics.set_state(self.state)
-                self._conclude(contribution, self._reduce(contribution, self.next_attempt))
-                self.state = "training"
+                outcome = self._reduce(contribution, self.next_attempt)
+                self.state = "training"  # before the new round is announced: "averaging" it would make it due
+                self._conclude(contribution, outcome)
         if self.pending is not None:
             self._finish_pending()  # stopping: do not leave the swarm with a round half-known to us
         background.shutdown(wait=False)
