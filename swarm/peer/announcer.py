@@ -110,9 +110,15 @@ class Announcer:
         with overlap has it in flight): its view of the swarm reached the round's tokens, so the round is due here
         too. Without this, each peer kept training until its own view (read once a heartbeat) caught up, and
         rounds without overlap carried 10-16% more tokens than the target."""
-        now = self.node.now() if now is None else now
-        return any(p.peer_id != self.node.peer_id and p.round == round_no and now - p.updated <= FRESH_SECONDS
-                   and (p.state == "averaging" or p.in_flight_tokens is not None) for p in self.view)
+        return any(p.round == round_no and (p.state == "averaging" or p.in_flight_tokens is not None)
+                   for p in self.live(now=now))
+
+    def live(self, states: tuple[str, ...] = ("training", "averaging"), now: float | None = None) -> list[PeerRecord]:
+        """Other peers in one of `states` whose heartbeat is fresh (a crashed peer's record lingers until it
+        expires; a few missed heartbeats are enough to stop counting on it)."""
+        fresh_after = (self.node.now() if now is None else now) - FRESH_SECONDS
+        return [p for p in self.view if p.peer_id != self.node.peer_id and p.updated >= fresh_after
+                and p.state in states]
 
     def attempts(self, round_no: int) -> list[int]:
         return [p.attempt for p in self.view if p.round == round_no and p.state in ("training", "averaging")]

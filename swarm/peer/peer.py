@@ -30,7 +30,6 @@ from swarm.dht.records import PeerRecord
 from swarm.monitoring.metrics import PeerMetrics
 from swarm.monitoring.progress import ProgressLine  # issue #7
 from swarm.peer import checkpoint as ckpt
-from swarm.peer.announcer import FRESH_SECONDS
 from swarm.peer.announcer import Announcer, fetch_recipe
 from swarm.peer.data import prepare_run_data
 from swarm.peer.diloco import DiLoCo
@@ -171,17 +170,10 @@ class Peer:
         else:
             logger.info("starting from the recipe's initial params (round 0, digest %s)", self.diloco.digest())
 
-    def _live_peers(self, states: tuple[str, ...] = ("training", "averaging")) -> list[PeerRecord]:
-        """Other peers in one of `states` whose heartbeat is fresh (a crashed peer's record lingers until it
-        expires; a few missed heartbeats are enough to stop counting on it)."""
-        fresh_after = self.node.now() - FRESH_SECONDS
-        return [p for p in self.announcer.view if p.peer_id != self.node.peer_id and p.updated >= fresh_after
-                and p.state in states]
-
     def _swarm_reference(self) -> tuple[int, str, list[str]]:
         """(highest round of live peers, the digest most of them hold, the peers holding it). A peer whose
         heartbeat stopped (its record lingers until it expires) is not live: it can serve nothing."""
-        live = [p for p in self._live_peers() if p.digest]
+        live = [p for p in self.announcer.live() if p.digest]
         if not live:
             return 0, "", []
         top = max(p.round for p in live)
@@ -442,7 +434,7 @@ class Peer:
                 attempt += 1  # a member failed mid-round, or views differed: redo the round at once
 
     def _in_round(self, round_no: int) -> set[str]:
-        return {p.peer_id for p in self._live_peers(("training", "averaging", "syncing")) if p.round == round_no}
+        return {p.peer_id for p in self.announcer.live(("training", "averaging", "syncing")) if p.round == round_no}
 
     def _moved_on(self, round_no: int) -> bool:
         """Whether the swarm finished this round without us and nobody is left to average it with."""
@@ -456,7 +448,7 @@ class Peer:
         and its partner would wait a whole matchmaking timeout for it instead of re-syncing at once."""
         r = self.recipe.averaging
         failed = self._unresponsive | self._excluded if self._excluded_round == round_no else set()
-        live = [p for p in self._live_peers() if p.round >= round_no and p.peer_id not in failed]
+        live = [p for p in self.announcer.live() if p.round >= round_no and p.peer_id not in failed]
         return len(live) + 1 > r.target_group_size and \
             sum(p.round == round_no for p in live) + 1 >= max(r.min_group_size, 2)
 
