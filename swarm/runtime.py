@@ -20,6 +20,10 @@ class LoopThread:
 
     def __init__(self, name: str = "swarm-loop"):
         self.loop = asyncio.new_event_loop()
+        # Futures of submitted coroutines, until they finish. asyncio holds tasks only weakly: a coroutine submitted
+        # and forgotten (a heartbeat), awaiting a future that nothing else holds, is otherwise garbage-collected
+        # mid-way ("Task was destroyed but it is pending"), and the heartbeat silently stops.
+        self._pending: set[concurrent.futures.Future] = set()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
@@ -28,7 +32,10 @@ class LoopThread:
         self.loop.run_forever()
 
     def submit(self, coro: Awaitable[T]) -> concurrent.futures.Future:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        self._pending.add(future)
+        future.add_done_callback(self._pending.discard)
+        return future
 
     def run(self, coro: Awaitable[T], timeout: Optional[float] = None) -> T:
         """Run `coro` on the loop and wait for it; raises TimeoutError after `timeout` seconds (and cancels it)."""

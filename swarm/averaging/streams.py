@@ -41,6 +41,7 @@ class StreamClient:
 
     def __init__(self, node: SwarmNode, protocol: str, max_payload: int, faults: FaultPlan):
         self.node, self.protocol, self.max_payload, self.faults = node, protocol, max_payload, faults
+        self._background: set[asyncio.Task] = set()  # held until done: asyncio holds tasks only weakly
 
     async def send(self, peer: str, header: dict, chunks, stats: dict, die_after_first=None) -> None:
         """Send `header` and then every (meta, payload) that the async iterator `chunks` yields, as they come.
@@ -120,7 +121,9 @@ class StreamClient:
 
         for peer, client in zip(group.members, clients):
             if peer != self.node.peer_id and not client:
-                asyncio.ensure_future(tell(peer))
+                task = asyncio.ensure_future(tell(peer))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
 
     async def pull(self, peer: str, header: dict, slot: Callable[[int], asyncio.Future], chunks: int) -> None:
         """As a client member: fetch the averaged chunks of `peer`'s part as it makes them, into `slot(index)`."""
