@@ -53,6 +53,7 @@ def worker(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format=f"peer {args.index} %(asctime)s %(name)s: %(message)s")
     logging.getLogger("swarm.averaging").setLevel(logging.INFO)
+    logging.getLogger("swarm.dht.direct").setLevel(logging.INFO)
     if args.engine == "hivemind":
         return _hivemind_worker(args)
     if args.engine == "tcp":
@@ -101,7 +102,8 @@ def worker(args: argparse.Namespace) -> None:
                             "peer_id": node.peer_id}, Path(args.save) / f"peer{args.index}-round{round_no}.pt")
             print(json.dumps({"index": args.index, "round": round_no, "attempt": attempt,
                               "seconds": done - started, "allreduce_seconds": done - matched,
-                              "bytes_sent": result.bytes_sent, "group": len(group.members)}), flush=True)
+                              "bytes_sent": result.bytes_sent, "group": len(group.members),
+                              "streams": dict(node.direct.opened) if node.direct else {}}), flush=True)
             break
     node.shutdown()
     loop.close()

@@ -34,7 +34,8 @@ def run_bootstrap(args: argparse.Namespace) -> int:
     try:
         node = SwarmNode([], NetworkOptions(host_maddrs=tuple(args.host_maddrs),
                                             announce_maddrs=tuple(args.announce_maddrs),
-                                            identity_path=args.identity_path, nat_traversal=args.nat_traversal))
+                                            identity_path=args.identity_path, nat_traversal=args.nat_traversal,
+                                            direct_streams=False))  # it serves no bulk streams
     except NodeError as e:
         logger.error("%s", e)
         loop.close()

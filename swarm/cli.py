@@ -97,6 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="for peers that cannot accept inbound connections (behind NAT, no port forwarding): open "
                            "every stream yourself; the peer still contributes to every average but reduces no part "
                            "of it, serves no state and answers no DHT requests")
+    join.add_argument("--direct-port", type=int, default=0, metavar="PORT",
+                      help="TCP port for direct streams, the all-reduce's and state download's bytes over TLS "
+                           "between peers instead of through the libp2p daemons (default: any free port; fix it to "
+                           "forward it through a NAT or open it in a firewall)")
+    join.add_argument("--no-direct-streams", action="store_true",
+                      help="send every stream through libp2p (slower; for networks where only the libp2p port is "
+                           "reachable and a failed direct attempt per peer every 30 s costs too much)")
     join.add_argument("--inject-fault", metavar="PHASE@ROUND",
                       help="for tests and drills: SIGKILL this peer at a phase (matchmaking, send, reduce, commit) "
                            "of the first round >= ROUND it averages in, send bad data (garbage, nan, short) from "
@@ -180,6 +187,7 @@ def _join(args: argparse.Namespace) -> int:
             data_shard=args.data_shard, trace_dir=args.trace_dir, host_maddrs=tuple(args.host_maddrs),
             announce_maddrs=tuple(args.announce_maddrs), identity_path=args.identity_path,
             nat_traversal=args.nat_traversal, client_mode=args.client_mode, inject_fault=args.inject_fault,
+            direct_streams=not args.no_direct_streams, direct_port=args.direct_port,
             **({"cache_dir": args.cache_dir} if args.cache_dir else {}))
     except pydantic.ValidationError as e:
         err = e.errors()[0]
@@ -218,7 +226,7 @@ def _status(args: argparse.Namespace) -> int:
     node = None
     try:
         # A client-mode node on loopback only reads: it never stores others' records or accepts connections.
-        node = SwarmNode(args.initial_peers, NetworkOptions(client_mode=True))
+        node = SwarmNode(args.initial_peers, NetworkOptions(client_mode=True, direct_streams=False))
         recipe = loop.run(fetch_recipe(node, timeout=15), timeout=30)
         summary = loop.run(read_swarm(node, recipe.run_id, recipe_blocks(recipe)), timeout=30)
     except (NodeError, TimeoutError) as e:

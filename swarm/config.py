@@ -210,4 +210,6 @@ class PeerSettings(BaseModel):
     identity_path: Optional[str] = None
     nat_traversal: bool = False
     client_mode: bool = False  # accepts no inbound streams: contributes to averages, reduces and serves nothing
+    direct_streams: bool = True  # bulk streams over TLS between peers, not through p2pd (libp2p fallback)
+    direct_port: int = Field(0, ge=0, le=65535, description="TCP port for direct streams (0: any free one)")
     inject_fault: Optional[str] = Field(None, description="testing: PHASE@ROUND, see swarm/averaging/faults.py")

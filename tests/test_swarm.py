@@ -64,6 +64,10 @@ def test_two_peers_train_three_rounds_with_exact_averages(swarm):
     assert first_train_loss < 6.3, "the tiny model starts near ln(512)=6.24 and must have learned something"
     for i in range(2):
         assert len(list((swarm.workdir / f"ckpt{i}").glob("round-*"))) >= 1
+        # Both peers listen on 127.0.0.1: every stream between them skips the daemons.
+        direct, fallback = map(int, re.search(r"streams opened: (\d+) direct, (\d+) through libp2p",
+                                              peers[i].output()).groups())
+        assert direct >= 3 * ROUNDS and fallback == 0, (direct, fallback)
 
     bootstrap.process.send_signal(signal.SIGTERM)
     assert bootstrap.wait(30) == 0

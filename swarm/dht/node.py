@@ -14,10 +14,12 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Optional, Sequence
 
 import hivemind
+import msgpack
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import ValueWithExpiration, get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
+from swarm.dht.direct import HELLO_PROTOCOL, DirectStreams, listen_hosts
 from swarm.dht.records import RECIPE_KEY, RECIPE_RULE
 from swarm.dht.validation import Identity, IdentityError, KeyRule, SwarmValidator, make_validators
 
@@ -43,6 +45,8 @@ class NetworkOptions:
     identity_path: Optional[str] = None  # RSA key: fixes the peer id and signs this node's records
     nat_traversal: bool = False  # port mapping, AutoNAT, relays: off for local swarms, on for real deployments
     client_mode: bool = False  # cannot accept inbound connections
+    direct_streams: bool = True  # bulk streams over our own TLS connections, not through p2pd (libp2p fallback)
+    direct_port: int = 0  # TCP port for direct streams (0: any free one; fix it to forward it through a NAT)
 
     def hivemind_kwargs(self) -> dict:
         kwargs: dict[str, Any] = dict(
@@ -103,6 +107,12 @@ class SwarmNode:
         self.owned_subkey: str = self.identity.owned_subkey
         self._protected: set[str] = {RECIPE_KEY}
         self._p2p: Optional[P2P] = None
+        self._p2p_lock: Optional[asyncio.Lock] = None
+        self.direct: Optional[DirectStreams] = None
+        if options.direct_streams:
+            self.direct = DirectStreams(self.identity, listen_hosts(options.host_maddrs),
+                                        listen_hosts(options.announce_maddrs or options.host_maddrs),
+                                        options.direct_port, listen=not options.client_mode)
 
     def visible_maddrs(self) -> list[str]:
         """Full multiaddrs (with /p2p/<id>) that other peers pass as --initial-peers."""
@@ -145,32 +155,73 @@ class SwarmNode:
 
     # ---- streams -------------------------------------------------------------------------------------------
     async def p2p(self) -> P2P:
+        """The P2P replica on the caller's loop (made on first use, with our direct-stream server)."""
         if self._p2p is None:
-            self._p2p = await self.dht.replicate_p2p()
+            if self._p2p_lock is None:
+                self._p2p_lock = asyncio.Lock()
+            async with self._p2p_lock:
+                if self._p2p is None:
+                    p2p = await self.dht.replicate_p2p()
+                    if self.direct is not None:
+                        await self.direct.start()
+                        if self.direct.port is not None:
+                            await p2p.add_binary_stream_handler(HELLO_PROTOCOL, self._on_hello)
+                    self._p2p = p2p
         return self._p2p
 
     async def add_stream_handler(self, name: str, handler: StreamHandler) -> None:
-        """Serve protocol `name`; the handler gets (remote peer id, reader, writer)."""
+        """Serve protocol `name`, over libp2p and direct streams alike; the handler gets (remote peer id, reader,
+        writer), the remote authenticated either way."""
         p2p = await self.p2p()
 
-        async def _on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async def _guarded(remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             try:
-                await handler(info.peer_id.to_base58(), reader, writer)
+                await handler(remote, reader, writer)
             except (asyncio.IncompleteReadError, ConnectionError) as e:
-                logger.debug("stream %s from %s ended early: %r", name, info.peer_id, e)
+                logger.debug("stream %s from %s ended early: %r", name, remote, e)
             except Exception:  # noqa: BLE001 - a bad request must never take the peer down
-                logger.exception("handler %s failed for a request from %s", name, info.peer_id)
+                logger.exception("handler %s failed for a request from %s", name, remote)
             finally:
                 writer.close()
 
+        async def _on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await _guarded(info.peer_id.to_base58(), reader, writer)
+
         await p2p.add_binary_stream_handler(name, _on_stream)
+        if self.direct is not None:
+            self.direct.handlers[name] = _guarded
 
     async def open_stream(self, peer_id: str, name: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A byte stream to `peer_id`'s handler of protocol `name`: direct when the peer can be reached so,
+        through p2pd otherwise."""
         p2p = await self.p2p()
+        if self.direct is not None:
+            opened = await self.direct.open(peer_id, name, self._ask_hello)
+            if opened is not None:
+                return opened
         _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), name)
         return reader, writer
 
+    async def _on_hello(self, _info, _reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await send_frame(writer, msgpack.packb(self.direct.hello()))
+        finally:
+            writer.close()
+
+    async def _ask_hello(self, peer_id: str) -> tuple[dict, list[str]]:
+        """`peer_id`'s direct-stream hello, and the IP hosts of the addresses libp2p reaches it at."""
+        p2p = await self.p2p()
+        _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), HELLO_PROTOCOL)
+        try:
+            hello = msgpack.unpackb(await recv_frame(reader, 64 << 10))
+        finally:
+            writer.close()
+        known = [str(a) for info in await p2p.list_peers() if info.peer_id.to_base58() == peer_id for a in info.addrs]
+        return (hello if isinstance(hello, dict) else {}), listen_hosts(known)
+
     def shutdown(self) -> None:
+        if self.direct is not None:
+            self.direct.close()
         try:
             self.dht.shutdown()
         except Exception:  # noqa: BLE001 - best effort at exit

@@ -86,6 +86,9 @@ class PeerMetrics:
                                  "allocated tensors on a GPU, resident set of the process on a CPU", registry=r)
         self.memory_total = Gauge("swarm_device_memory_total_bytes", "Memory of the training device (system "
                                   "memory for a CPU peer)", registry=r)
+        self.streams_opened = Gauge("swarm_streams_opened", "Streams this peer opened since it started, by "
+                                    "transport: direct (TLS between the peers) or libp2p (through the daemons: the "
+                                    "other peer cannot be reached directly)", ["transport"], registry=r)
         self.memory_used.set_function(process_resident_bytes)
         self.memory_total.set(system_memory_bytes())
         self.last_group_size: Optional[int] = None  # for the progress line
@@ -105,6 +108,11 @@ class PeerMetrics:
             index = device.index if device.index is not None else torch.cuda.current_device()
             self.memory_used.set_function(lambda: float(torch.cuda.memory_allocated(index)))
             self.memory_total.set(torch.cuda.get_device_properties(index).total_memory)
+
+    def watch_streams(self, opened: dict[str, int]) -> None:
+        """Read the streams opened by transport from `opened` ({"direct": n, "fallback": m}) on every scrape."""
+        for transport, key in (("direct", "direct"), ("libp2p", "fallback")):
+            self.streams_opened.labels(transport=transport).set_function(lambda key=key: float(opened[key]))
 
     def set_blocks(self, block_start: int, block_end: int) -> None:
         self.hosted_blocks.set(block_end - block_start)

@@ -83,8 +83,11 @@ class Peer:
         self.loop = LoopThread()
         self.node = SwarmNode(s.initial_peers, NetworkOptions(
             host_maddrs=s.host_maddrs, announce_maddrs=s.announce_maddrs, identity_path=s.identity_path,
-            nat_traversal=s.nat_traversal, client_mode=s.client_mode))
+            nat_traversal=s.nat_traversal, client_mode=s.client_mode, direct_streams=s.direct_streams,
+            direct_port=s.direct_port))
         logger.info("joined the DHT as %s", self.node.peer_id)
+        if self.node.direct is not None:
+            self.metrics.watch_streams(self.node.direct.opened)
         self.recipe = self.loop.run(fetch_recipe(self.node, timeout=30.0), timeout=60)
         if s.recipe_file:
             local = load_recipe(s.recipe_file)
@@ -579,6 +582,9 @@ class Peer:
             except Exception:  # noqa: BLE001 - the record expires on its own
                 logger.debug("could not announce offline", exc_info=True)
         if self.node is not None:
+            if self.node.direct is not None:
+                logger.info("streams opened: %d direct, %d through libp2p", self.node.direct.opened["direct"],
+                            self.node.direct.opened["fallback"])
             self.node.shutdown()
         if self.loop is not None:
             self.loop.close()

@@ -1,0 +1,265 @@
+"""Direct streams: the bulk bytes of a stream go over a TLS connection between the two peers' own processes
+instead of through both p2pd daemons.
+
+Through p2pd every byte is copied by two daemons (yamux, noise) and two unix sockets; on shaped links that costs
+about 25% of the round against plain TCP, and on loopback it keeps both cores busy. A direct stream is one TCP
+connection per stream, TLS 1.3 with an ephemeral certificate that we never check against a CA: the opener pins the
+certificate's SHA-256 fingerprint, which it got from the receiver over a libp2p stream (authenticated by the
+receiver's peer id). The opener then proves its own peer id by signing the fingerprint with its RSA identity key, the
+key its libp2p peer id is the hash of. So both ends know who the other is, as over libp2p, and a signature seen on
+one connection is worth nothing on any other (another receiver has another certificate).
+
+Any failure to reach a peer this way (it listens on no address we can reach, e.g. behind NAT or a firewall, or it
+restarted with a new certificate) falls back to a libp2p stream, and the peer is not tried directly again for
+RETRY_SECONDS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import hashlib
+import ipaddress
+import logging
+import os
+import ssl
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Optional, Sequence
+
+import msgpack
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from hivemind.utils.crypto import RSAPublicKey
+
+from swarm.dht.validation import Identity, peer_id_of
+
+logger = logging.getLogger(__name__)
+
+HELLO_PROTOCOL = "swarm.direct.hello"  # libp2p protocol: "where and under which certificate do you listen?"
+DOMAIN = b"swarm direct stream v1\x00"  # what an opener's signature is about, so it signs nothing else
+MAX_AUTH_BYTES = 16 << 10
+HANDSHAKE_SECONDS = 10.0  # TLS handshake + the opener's signed frame, or the connection is dropped
+CONNECT_SECONDS = 3.0
+HELLO_SECONDS = 5.0
+RETRY_SECONDS = 30.0  # after a failed direct attempt, libp2p streams only for this long
+MAX_HANDSHAKES = 64  # connections not yet authenticated: more are closed at once
+STREAM_LIMIT = 4 << 20  # StreamReader buffer: big reads, fewer wake-ups (asyncio's default is 64 KiB)
+
+Handler = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+Opened = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+class DirectError(ConnectionError):
+    """A direct stream could not be opened (the caller falls back to libp2p)."""
+
+
+@dataclass(frozen=True)
+class Route:
+    """How to reach a peer directly: addresses to try in order, and the certificate fingerprint to expect."""
+
+    hosts: tuple[str, ...]
+    port: int
+    fingerprint: bytes
+
+
+def listen_hosts(maddrs: Sequence[str]) -> list[str]:
+    """The IP hosts of /ip4/... and /ip6/... multiaddrs (unspecified ones included, as 0.0.0.0 or ::)."""
+    hosts = []
+    for maddr in maddrs:
+        parts = maddr.strip("/").split("/")
+        if len(parts) >= 2 and parts[0] in ("ip4", "ip6") and parts[1] not in hosts:
+            hosts.append(parts[1])
+    return hosts
+
+
+def _specified(host: str) -> bool:
+    try:
+        return not ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
+def _certificate() -> tuple[bytes, bytes]:
+    """A fresh self-signed certificate (EC P-256: cheap handshakes) and its key, both PEM. Nobody checks it
+    against a CA: peers pin its fingerprint."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "swarm peer")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=3650)).sign(key, hashes.SHA256()))
+    return (cert.public_bytes(serialization.Encoding.PEM),
+            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                              serialization.NoEncryption()))
+
+
+def _signed_message(fingerprint: bytes, protocol: str) -> bytes:
+    return DOMAIN + fingerprint + protocol.encode()
+
+
+async def _recv_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes:
+    length = int.from_bytes(await reader.readexactly(8), "big")
+    if length > max_bytes:
+        raise DirectError(f"a {length}-byte handshake frame, over the {max_bytes}-byte limit")
+    return await reader.readexactly(length)
+
+
+class DirectStreams:
+    """This node's direct-stream server (unless it cannot accept connections) and its routes to other peers."""
+
+    def __init__(self, identity: Identity, bind_hosts: Sequence[str], announce_hosts: Sequence[str], port: int,
+                 listen: bool):
+        self.identity = identity
+        self.bind_hosts = list(bind_hosts) or ["127.0.0.1"]
+        self.announce_hosts = [h for h in announce_hosts if _specified(h)]
+        self.requested_port, self.listen = port, listen
+        self.port: Optional[int] = None
+        self.fingerprint = b""
+        self.handlers: dict[str, Handler] = {}
+        self.opened = {"direct": 0, "fallback": 0}  # streams we opened, by how
+        self._routes: dict[str, Route] = {}
+        self._unreachable: dict[str, float] = {}  # peer id -> monotonic time until which we do not try it
+        self._server: Optional[asyncio.base_events.Server] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._handshakes = 0
+        self._signatures: dict[tuple[bytes, str], bytes] = {}
+        self._client_context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        self._client_context.minimum_version = ssl.TLSVersion.TLSv1_3
+        self._client_context.check_hostname = False
+        self._client_context.verify_mode = ssl.CERT_NONE  # we check the pinned fingerprint ourselves
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        if not self.listen:
+            return
+        cert, key = _certificate()
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_3
+        with tempfile.TemporaryDirectory(prefix="swarm-direct-") as directory:  # ssl loads chains from files only
+            paths = [os.path.join(directory, name) for name in ("cert.pem", "key.pem")]
+            for path, data in zip(paths, (cert, key)):
+                with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+                    f.write(data)
+            context.load_cert_chain(*paths)
+        self.fingerprint = hashlib.sha256(ssl.PEM_cert_to_DER_cert(cert.decode())).digest()
+        try:
+            self._server = await asyncio.start_server(
+                self._serve, host=self.bind_hosts, port=self.requested_port, ssl=context,
+                ssl_handshake_timeout=HANDSHAKE_SECONDS, limit=STREAM_LIMIT)
+        except OSError as e:
+            logger.warning("direct streams: cannot listen on %s port %d (%s); peers will reach us over libp2p only",
+                           ",".join(self.bind_hosts), self.requested_port, e.strerror or e)
+            return
+        self.port = self._server.sockets[0].getsockname()[1]
+        logger.debug("direct streams on %s port %d", ",".join(self.bind_hosts), self.port)
+
+    def hello(self) -> dict:
+        """What a peer that asks over libp2p gets: where we listen (no port: we do not) and our fingerprint."""
+        return {"port": self.port, "hosts": self.announce_hosts, "fingerprint": self.fingerprint}
+
+    def close(self) -> None:
+        if self._server is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._server.close)
+
+    # ---- receiving ----------------------------------------------------------------------------------------
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._handshakes >= MAX_HANDSHAKES:
+            writer.close()
+            return
+        self._handshakes += 1
+        try:
+            remote, handler = await asyncio.wait_for(self._authenticate(reader), HANDSHAKE_SECONDS)
+        except Exception as e:  # noqa: BLE001 - whatever a stranger sends, we only drop the connection
+            logger.info("direct stream from %s refused: %s", writer.get_extra_info("peername"), e)
+            writer.close()
+            return
+        finally:
+            self._handshakes -= 1
+        await handler(remote, reader, writer)
+
+    async def _authenticate(self, reader: asyncio.StreamReader) -> tuple[str, Handler]:
+        auth = msgpack.unpackb(await _recv_frame(reader, MAX_AUTH_BYTES))
+        if not isinstance(auth, dict) or not all(isinstance(auth.get(k), t) for k, t in (
+                ("peer", str), ("key", str), ("protocol", str), ("signature", bytes))):
+            raise DirectError("malformed handshake")
+        if peer_id_of(auth["key"]) != auth["peer"]:
+            raise DirectError(f"the key sent does not give peer id {auth['peer']}")
+        if not RSAPublicKey.from_bytes(auth["key"].encode()).verify(
+                _signed_message(self.fingerprint, auth["protocol"]), auth["signature"]):
+            raise DirectError(f"bad signature from {auth['peer']}")
+        handler = self.handlers.get(auth["protocol"])
+        if handler is None:
+            raise DirectError(f"{auth['peer']} asked for protocol {auth['protocol']!r}, which we do not serve")
+        return auth["peer"], handler
+
+    # ---- opening ------------------------------------------------------------------------------------------
+    async def open(self, peer_id: str, protocol: str,
+                   ask_hello: Callable[[str], Awaitable[tuple[dict, list[str]]]]) -> Optional[Opened]:
+        """A direct stream to `peer_id` for `protocol`, or None: then open it over libp2p (and we will not try
+        this peer directly again for RETRY_SECONDS). `ask_hello(peer)` returns the peer's hello and the hosts
+        libp2p knows for it (used when the peer announces none, e.g. it listens on 0.0.0.0)."""
+        if time.monotonic() < self._unreachable.get(peer_id, 0.0):
+            self.opened["fallback"] += 1
+            return None
+        try:
+            route = self._routes.get(peer_id)
+            if route is None:
+                route = await asyncio.wait_for(self._route(peer_id, ask_hello), HELLO_SECONDS)
+            opened = await self._connect(route, protocol)
+        except Exception as e:  # noqa: BLE001 - any failure here only means: use libp2p
+            logger.info("no direct stream to %s (%s); using libp2p for %.0f s", peer_id[-8:], e or type(e).__name__,
+                        RETRY_SECONDS)
+            self._routes.pop(peer_id, None)
+            self._unreachable[peer_id] = time.monotonic() + RETRY_SECONDS
+            self.opened["fallback"] += 1
+            return None
+        self._routes[peer_id] = route
+        self.opened["direct"] += 1
+        return opened
+
+    async def _route(self, peer_id: str, ask_hello) -> Route:
+        hello, known_hosts = await ask_hello(peer_id)
+        port, hosts, fingerprint = hello.get("port"), hello.get("hosts"), hello.get("fingerprint")
+        if not isinstance(port, int) or not 0 < port < 65536:
+            raise DirectError("it accepts no direct streams")
+        if not isinstance(hosts, list) or not isinstance(fingerprint, bytes) or len(fingerprint) != 32:
+            raise DirectError("malformed hello")
+        hosts = [h for h in hosts if isinstance(h, str) and _specified(h)] or \
+            [h for h in known_hosts if _specified(h)]
+        if not hosts:
+            raise DirectError("no address to reach it at")
+        return Route(tuple(hosts[:4]), port, fingerprint)
+
+    def _signature(self, fingerprint: bytes, protocol: str) -> bytes:
+        """Our signature for streams of `protocol` to the receiver with this certificate, made once (a few ms of
+        RSA): it is worth nothing to anyone else, whose certificate differs."""
+        key = (fingerprint, protocol)
+        if key not in self._signatures:
+            if len(self._signatures) >= 1024:
+                self._signatures.clear()
+            self._signatures[key] = self.identity.private_key.sign(_signed_message(fingerprint, protocol))
+        return self._signatures[key]
+
+    async def _connect(self, route: Route, protocol: str) -> Opened:
+        errors = []
+        for host in route.hosts:
+            try:
+                reader, writer = await asyncio.wait_for(asyncio.open_connection(
+                    host, route.port, ssl=self._client_context, server_hostname="", limit=STREAM_LIMIT),
+                    CONNECT_SECONDS)
+            except (OSError, ssl.SSLError, asyncio.TimeoutError) as e:
+                errors.append(f"{host}:{route.port}: {e or type(e).__name__}")
+                continue
+            certificate = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+            if hashlib.sha256(certificate or b"").digest() != route.fingerprint:
+                writer.close()
+                raise DirectError(f"{host}:{route.port} presented another certificate than the peer announced")
+            auth = msgpack.packb({"peer": self.identity.peer_id, "key": self.identity.public_key.decode(),
+                                  "protocol": protocol, "signature": self._signature(route.fingerprint, protocol)})
+            writer.write(len(auth).to_bytes(8, "big") + auth)
+            return reader, writer
+        raise DirectError("; ".join(errors))
