@@ -39,7 +39,7 @@ MAX_DECISIONS = 64  # (round, attempt) keys whose group we remember, for answeri
 COMMIT_GRACE = 2.0  # s to wait for the commit of a member our own commit could not reach (it is likely dead)
 MIN_CHUNK = 1 << 16  # elements; chunk sizes are multiples of CHUNK_ALIGN so codec blocks never straddle chunks
 CHUNK_ALIGN = 4096
-CHUNKS_PER_PART = 8
+CHUNKS_PER_PART = 64
 
 
 def chunk_bounds(start: int, end: int, split: Optional[int] = None) -> list[tuple[int, int]]:
