@@ -65,7 +65,8 @@ def worker(args: argparse.Namespace) -> None:
     from swarm.runtime import LoopThread
 
     loop = LoopThread()
-    node = SwarmNode([args.initial_peers], NetworkOptions(host_maddrs=(args.host_maddr,)))
+    node = SwarmNode([args.initial_peers], NetworkOptions(host_maddrs=(args.host_maddr,),
+                                                          direct_streams=not args.libp2p_only))
     codecs = args.codec.split(",")  # round r uses codecs[r % len(codecs)]
     allreduces = {name: GroupAllReduce(node, f"bench-{name}", name, args.numel, AdaptiveDeadlines(30.0, 300.0))
                   for name in codecs}
@@ -326,7 +327,8 @@ def run(args: argparse.Namespace, engine: str) -> dict:
                     "--peers", str(args.peers), "--numel", str(args.numel), "--codec", args.codec,
                     "--rounds", str(args.rounds), "--engine", engine, "--host-maddr", host,
                     "--bandwidth-hint", str(hint), "--tcp-addresses", tcp_addresses,
-                    "--tcp-bandwidths", tcp_bandwidths] + (["--save", args.save] if args.save else [])
+                    "--tcp-bandwidths", tcp_bandwidths] + (["--save", args.save] if args.save else []) \
+                + (["--libp2p-only"] if args.libp2p_only else [])
             prefix = namespaces.prefix(index) if namespaces else []
             processes.append(subprocess.Popen(prefix + argv, stdout=subprocess.PIPE, text=True,
                                               env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True))
@@ -336,7 +338,8 @@ def run(args: argparse.Namespace, engine: str) -> dict:
             rows += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         if node is not None:
             node.shutdown()
-        return {"engine": engine, "rows": rows}
+        label = "swarm-p2p" if engine == "swarm" and args.libp2p_only else engine
+        return {"engine": label, "rows": rows}
     finally:
         kill_sessions(processes)
         if namespaces:
@@ -378,6 +381,7 @@ def main() -> None:
     w.add_argument("--save")
     w.add_argument("--tcp-addresses", default="")
     w.add_argument("--tcp-bandwidths", default="")
+    w.add_argument("--libp2p-only", action="store_true")
     d = sub.add_parser("dht")
     d.add_argument("--host-maddr", required=True)
     for p in (parser,):
@@ -395,6 +399,8 @@ def main() -> None:
                        help="tell each engine its peer's link rate (our partition and hivemind's `bandwidth`)")
         p.add_argument("--save", help="directory for inputs and results (for tests)")
         p.add_argument("--timeout", type=float, default=600.0)
+        p.add_argument("--libp2p-only", action="store_true",
+                       help="our engine without direct streams: every byte through the p2pd daemons")
     args = parser.parse_args()
     if args.mode == "worker":
         return worker(args)
