@@ -16,7 +16,8 @@ RUN pip install . && useradd --create-home --uid 1000 swarm && mkdir /data && ch
 USER swarm
 # Checkpoints, the tokenizer cache and the bootstrap's identity key live on a volume so they survive the container.
 VOLUME ["/data"]
-# 31337: libp2p (pass --host-maddrs /ip4/0.0.0.0/tcp/31337); 9100: the bootstrap's metrics; 9101: a peer's metrics.
-EXPOSE 31337 9100 9101
+# 31337: libp2p (pass --host-maddrs /ip4/0.0.0.0/tcp/31337); 31338: a peer's direct streams (--direct-port 31338);
+# 9100: the bootstrap's metrics; 9101: a peer's metrics.
+EXPOSE 31337 31338 9100 9101
 ENTRYPOINT ["swarm-peer"]
 CMD ["--help"]

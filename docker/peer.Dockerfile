@@ -25,6 +25,6 @@ RUN pip install . && useradd --create-home --uid 1000 swarm && mkdir /data && ch
 
 USER swarm
 VOLUME ["/data"]
-EXPOSE 31337 9101
+EXPOSE 31337 31338 9101
 ENTRYPOINT ["swarm-peer"]
 CMD ["--help"]
