@@ -138,3 +138,18 @@ def test_the_genuine_handshake_is_accepted(swarm):
 def test_listen_hosts_reads_ip_multiaddrs():
     assert direct.listen_hosts(["/ip4/10.0.0.2/tcp/5", "/ip6/::1/tcp/7", "/dns4/example.org/tcp/1",
                                 "/ip4/0.0.0.0/tcp/31337"]) == ["10.0.0.2", "::1", "0.0.0.0"]
+
+
+def test_every_listening_host_gets_the_one_announced_port():
+    """A node listening on several addresses announces one port: all of them must listen on it."""
+    identity = Identity.ephemeral()
+    identity.discard_file()
+    streams = direct.DirectStreams(identity, ["127.0.0.1", "127.0.0.2"], [], 0, listen=True)
+    loop = LoopThread()
+    try:
+        loop.run(streams.start(), timeout=30)
+        ports = {server.sockets[0].getsockname()[1] for server in streams._servers}
+        assert len(streams._servers) == 2 and ports == {streams.port}, ports
+    finally:
+        streams.close()
+        loop.close()

@@ -123,7 +123,7 @@ class DirectStreams:
         self.opened = {"direct": 0, "fallback": 0}  # streams we opened, by how
         self._routes: dict[str, Route] = {}
         self._unreachable: dict[str, float] = {}  # peer id -> monotonic time until which we do not try it
-        self._server: Optional[asyncio.base_events.Server] = None
+        self._servers: list[asyncio.base_events.Server] = []
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._handshakes = 0
         self._signatures: dict[tuple[bytes, str], bytes] = {}
@@ -146,24 +146,28 @@ class DirectStreams:
                     f.write(data)
             context.load_cert_chain(*paths)
         self.fingerprint = hashlib.sha256(ssl.PEM_cert_to_DER_cert(cert.decode())).digest()
-        try:
-            self._server = await asyncio.start_server(
-                self._serve, host=self.bind_hosts, port=self.requested_port, ssl=context,
-                ssl_handshake_timeout=HANDSHAKE_SECONDS, limit=STREAM_LIMIT)
-        except OSError as e:
-            logger.warning("direct streams: cannot listen on %s port %d (%s); peers will reach us over libp2p only",
-                           ",".join(self.bind_hosts), self.requested_port, e.strerror or e)
-            return
-        self.port = self._server.sockets[0].getsockname()[1]
-        logger.debug("direct streams on %s port %d", ",".join(self.bind_hosts), self.port)
+        # One port on every host we listen on (we announce one): the first host picks it, the others follow.
+        port = self.requested_port
+        for host in self.bind_hosts:
+            try:
+                server = await asyncio.start_server(self._serve, host=host, port=port, ssl=context,
+                                                    ssl_handshake_timeout=HANDSHAKE_SECONDS, limit=STREAM_LIMIT)
+            except OSError as e:
+                logger.warning("direct streams: cannot listen on %s port %d (%s); peers reach us there over libp2p "
+                               "only", host, port, e.strerror or e)
+                continue
+            self._servers.append(server)
+            port = self.port = server.sockets[0].getsockname()[1]
+        logger.debug("direct streams on %s port %s", ",".join(self.bind_hosts), self.port)
 
     def hello(self) -> dict:
         """What a peer that asks over libp2p gets: where we listen (no port: we do not) and our fingerprint."""
         return {"port": self.port, "hosts": self.announce_hosts, "fingerprint": self.fingerprint}
 
     def close(self) -> None:
-        if self._server is not None and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._server.close)
+        if self._loop is not None and not self._loop.is_closed():
+            for server in self._servers:
+                self._loop.call_soon_threadsafe(server.close)
 
     # ---- receiving ----------------------------------------------------------------------------------------
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
