@@ -62,3 +62,17 @@ def test_a_round_is_due_once_another_live_peer_handed_it_in():
     assert not announcer([record("a", "training", 3, 1000, 0.0, updated=99.0)]).handed_in(3)
     assert not announcer([record("me", "averaging", 3, 1000, 0.0, updated=99.0)]).handed_in(3)
     assert not announcer([record("a", "averaging", 3, 1000, 0.0, updated=90.0)]).handed_in(3)
+
+
+def test_a_peer_whose_average_is_in_flight_takes_part_in_the_next_round():
+    """With overlap, a peer's record says round 3 until its round-3 average lands, while it trains round 4: the
+    others' matchmaking for round 4 must wait for it (it comes once the average landed), not form groups without
+    it. It still counts in round 3, whose group it is in; a stale or offline peer counts in neither."""
+    view = [record("a", "training", 3, 10, 0.0, updated=99.0, in_flight_tokens=900),
+            record("b", "training", 4, 10, 0.0, updated=99.0),
+            record("c", "syncing", 4, 0, 0.0, updated=99.0),
+            record("d", "training", 4, 10, 0.0, updated=90.0),
+            record("e", "offline", 4, 10, 0.0, updated=99.0)]
+    assert {p.peer_id for p in announcer(view).in_round(4)} == {"a", "b", "c"}
+    assert {p.peer_id for p in announcer(view).in_round(3)} == {"a"}
+    assert announcer(view).in_round(5) == []

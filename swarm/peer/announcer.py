@@ -113,6 +113,15 @@ class Announcer:
         return any(p.round == round_no and (p.state == "averaging" or p.in_flight_tokens is not None)
                    for p in self.live(now=now))
 
+    def in_round(self, round_no: int, now: float | None = None) -> list[PeerRecord]:
+        """Live peers that take part in `round_no`: at that round, or (with overlap) training toward it while
+        their contribution of the round before is in flight. Matchmaking waits for these; a peer with an average
+        in flight enters the next round's matchmaking only once that average landed, and counting it out (by its
+        record's round alone) let groups form without it: at 20 Mbit/s, two peers of four sat out a round and
+        re-synced, at 65% utilisation instead of 95%."""
+        return [p for p in self.live(("training", "averaging", "syncing"), now=now)
+                if round_no in (p.round, p.counting_round)]
+
     def live(self, states: tuple[str, ...] = ("training", "averaging"), now: float | None = None) -> list[PeerRecord]:
         """Other peers in one of `states` whose heartbeat is fresh (a crashed peer's record lingers until it
         expires; a few missed heartbeats are enough to stop counting on it)."""

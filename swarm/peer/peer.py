@@ -437,7 +437,7 @@ class Peer:
                 attempt += 1  # a member failed mid-round, or views differed: redo the round at once
 
     def _in_round(self, round_no: int) -> set[str]:
-        return {p.peer_id for p in self.announcer.live(("training", "averaging", "syncing")) if p.round == round_no}
+        return {p.peer_id for p in self.announcer.in_round(round_no)}
 
     def _moved_on(self, round_no: int) -> bool:
         """Whether the swarm finished this round without us and nobody is left to average it with."""
@@ -453,7 +453,7 @@ class Peer:
         failed = self._unresponsive | self._excluded if self._excluded_round == round_no else set()
         live = [p for p in self.announcer.live() if p.round >= round_no and p.peer_id not in failed]
         return len(live) + 1 > r.target_group_size and \
-            sum(p.round == round_no for p in live) + 1 >= max(r.min_group_size, 2)
+            sum(round_no in (p.round, p.counting_round) for p in live) + 1 >= max(r.min_group_size, 2)
 
     def _apply(self, contribution: Contribution, result: AllReduceResult, group: Group, started: float) -> None:
         r = self.recipe
