@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import struct
 import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Optional, Sequence
@@ -20,15 +19,12 @@ from hivemind.utils import ValueWithExpiration, get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
 from swarm.dht.direct import HELLO_PROTOCOL, DirectStreams, listen_hosts
+from swarm.dht.frames import FRAME_HEADER, MAX_FRAME_BYTES, recv_frame, send_frame  # noqa: F401 - re-exported
 from swarm.dht.records import RECIPE_KEY, RECIPE_RULE
 from swarm.dht.validation import Identity, IdentityError, KeyRule, SwarmValidator, make_validators
 
 logger = logging.getLogger(__name__)
 
-# Frames on our streams: 8-byte big-endian length, then the bytes. The cap stops a hostile length from making us
-# allocate without bound; the largest legitimate frame is one model's state (checked by callers against the model).
-FRAME_HEADER = struct.Struct(">Q")
-MAX_FRAME_BYTES = 16 << 30
 REJOIN_SECONDS = 5.0  # how often a node checks that its initial peers are still in its routing table
 
 
@@ -249,20 +245,3 @@ async def _rejoin(_dht: hivemind.DHT, node: Any, initial_peers: tuple[str, ...])
             node.blacklist.register_success(peer_id)  # lift the back-off from its downtime
         rejoined.append(peer_id_text)
     return rejoined
-
-
-async def send_frame(writer: asyncio.StreamWriter, data: bytes | memoryview) -> None:
-    writer.write(FRAME_HEADER.pack(len(data)))
-    view = memoryview(data)
-    for offset in range(0, len(view), 1 << 20):
-        writer.write(view[offset:offset + (1 << 20)])
-        await writer.drain()
-    await writer.drain()
-
-
-async def recv_frame(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BYTES) -> bytes:
-    """Read one frame; raises ValueError if the peer announces more than `max_bytes`."""
-    (length,) = FRAME_HEADER.unpack(await reader.readexactly(FRAME_HEADER.size))
-    if length > max_bytes:
-        raise ValueError(f"peer announced a {length}-byte frame, over the {max_bytes}-byte limit")
-    return await reader.readexactly(length)
