@@ -79,6 +79,10 @@ class PeerRecord:
         """The round that tokens_in_round counts toward."""
         return self.round + (self.in_flight_tokens is not None)
 
+    def takes_part_in(self, round_no: int) -> bool:
+        """At that round, or (with overlap) training toward it while the round before is in flight."""
+        return round_no in (self.round, self.counting_round)
+
     def to_wire(self) -> dict:
         out = asdict(self)
         del out["peer_id"]  # the subkey carries it

@@ -120,7 +120,7 @@ class Announcer:
         record's round alone) let groups form without it: at 20 Mbit/s, two peers of four sat out a round and
         re-synced, at 65% utilisation instead of 95%."""
         return [p for p in self.live(("training", "averaging", "syncing"), now=now)
-                if round_no in (p.round, p.counting_round)]
+                if p.takes_part_in(round_no)]
 
     def live(self, states: tuple[str, ...] = ("training", "averaging"), now: float | None = None) -> list[PeerRecord]:
         """Other peers in one of `states` whose heartbeat is fresh (a crashed peer's record lingers until it

@@ -453,7 +453,7 @@ class Peer:
         failed = self._unresponsive | self._excluded if self._excluded_round == round_no else set()
         live = [p for p in self.announcer.live() if p.round >= round_no and p.peer_id not in failed]
         return len(live) + 1 > r.target_group_size and \
-            sum(round_no in (p.round, p.counting_round) for p in live) + 1 >= max(r.min_group_size, 2)
+            sum(p.takes_part_in(round_no) for p in live) + 1 >= max(r.min_group_size, 2)
 
     def _apply(self, contribution: Contribution, result: AllReduceResult, group: Group, started: float) -> None:
         r = self.recipe
