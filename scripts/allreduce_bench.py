@@ -68,7 +68,8 @@ def worker(args: argparse.Namespace) -> None:
     node = SwarmNode([args.initial_peers], NetworkOptions(host_maddrs=(args.host_maddr,),
                                                           direct_streams=not args.libp2p_only))
     codecs = args.codec.split(",")  # round r uses codecs[r % len(codecs)]
-    allreduces = {name: GroupAllReduce(node, f"bench-{name}", name, args.numel, AdaptiveDeadlines(30.0, 300.0))
+    allreduces = {name: GroupAllReduce(node, f"bench-{name}", name, args.numel, AdaptiveDeadlines(30.0, 300.0),
+                                       ring=args.ring)
                   for name in codecs}
     for allreduce in allreduces.values():
         loop.run(allreduce.start())
@@ -98,12 +99,14 @@ def worker(args: argparse.Namespace) -> None:
                 continue
             done = time.monotonic()
             if args.save:
-                torch.save({"codec": codec, "vector": vector, "weight": _weight(args.index),
+                torch.save({"codec": codec, "ring": allreduce.uses_ring(group), "vector": vector,
+                            "weight": _weight(args.index),
                             "average": result.average, "members": list(group.members), "shares": list(group.shares),
                             "peer_id": node.peer_id}, Path(args.save) / f"peer{args.index}-round{round_no}.pt")
             print(json.dumps({"index": args.index, "round": round_no, "attempt": attempt,
                               "seconds": done - started, "allreduce_seconds": done - matched,
                               "bytes_sent": result.bytes_sent, "group": len(group.members),
+                              "ring": allreduce.uses_ring(group),
                               "streams": dict(node.direct.opened) if node.direct else {}}), flush=True)
             break
     node.shutdown()
@@ -328,7 +331,7 @@ def run(args: argparse.Namespace, engine: str) -> dict:
                     "--rounds", str(args.rounds), "--engine", engine, "--host-maddr", host,
                     "--bandwidth-hint", str(hint), "--tcp-addresses", tcp_addresses,
                     "--tcp-bandwidths", tcp_bandwidths] + (["--save", args.save] if args.save else []) \
-                + (["--libp2p-only"] if args.libp2p_only else [])
+                + (["--libp2p-only"] if args.libp2p_only else []) + ["--ring", args.ring]
             prefix = namespaces.prefix(index) if namespaces else []
             processes.append(subprocess.Popen(prefix + argv, stdout=subprocess.PIPE, text=True,
                                               env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True))
@@ -338,7 +341,8 @@ def run(args: argparse.Namespace, engine: str) -> dict:
             rows += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         if node is not None:
             node.shutdown()
-        label = "swarm-p2p" if engine == "swarm" and args.libp2p_only else engine
+        label = engine + ("-p2p" if engine == "swarm" and args.libp2p_only else "") + \
+            (f"-ring-{args.ring}" if engine == "swarm" and args.ring != "auto" else "")
         return {"engine": label, "rows": rows}
     finally:
         kill_sessions(processes)
@@ -362,7 +366,8 @@ def summarize(result: dict, args: argparse.Namespace) -> dict:
     return {"engine": result["engine"], "peers": args.peers, "size_mb": size_bytes / 1e6, "codec": args.codec,
             "netns": bool(args.netns), "mbit": args.mbit or "", "rounds": len(round_times), "round_seconds": seconds,
             "allreduce_seconds": statistics.median(transfer) if transfer else None,
-            "gb_per_s": size_bytes / seconds / 1e9 if round_times else None, "errors": len(errors)}
+            "gb_per_s": size_bytes / seconds / 1e9 if round_times else None, "errors": len(errors),
+            "ring_rounds": len({r["round"] for r in warm if r.get("ring")})}
 
 
 def main() -> None:
@@ -382,6 +387,7 @@ def main() -> None:
     w.add_argument("--tcp-addresses", default="")
     w.add_argument("--tcp-bandwidths", default="")
     w.add_argument("--libp2p-only", action="store_true")
+    w.add_argument("--ring", default="auto")
     d = sub.add_parser("dht")
     d.add_argument("--host-maddr", required=True)
     for p in (parser,):
@@ -401,6 +407,9 @@ def main() -> None:
         p.add_argument("--timeout", type=float, default=600.0)
         p.add_argument("--libp2p-only", action="store_true",
                        help="our engine without direct streams: every byte through the p2pd daemons")
+        p.add_argument("--ring", choices=("auto", "always", "never"), default="auto",
+                       help="our engine's averaging.ring: auto (a lossless group with even links averages along "
+                            "a ring), always, never (always a butterfly)")
     args = parser.parse_args()
     if args.mode == "worker":
         return worker(args)

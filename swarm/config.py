@@ -89,6 +89,9 @@ class AveragingRecipe(_Section):
     target_group_size: int = Field(16, ge=1, le=4096)
     matchmaking_timeout: float = Field(15.0, gt=0, le=3600, description="seconds to wait for the group")
     allreduce_timeout: float = Field(60.0, gt=0, le=86400, description="ceiling of each all-reduce phase's timeout")
+    ring: Literal["auto", "always", "never"] = Field(
+        "auto", description="lossless groups of 3+ average along a ring when their links are even (auto), whenever "
+                            "they can (always), or always in a butterfly (never)")
     min_phase_timeout: float = Field(5.0, gt=0, le=86400,
                                      description="floor of each phase's timeout; in between, timeouts follow "
                                                  "3x the slowest of the last rounds")

@@ -70,10 +70,34 @@ def test_three_peers_average_within_codec_bound(averaged, round_no, codec_name):
         slack = 1e-6 * exact.abs().max()  # fp32 rounding of the weighted sums themselves
         assert bool((error <= bound + slack).all()), f"{codec_name}: max excess {(error - bound).max():.3g}"
         assert torch.equal(s["average"], saved[0]["average"]), "all peers must hold bit-identical results"
+    # Equal links (every bench peer announces the same bandwidth) and a lossless codec: averaged along the ring.
+    assert all(s["ring"] == (codec_name == "none") for s in saved)
     if codec_name == "none":
         torch.testing.assert_close(saved[0]["average"], exact, rtol=1e-6, atol=1e-6)
     else:  # the codec really was on the wire
         assert not torch.equal(saved[0]["average"], exact)
+
+
+def test_ring_only_for_lossless_first_attempts_of_three_or_more_with_even_links():
+    def group(shares, attempt=0, clients=()):
+        members = [f"peer{i}" for i in range(len(shares))]
+        return Group.of(3, attempt, members, shares, clients=clients)
+
+    def uses_ring(mode, codec="none"):
+        return GroupAllReduce(node=None, run_id="t", codec_name=codec, max_numel=1 << 20,
+                              deadlines=AdaptiveDeadlines(5.0, 30.0), ring=mode).uses_ring
+    even = optimal_shares([100.0] * 4, [True] * 4)
+    auto = uses_ring("auto")
+    assert auto(group(even))
+    assert auto(group(optimal_shares([100, 100, 100, 105], [True] * 4)))  # within RING_SPREAD
+    assert not auto(group(optimal_shares([100, 100, 100, 130], [True] * 4)))  # one much faster link
+    assert not auto(group(optimal_shares([25, 50, 100, 200], [True] * 4)))  # the mixed links: a butterfly
+    assert not auto(group(even, attempt=1)), "a retry runs the butterfly"
+    assert not auto(group([0.5, 0.5, 0.0], clients=(False, False, True))), "a client cannot be in a ring"
+    assert not auto(group([0.5, 0.5])), "two members: a butterfly is already one flow each way"
+    assert not uses_ring("auto", "int8")(group(even)), "partial sums would be re-quantized at every hop"
+    assert not uses_ring("never")(group(even))
+    assert uses_ring("always")(group(optimal_shares([25, 50, 100, 200], [True] * 4)))
 
 
 def test_shares_follow_bandwidth():

@@ -28,9 +28,9 @@ def _seconds_between(earlier: str, later: str) -> int:
     return (clock[1] - clock[0]) % 86400
 
 
-def _start_three(swarm, fault: str, rounds: int):
+def _start_three(swarm, fault: str, rounds: int, recipe: Path | None = None):
     """The faulty peer starts first, so it is surely in the swarm when its fault round comes."""
-    _, maddr = swarm.bootstrap()
+    _, maddr = swarm.bootstrap(**({"recipe": recipe} if recipe else {}))
     faulty = swarm.peer(maddr, "--until-round", str(rounds), "--inject-fault", fault, name="faulty")
     faulty.wait_for("training round 0", 120)
     survivors = [swarm.peer(maddr, "--until-round", str(rounds), "--trace-dir", str(swarm.workdir / f"trace{i}"),
@@ -82,6 +82,41 @@ def test_bad_data_is_excluded_and_reported(swarm, bad):
     _check_survivors_averaged_without(swarm, survivors, fault_round, rounds)
     reported = "".join(p.output() for p in survivors)
     assert re.search(rf"peer {faulty_id} sent a bad contribution", reported), "the bad peer is logged by id"
+
+
+RING_RECIPE = Path(__file__).parent / "recipes" / "ring.yaml"
+
+
+def test_sigkill_while_sending_along_the_ring_survivors_redo_the_round_without_it(swarm):
+    """The ring breaks when a member dies mid-stream: nobody applies anything, the member that noticed tells the
+    others whom it blames, and the survivors redo the round (attempt 1, a butterfly of two) without it."""
+    rounds = 4
+    faulty, survivors = _start_three(swarm, "send@1", rounds, RING_RECIPE)
+    fired = faulty.wait_for(r"FAULT INJECTED: SIGKILL at send of round (\d+)", 150)
+    killed_at, fault_round = time.monotonic(), int(fired.group(1))
+    assert fault_round <= rounds - 2 and faulty.wait(10) == -9
+    for peer in survivors:
+        peer.wait_for(rf"round {fault_round}: averaged with 2 peers", 60)
+    assert time.monotonic() - killed_at < 30 + 5
+    _check_survivors_averaged_without(swarm, survivors, fault_round, rounds)
+    outputs = [peer.output() for peer in survivors]
+    assert all(re.search(rf"round {fault_round}: the ring broke", out) for out in outputs), \
+        "both survivors were in the ring when it broke"
+    assert all(re.search(r"round 0: averaged with 3 peers along a ring", out) for out in outputs)
+
+
+def test_bad_data_along_the_ring_is_excluded_and_reported(swarm):
+    """Only the bad peer's successor sees its partial sums: it rejects them and tells the third member, so both
+    survivors leave the bad peer out of the redone round."""
+    fault_round, rounds = 1, 3
+    faulty, survivors = _start_three(swarm, f"garbage@{fault_round}", rounds, RING_RECIPE)
+    faulty_id = faulty.wait_for(PEER_ID, 5).group(1)
+    for peer in survivors:
+        peer.wait_for(rf"round {fault_round}: averaged with 2 peers", 150)
+    _check_survivors_averaged_without(swarm, survivors, fault_round, rounds)
+    reported = "".join(p.output() for p in survivors)
+    assert re.search(rf"peer {faulty_id} sent a bad contribution", reported), "the bad peer is logged by id"
+    assert re.search(r"the ring broke", reported)
 
 
 def test_diverged_peers_never_send_and_rejoin_the_next_average(swarm):

@@ -8,6 +8,13 @@ every chunk of every part was averaged over the whole group and every member con
 (commit phase); otherwise nothing is applied. Survivors decode the same bytes, so they end with bit-identical
 averages.
 
+With `ring` "auto", a lossless group of three or more members with even links (shares within RING_SPREAD of the
+even split's; "always": whatever the links) averages along a ring instead (NCCL's pipelined ring): each member streams only to its successor, partial
+sums of each part first, then the averaged parts, so every link carries one TCP flow instead of N - 1 flows that
+share it unevenly. It moves the same bytes (2 (N-1)/N of the vector each way) and keeps the same accounts and
+commit phase; since only a member's successor sees what it sent, a member that gives up tells the others whom it
+blames, and the retry (attempt 1 on) runs the butterfly.
+
 Members in client mode (behind NAT: they accept no inbound streams) reduce nothing and open every stream
 themselves: they push their parts like everyone, pull the averaged chunks from each reducer ("pull"), send their
 commits, and instead of receiving the others' commits ask each non-client member for its decision ("decision"),
@@ -40,6 +47,7 @@ COMMIT_GRACE = 2.0  # s to wait for the commit of a member our own commit could 
 MIN_CHUNK = 1 << 16  # elements; chunk sizes are multiples of CHUNK_ALIGN so codec blocks never straddle chunks
 CHUNK_ALIGN = 4096
 CHUNKS_PER_PART = 64
+RING_SPREAD = 1.1  # largest ratio of the members' implied link speeds at which the ring is used
 
 
 def chunk_bounds(start: int, end: int, split: Optional[int] = None) -> list[tuple[int, int]]:
@@ -89,8 +97,10 @@ class GroupAllReduce:
     """Serves the all-reduce protocol of one run on a node and runs all-reduces for its peer."""
 
     def __init__(self, node: SwarmNode, run_id: str, codec_name: str, max_numel: int, deadlines: AdaptiveDeadlines,
-                 on_bad_peer: Optional[Callable[[str, str], None]] = None, faults: Optional[FaultPlan] = None):
+                 on_bad_peer: Optional[Callable[[str, str], None]] = None, faults: Optional[FaultPlan] = None,
+                 ring: str = "never"):
         self.node, self.codec = node, get_codec(codec_name)
+        self.ring = ring
         self.deadlines = deadlines
         self.faults = faults or FaultPlan()
         self.protocol = f"swarm.{run_id}.allreduce"
@@ -167,7 +177,7 @@ class GroupAllReduce:
         member's "pull" and "decision" streams go the other way: we write what it asked for."""
         header = msgpack.unpackb(await recv_frame(reader, MAX_HEADER_BYTES))
         if not isinstance(header, dict) or header.get("phase") not in ("part", "avg", "commit", "pull", "decision",
-                                                                       "abort", "ping"):
+                                                                       "abort", "ping", "ring"):
             raise ValueError(f"malformed all-reduce header from {remote}")
         chunks = header.get("chunks", 0)
         if not isinstance(chunks, int) or not 0 <= chunks <= self.max_numel // CHUNK_ALIGN + 2:
@@ -206,7 +216,7 @@ class GroupAllReduce:
         if phase == "abort":  # that member gave this attempt up: stop waiting for anything from it
             slot = box.slot("abort", remote)
             if not slot.done():
-                slot.set_result(True)
+                slot.set_result(header)  # (truthy) whom it blames, if anyone: see _ring_failure
             return
         if phase == "pull":  # a client member fetches the averaged chunks of our part as we make them
             queue, count, stats = await asyncio.wait_for(asyncio.shield(box.slot("outbox", remote)),
@@ -221,7 +231,13 @@ class GroupAllReduce:
         if not header_slot.done():
             header_slot.set_result(header)
         for index in range(chunks):
-            chunk = await read_chunk(reader, self.max_payload)
+            try:
+                chunk = await read_chunk(reader, self.max_payload)
+            except Exception:
+                lost = box.slot("lost", remote)  # its stream broke: a ring member waiting for it fails now
+                if not lost.done():
+                    lost.set_result(True)
+                raise
             slot = box.slot(phase, remote, index)
             if not slot.done():
                 slot.set_result(chunk)
@@ -245,8 +261,8 @@ class GroupAllReduce:
         except GroupConflict as e:
             self.streams.tell_abort(group)
             raise AllReduceError("conflict", f"round {group.round}: {e}; nothing applied", set()) from None
-        except AllReduceError:
-            self.streams.tell_abort(group)
+        except AllReduceError as e:
+            self.streams.tell_abort(group, e.suspects, e.rejected)
             raise
         finally:
             if not outcome.done():
@@ -260,8 +276,21 @@ class GroupAllReduce:
         self.deadlines.record(result.seconds)
         return result
 
+    def uses_ring(self, group: Group) -> bool:
+        """Whether this group averages along a ring: every member computes the same answer from the group."""
+        n = len(group.members)
+        if self.ring == "never" or self.codec.name != "none" or group.attempt != 0 or n < 3 or any(group.clients):
+            return False
+        if self.ring == "always":
+            return True
+        # The leader set shares so that member i moves S (1 + (N - 2) p_i) at its speed: these give the speeds.
+        loads = [1 + (n - 2) * share for share in group.shares]
+        return self.ring == "auto" and min(group.shares) > 0 and max(loads) <= RING_SPREAD * min(loads)
+
     async def _run(self, group: Group, vector: torch.Tensor, weight: float,
                    exact_from: Optional[int]) -> AllReduceResult:
+        if self.uses_ring(group):
+            return await self._run_ring(group, vector, weight)
         started = time.monotonic()
         me, members = self.node.peer_id, group.members
         others = [m for m in members if m != me]
@@ -486,6 +515,183 @@ class GroupAllReduce:
                                  "nothing applied", unconfirmed)
         return AllReduceResult(result, delivered, group_weight, len(members), stats["sent"], stats["received"],
                                time.monotonic() - started)
+
+    async def _run_ring(self, group: Group, vector: torch.Tensor, weight: float) -> AllReduceResult:
+        """The ring: member i streams to member i+1, in order, the partial sums of parts i-1, i-2, ... (each
+        adding its own contribution to what member i-1 sent), then the averaged parts i, i-1, ... (its own, then
+        forwarding what it received). Part j's sum starts at member j+1 and ends at member j, which averages it."""
+        started = time.monotonic()
+        me, members = self.node.peer_id, group.members
+        n, index = len(members), members.index(me)
+        succ, pred = members[(index + 1) % n], members[(index - 1) % n]
+        others = [m for m in members if m != me]
+        vector = vector.detach().to(torch.float32).contiguous().view(-1)
+        chunking = [chunk_bounds(a, b) for a, b in partition(vector.numel(), n)]
+        exact = get_codec("none")
+        mailbox = self._mailbox(group.group_id)
+        phase_timeout = self.deadlines.phase_timeout(group.phase_timeout)
+        stats = {"sent": 0, "received": 0}
+        bad = self.faults.bad_data(group.round)
+        result = torch.empty_like(vector)
+        accounts: dict[str, list[dict]] = {}  # member -> its meta for each chunk of its part
+
+        def schedule(i: int) -> list[tuple[str, int, int]]:
+            """What member i sends its successor, in order: (kind, part, chunk)."""
+            sums = [("sum", (i - 1 - s) % n, k) for s in range(n - 1) for k in range(len(chunking[(i - 1 - s) % n]))]
+            return sums + [("avg", (i - s) % n, k) for s in range(n - 1) for k in range(len(chunking[(i - s) % n]))]
+        mine = schedule(index)
+        from_pred = {item: m for m, item in enumerate(schedule((index - 1) % n))}
+        aborts = [mailbox.slot("abort", peer) for peer in others]
+        lost = mailbox.slot("lost", pred)  # the predecessor's stream broke
+        broken = asyncio.Event()  # our stream to the successor failed
+
+        async def incoming(item: tuple[str, int, int]) -> tuple[dict, bytes]:
+            """The predecessor's message `item`; a member giving up, or the deadline, ends the attempt."""
+            slot = mailbox.slot("ring", pred, from_pred[item])
+            if not slot.done() and not any(abort.done() for abort in aborts) and not broken.is_set() and \
+                    not lost.done():
+                waiter = asyncio.ensure_future(broken.wait())
+                try:
+                    await asyncio.wait([slot, waiter, lost, *aborts], timeout=phase_timeout,
+                                       return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    waiter.cancel()
+            if not slot.done():
+                raise self._ring_failure(group, mailbox, others, {pred} if not broken.is_set() else {succ})
+            meta, payload = slot.result()
+            stats["received"] += len(payload)
+            return meta, payload
+
+        def partial_sum(meta: dict, payload: bytes, numel: int) -> tuple[torch.Tensor, float, list[str]]:
+            """What the predecessor sent as a part's partial sum, checked: values, weight and contributors."""
+            named, total_weight = meta.get("contributors"), meta.get("weight")
+            if not isinstance(named, list) or not all(isinstance(m, str) for m in named) or len(set(named)) != \
+                    len(named) or not set(named) <= set(members) - {me} or pred not in named or \
+                    isinstance(total_weight, bool) or not isinstance(total_weight, (int, float)) or \
+                    not 0 <= total_weight < 1e18:
+                self.on_bad_peer(pred, "bad_header")
+                raise AllReduceError("bad_data", f"peer {pred[-8:]} sent a malformed partial sum", set(), {pred})
+            try:
+                return self._decode(pred, payload, numel, exact), float(total_weight), named
+            except AllReduceError as e:
+                raise AllReduceError("bad_data", str(e), set(), {pred}) from None
+
+        def averaged(meta: dict, payload: bytes, part: int, a: int, b: int) -> None:
+            try:
+                result[a:b] = self._decode(pred, payload, b - a, exact)
+            except AllReduceError as e:
+                raise AllReduceError("bad_data", str(e), set(), {pred}) from None
+            accounts.setdefault(members[part], []).append(meta)
+
+        async def messages():
+            for kind, part, k in mine:
+                a, b = chunking[part][k]
+                total, total_weight, contributors = vector[a:b] * weight, float(weight), [me]
+                if kind == "sum" and part != (index - 1) % n or kind == "avg" and part == index:
+                    summed, summed_weight, named = partial_sum(*await incoming(("sum", part, k)), b - a)
+                    total, total_weight, contributors = total + summed, total_weight + summed_weight, \
+                        contributors + named
+                    self.faults.maybe_die("reduce", group.round)  # dies with partial sums in hand
+                if kind == "sum":
+                    yield {"contributors": contributors, "weight": total_weight}, self._outgoing(total, bad, exact)
+                elif part == index:  # the sum of our part is complete: average it and send it around
+                    if total_weight <= 0:
+                        raise AllReduceError("bad_data", "the group's total weight is zero: nobody trained this "
+                                             "round", set())
+                    average = total / total_weight
+                    result[a:b] = average
+                    meta = {"contributors": sorted(contributors), "rejected": [], "total_weight": total_weight}
+                    accounts.setdefault(me, []).append(meta)
+                    yield meta, self._outgoing(average, bad, exact) if bad else exact.encode(average)
+                else:  # another member's average: keep it and pass it on
+                    meta, payload = await incoming(("avg", part, k))
+                    averaged(meta, payload, part, a, b)
+                    yield meta, payload
+
+        async def send() -> None:
+            try:
+                await self.streams.send(succ, {"group_id": group.group_id, "round": group.round,
+                                               "attempt": group.attempt, "phase": "ring", "weight": float(weight),
+                                               "chunks": len(mine)}, messages(), stats,
+                                        die_after_first=("send", group.round))
+            except (AllReduceError, GroupConflict):
+                raise
+            except Exception as e:  # noqa: BLE001 - any transport error: the successor is gone for this round
+                logger.info("could not send the ring to %s: %s", succ[-8:],
+                            str(e).splitlines()[0] if str(e) else type(e).__name__)
+                broken.set()
+                raise self._ring_failure(group, mailbox, others, {succ}) from None
+
+        async def receive_last() -> None:  # the successor's average ends its trip with us: keep it
+            part = (index + 1) % n
+            for k, (a, b) in enumerate(chunking[part]):
+                averaged(*await incoming(("avg", part, k)), part, a, b)
+
+        running = [asyncio.ensure_future(send()), asyncio.ensure_future(receive_last())]
+        try:
+            done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                if task.exception() is not None:
+                    raise task.exception()
+        finally:
+            for task in running:
+                task.cancel()
+
+        # The same all-or-nothing accounts as the butterfly: every chunk averaged over every member, one weight.
+        weights = set()
+        for j, member in enumerate(members):
+            metas = accounts.get(member, [])
+            if len(metas) != len(chunking[j]) or any(meta.get("contributors") != list(members) for meta in metas):
+                raise AllReduceError("partial", f"round {group.round}: part {j} was not averaged over the whole "
+                                     "group; nothing applied", set())
+            weights |= {meta.get("total_weight") for meta in metas}
+        if len(weights) != 1 or not isinstance(next(iter(weights)), float):
+            raise AllReduceError("partial", f"round {group.round}: the ring's parts disagree on the total weight "
+                                 f"{sorted(map(str, weights))}; nothing applied", set())
+
+        self.faults.maybe_die("commit", group.round)
+        unconfirmed = set()
+
+        async def commit(peer: str) -> None:
+            try:
+                await self.streams.send(peer, {"group_id": group.group_id, "round": group.round,
+                                               "attempt": group.attempt, "phase": "commit", "chunks": 0},
+                                        _no_chunks(), stats)
+            except GroupConflict:
+                raise
+            except Exception:  # noqa: BLE001 - its own commit (or its absence) decides below
+                unconfirmed.add(peer)
+        await asyncio.gather(*(commit(peer) for peer in others))
+        commits = await self._collect(mailbox, "commit", others,
+                                      min(phase_timeout, COMMIT_GRACE) if unconfirmed else phase_timeout)
+        missing = set(others) - set(commits)
+        if missing:
+            raise AllReduceError("commit", f"round {group.round}: {len(missing)} member(s) did not confirm; "
+                                 "nothing applied", missing)
+        return AllReduceResult(result, vector.clone(), next(iter(weights)), n, stats["sent"], stats["received"],
+                               time.monotonic() - started)
+
+    def _ring_failure(self, group: Group, mailbox: _Mailbox, others: list[str],
+                      default: set[str]) -> AllReduceError:
+        """Why a ring attempt ended: the members that gave up told us whom they blame; if nobody did, `default`
+        (the neighbour whose stream failed or went quiet) is the suspect."""
+        suspects, rejected, gave_up = set(), set(), False
+        for peer in others:
+            slot = mailbox.slot("abort", peer)
+            if slot.done():
+                gave_up = True
+                header = slot.result() if isinstance(slot.result(), dict) else {}
+                for name, into in (("suspects", suspects), ("rejected", rejected)):
+                    named = header.get(name)
+                    if isinstance(named, list):
+                        into |= {m for m in named if isinstance(m, str) and m in group.members}
+        if not gave_up:
+            suspects = set(default)
+        suspects -= {self.node.peer_id}
+        rejected -= {self.node.peer_id}
+        blamed = ", ".join(p[-8:] for p in sorted(suspects | rejected)) or "a member gave up"
+        return AllReduceError("bad_data" if rejected else "partial",
+                              f"round {group.round}: the ring broke ({blamed}); nothing applied", suspects, rejected)
 
     def _outgoing(self, part: torch.Tensor, bad: Optional[str], codec) -> bytes:
         """The encoded part, or (under fault injection) a named kind of bad data."""

@@ -3,7 +3,8 @@
 A stream is a msgpack header, the receiver's one-word answer ("ok", or "conflict" when it averages that round and
 attempt in another group), then frames that depend on the header's phase: chunks (a meta frame and a payload
 frame each) and the receiver's "done" for "part", "avg" and "commit"; the reducer's averaged chunks for a client
-member's "pull"; "apply" or "abort" for its "decision"; nothing more for "abort" and "ping".
+member's "pull"; "apply" or "abort" for its "decision"; nothing more for "abort" and "ping". A "ring" stream
+carries chunks like "part" (see GroupAllReduce: ring all-reduce).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from typing import Callable
+from typing import Callable, Iterable
 
 import msgpack
 from hivemind.p2p import P2PDaemonError
@@ -101,11 +102,13 @@ class StreamClient:
         except Exception:  # noqa: BLE001 - any failure means we cannot count on it
             return False
 
-    def tell_abort(self, group: Group) -> None:
+    def tell_abort(self, group: Group, suspects: Iterable[str] = (), rejected: Iterable[str] = ()) -> None:
         """We gave this attempt up: tell the members we can reach, in the background, so they stop waiting for
-        our parts and fail the attempt now rather than at their deadline (they retry without waiting for us)."""
+        our parts and fail the attempt now rather than at their deadline (they retry without waiting for us).
+        `suspects` (did not deliver) and `rejected` (sent bad data) tell a ring's members whom we blame: in a
+        ring only a peer's successor sees what it sent."""
         header = {"group_id": group.group_id, "round": group.round, "attempt": group.attempt, "phase": "abort",
-                  "chunks": 0}
+                  "chunks": 0, "suspects": sorted(suspects), "rejected": sorted(rejected)}
         clients = group.clients or (False,) * len(group.members)
 
         async def tell(peer: str) -> None:

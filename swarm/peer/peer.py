@@ -121,7 +121,7 @@ class Peer:
         self.allreduce = GroupAllReduce(  # a mixing group averages pseudo-gradient, params and momentum: 3 x numel
             self.node, r.run_id, r.averaging.codec, 3 * self.diloco.numel,
             AdaptiveDeadlines(r.averaging.min_phase_timeout, r.averaging.allreduce_timeout),
-            on_bad_peer=self._on_bad_peer, faults=self.faults)
+            on_bad_peer=self._on_bad_peer, faults=self.faults, ring=r.averaging.ring)
         if s.client_mode:
             logger.info("client mode: accepting no inbound streams; contributing to averages without reducing, "
                         "serving no state")
@@ -492,7 +492,7 @@ class Peer:
                     "val loss %.4f, train loss %.4f, digest %s", round_no, result.group_size,
                     f" (one of the groups of {group.swarm_size} peers, params mixed)" if group.mix else
                     f" (one of the groups of {group.swarm_size} peers)" if group.swarm_size > result.group_size
-                    else "", result.seconds, result.bytes_sent / 1e6, int(result.total_weight),
+                    else " along a ring" if self.allreduce.uses_ring(group) else "", result.seconds, result.bytes_sent / 1e6, int(result.total_weight),
                     time.monotonic() - started - result.seconds,
                     self.val_loss, self.loss or float("nan"), self.diloco.digest())
         if self.settings.trace_dir:
