@@ -31,7 +31,8 @@ from swarm.dht.records import final_key, group_key
 from swarm.dht.validation import subkey_owner
 
 logger = logging.getLogger(__name__)
-POLL_SECONDS = 0.1
+POLL_SECONDS = 0.1  # between reads of the group's entries, once the first few came back empty...
+FIRST_POLL_SECONDS = 0.02  # ...starting here: a group of peers that finished the last round together forms at once
 SETTLE_SECONDS = 0.4
 FINAL_GRACE_SECONDS = 2.0  # how long after other groups' leaders published we still wait for ours
 
@@ -202,6 +203,7 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
                            "excluded": list(me_as.excluded), "phase_timeout": me_as.phase_timeout},
                      ttl=ttl, subkey=node.owned_subkey)
 
+    poll = FIRST_POLL_SECONDS
     while True:
         candidates = {**await _read_candidates(node, key, excluded), me: me_as}
         if expected <= set(candidates) and len(candidates) >= min_size:
@@ -219,7 +221,8 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
             await asyncio.sleep(SETTLE_SECONDS)
             candidates = {**await _read_candidates(node, key, excluded), me: me_as}
             break
-        await asyncio.sleep(POLL_SECONDS)
+        await asyncio.sleep(poll)
+        poll = min(poll * 1.5, POLL_SECONDS)
     seen = len(candidates) - 1
     groups = plan_groups(candidates, target_size, min_size, round_no)
     members = next((group for group in groups if me in group), [])
@@ -244,6 +247,7 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
     # Wait as long as the leader may still be waiting for its own candidates (it may have started later).
     final_deadline = time.monotonic() + timeout + 2 * SETTLE_SECONDS
     leader, others_published = members[0], None
+    poll = FIRST_POLL_SECONDS
     while time.monotonic() < final_deadline:
         finals = await _read_finals(node, run_id, round_no, attempt, excluded)
         mine = {writer: final for writer, final in finals.items() if me in final[0]}
@@ -267,7 +271,8 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
             if len(chosen) < min_size:
                 return None, seen
             return Group.of(round_no, attempt, chosen, shares, phase_timeout, clients, mix, swarm_size), seen
-        await asyncio.sleep(POLL_SECONDS)
+        await asyncio.sleep(poll)
+        poll = min(poll * 1.5, POLL_SECONDS)
     logger.info("round %d: no group leader published a group in time", round_no)
     return None, seen
 
