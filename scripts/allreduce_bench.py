@@ -2,11 +2,12 @@
 """Benchmark and check harness for the group all-reduce: N worker processes (optionally each in its own network
 namespace with shaped bandwidth) average seeded random vectors through our GroupAllReduce, or through hivemind's
 DecentralizedAverager for comparison, or (--engine tcp) just the bytes a butterfly moves over plain TCP sockets:
-the floor these links allow any all-reduce. Prints a table, then one JSON line.
+the floor these links allow a butterfly; (--engine tcp-ring) the same for a ring. Prints a table, then one JSON
+line.
 
     python scripts/allreduce_bench.py --peers 4 --size-mb 100                 # loopback
     python scripts/allreduce_bench.py --peers 4 --size-mb 25 --netns --mbit 25,50,100,200 --engine both
-    python scripts/allreduce_bench.py --peers 4 --size-mb 25 --netns --mbit 100 --engine all   # + the TCP floor
+    python scripts/allreduce_bench.py --peers 4 --size-mb 25 --netns --mbit 100 --engine all   # + TCP floors
     python scripts/allreduce_bench.py --peers 3 --numel 1000000 --codec int8 --save DIR   # used by the tests
 
 With --save, every worker writes its input vectors, weights and results to DIR so a test can check them against
@@ -56,7 +57,7 @@ def worker(args: argparse.Namespace) -> None:
     logging.getLogger("swarm.dht.direct").setLevel(logging.INFO)
     if args.engine == "hivemind":
         return _hivemind_worker(args)
-    if args.engine == "tcp":
+    if args.engine in ("tcp", "tcp-ring"):
         return _tcp_worker(args)
     from swarm.averaging.allreduce import AllReduceError, GroupAllReduce
     from swarm.averaging.deadlines import AdaptiveDeadlines
@@ -143,7 +144,10 @@ def _tcp_worker(args: argparse.Namespace) -> None:
     bytes a butterfly all-reduce with these shares moves between them, S * (p_i + p_j) each way, all at once and
     with no dependency between the scatter and the gather. No all-reduce over TCP through these links can be
     faster; the gap between this and the butterfly bound is what the links themselves (frame headers, ACKs on the
-    upload, TCP's congestion control under `tbf`) cost."""
+    upload, TCP's congestion control under `tbf`) cost.
+
+    As "tcp-ring", the floor of our ring instead: each worker streams 2 (N-1)/N S to its successor only, in the
+    ring's chunks, each (after the first step) sent once the predecessor's chunk it depends on has arrived."""
     import socket
 
     from swarm.averaging.partition import optimal_shares
@@ -180,6 +184,12 @@ def _tcp_worker(args: argparse.Namespace) -> None:
         for connection in connections.values():
             _read(connection, 1)
         started = time.monotonic()
+        if args.engine == "tcp-ring":
+            sent_bytes = _tcp_ring(connections, me, n, args.numel)
+            seconds = time.monotonic() - started
+            print(json.dumps({"index": me, "round": round_no, "attempt": 0, "seconds": seconds,
+                              "allreduce_seconds": seconds, "bytes_sent": sent_bytes, "group": n}), flush=True)
+            continue
         volume = {j: int(size * (shares[me] + shares[j])) for j in connections}
 
         def send(j: int) -> None:
@@ -200,6 +210,43 @@ def _tcp_worker(args: argparse.Namespace) -> None:
     for connection in connections.values():
         connection.close()
     listener.close()
+
+
+def _tcp_ring(connections: dict, me: int, n: int, numel: int) -> int:
+    """One ring all-reduce's bytes and dependencies (no arithmetic); returns the bytes sent."""
+    from swarm.averaging.allreduce import chunk_bounds
+    from swarm.averaging.partition import partition
+
+    chunking = [chunk_bounds(a, b) for a, b in partition(numel, n)]
+
+    def schedule(i: int) -> list[tuple[str, int, int]]:  # as GroupAllReduce._run_ring sends them
+        sums = [("sum", (i - 1 - s) % n, k) for s in range(n - 1) for k in range(len(chunking[(i - 1 - s) % n]))]
+        return sums + [("avg", (i - s) % n, k) for s in range(n - 1) for k in range(len(chunking[(i - s) % n]))]
+    mine, theirs = schedule(me), schedule((me - 1) % n)
+    arrived = {item: threading.Event() for item in theirs}
+    successor, predecessor = connections[(me + 1) % n], connections[(me - 1) % n]
+
+    def receive() -> None:
+        for kind, part, k in theirs:
+            a, b = chunking[part][k]
+            _read(predecessor, 4 * (b - a), False)
+            arrived[(kind, part, k)].set()
+
+    def send() -> None:
+        for kind, part, k in mine:
+            a, b = chunking[part][k]
+            if kind == "sum" and part != (me - 1) % n or kind == "avg" and part == me:
+                arrived[("sum", part, k)].wait()
+            elif kind == "avg":
+                arrived[("avg", part, k)].wait()
+            successor.sendall(bytes(4 * (b - a)))
+
+    threads = [threading.Thread(target=send), threading.Thread(target=receive)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return sum(4 * (chunking[part][k][1] - chunking[part][k][0]) for _, part, k in mine)
 
 
 def _read(connection, count: int, keep: bool = True) -> bytes:
@@ -396,9 +443,9 @@ def main() -> None:
         p.add_argument("--numel", type=int, help="vector size in elements (overrides --size-mb)")
         p.add_argument("--codec", default="none")
         p.add_argument("--rounds", type=int, default=3, help="round 0 is a warm-up and not timed")
-        p.add_argument("--engine", choices=("swarm", "hivemind", "both", "tcp", "all"), default="swarm",
+        p.add_argument("--engine", choices=("swarm", "hivemind", "both", "tcp", "tcp-ring", "all"), default="swarm",
                        help="both: swarm and hivemind; tcp: the bytes a butterfly moves over plain TCP (the "
-                            "harness's floor, no all-reduce); all: the three")
+                            "harness's floor, no all-reduce); tcp-ring: the same for a ring; all: the four")
         p.add_argument("--netns", action="store_true", help="one network namespace per peer (root)")
         p.add_argument("--mbit", help="per-peer link rates in Mbit/s, e.g. 25,50,100,200 (needs --netns)")
         p.add_argument("--bandwidth-hints", action="store_true",
@@ -425,7 +472,8 @@ def main() -> None:
     args.numel = args.numel or int(args.size_mb * 1e6 / 4)
     if args.mbit and not args.netns:
         parser.error("--mbit needs --netns")
-    engines = {"both": ("swarm", "hivemind"), "all": ("tcp", "swarm", "hivemind")}.get(args.engine, (args.engine,))
+    engines = {"both": ("swarm", "hivemind"), "all": ("tcp", "tcp-ring", "swarm", "hivemind")}.get(args.engine,
+                                                                                          (args.engine,))
     summaries = [summarize(run(args, engine), args) for engine in engines]
     print(f"{'engine':<10}{'peers':>6}{'MB':>8}{'codec':>7}{'links (Mbit/s)':>18}{'round s':>10}"
           f"{'all-reduce s':>14}{'GB/s':>8}{'errors':>8}")
