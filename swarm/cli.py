@@ -105,10 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="send every stream through libp2p (slower; for networks where only the libp2p port is "
                            "reachable and a failed direct attempt per peer every 30 s costs too much)")
     join.add_argument("--inject-fault", metavar="PHASE@ROUND",
-                      help="for tests and drills: SIGKILL this peer at a phase (matchmaking, send, reduce, commit) "
-                           "of the first round >= ROUND it averages in, send bad data (garbage, nan, short) from "
-                           "that round on, or break its own training once (diverge: NaN params; explode: an "
-                           "absurd pseudo-gradient)")
+                      help="for tests and drills: SIGKILL this peer at a phase (matchmaking, send, reduce, commit; "
+                           "ring: while sending along a ring) of the first round >= ROUND it averages in, send bad "
+                           "data (garbage, nan, short; ring-garbage: garbage along rings only) from that round on, "
+                           "or break its own training once (diverge: NaN params; explode: an absurd pseudo-gradient)")
 
     status = sub.add_parser("status", help="print the swarm's peers and totals",
                             description="Read the swarm's announcements from the DHT and print each peer (state, "

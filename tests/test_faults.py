@@ -90,9 +90,11 @@ RING_RECIPE = Path(__file__).parent / "recipes" / "ring.yaml"
 def test_sigkill_while_sending_along_the_ring_survivors_redo_the_round_without_it(swarm):
     """The ring breaks when a member dies mid-stream: nobody applies anything, the member that noticed tells the
     others whom it blames, and the survivors redo the round (attempt 1, a butterfly of two) without it."""
-    rounds = 4
-    faulty, survivors = _start_three(swarm, "send@1", rounds, RING_RECIPE)
-    fired = faulty.wait_for(r"FAULT INJECTED: SIGKILL at send of round (\d+)", 150)
+    rounds = 8
+    # "ring@1": killed while streaming along a ring, in the first round from 1 on that it averages in one (a slow
+    # start can leave a peer out of the first rounds, and a group of two averages in a butterfly).
+    faulty, survivors = _start_three(swarm, "ring@1", rounds, RING_RECIPE)
+    fired = faulty.wait_for(r"FAULT INJECTED: SIGKILL at ring of round (\d+)", 150)
     killed_at, fault_round = time.monotonic(), int(fired.group(1))
     assert fault_round <= rounds - 2 and faulty.wait(10) == -9
     for peer in survivors:
@@ -102,21 +104,24 @@ def test_sigkill_while_sending_along_the_ring_survivors_redo_the_round_without_i
     outputs = [peer.output() for peer in survivors]
     assert all(re.search(rf"round {fault_round}: the ring broke", out) for out in outputs), \
         "both survivors were in the ring when it broke"
-    assert all(re.search(r"round 0: averaged with 3 peers along a ring", out) for out in outputs)
+    assert all(re.search(r"averaged with 3 peers along a ring", out) for out in outputs)
 
 
 def test_bad_data_along_the_ring_is_excluded_and_reported(swarm):
     """Only the bad peer's successor sees its partial sums: it rejects them and tells the third member, so both
     survivors leave the bad peer out of the redone round."""
-    fault_round, rounds = 1, 3
-    faulty, survivors = _start_three(swarm, f"garbage@{fault_round}", rounds, RING_RECIPE)
+    rounds = 8
+    # "ring-garbage@1": garbage from round 1 on, but only along a ring (in a butterfly of two it sends good data).
+    faulty, survivors = _start_three(swarm, "ring-garbage@1", rounds, RING_RECIPE)
     faulty_id = faulty.wait_for(PEER_ID, 5).group(1)
+    first_bad = int(faulty.wait_for(r"round ([1-9]\d*): averaging failed", 150).group(1))
+    assert first_bad <= rounds - 2
     for peer in survivors:
-        peer.wait_for(rf"round {fault_round}: averaged with 2 peers", 150)
-    _check_survivors_averaged_without(swarm, survivors, fault_round, rounds)
+        peer.wait_for(rf"round {first_bad}: averaged with 2 peers", 150)
+    _check_survivors_averaged_without(swarm, survivors, first_bad, rounds)
     reported = "".join(p.output() for p in survivors)
     assert re.search(rf"peer {faulty_id} sent a bad contribution", reported), "the bad peer is logged by id"
-    assert re.search(r"the ring broke", reported)
+    assert re.search(rf"round {first_bad}: the ring broke", reported), "the garbage was sent along the ring"
 
 
 def test_diverged_peers_never_send_and_rejoin_the_next_average(swarm):

@@ -531,7 +531,7 @@ class GroupAllReduce:
         mailbox = self._mailbox(group.group_id)
         phase_timeout = self.deadlines.phase_timeout(group.phase_timeout)
         stats = {"sent": 0, "received": 0}
-        bad = self.faults.bad_data(group.round)
+        bad = self.faults.bad_data(group.round, ring=True)
         result = torch.empty_like(vector)
         accounts: dict[str, list[dict]] = {}  # member -> its meta for each chunk of its part
 
@@ -594,6 +594,7 @@ class GroupAllReduce:
                     self.faults.maybe_die("reduce", group.round)  # dies with partial sums in hand
                 if kind == "sum":
                     yield {"contributors": contributors, "weight": total_weight}, self._outgoing(total, bad, exact)
+                    self.faults.maybe_die("ring", group.round)  # dies with some of its ring stream delivered
                 elif part == index:  # the sum of our part is complete: average it and send it around
                     if total_weight <= 0:
                         raise AllReduceError("bad_data", "the group's total weight is zero: nobody trained this "

@@ -13,8 +13,8 @@ import sys
 from typing import Optional
 
 logger = logging.getLogger(__name__)
-KILL_PHASES = ("matchmaking", "send", "reduce", "commit")
-BAD_DATA = ("garbage", "nan", "short")
+KILL_PHASES = ("matchmaking", "send", "reduce", "commit", "ring")  # ring: while sending along a ring only
+BAD_DATA = ("garbage", "nan", "short", "ring-garbage")  # ring-garbage: garbage along a ring only
 LOCAL = ("diverge", "explode")  # the peer's own training goes wrong: NaN params, or an absurd pseudo-gradient
 
 
@@ -44,7 +44,9 @@ class FaultPlan:
             return True
         return False
 
-    def bad_data(self, round_no: int) -> Optional[str]:
+    def bad_data(self, round_no: int, ring: bool = False) -> Optional[str]:
         if self.phase in BAD_DATA and round_no >= self.round >= 0:
+            if self.phase == "ring-garbage":
+                return "garbage" if ring else None
             return self.phase
         return None
