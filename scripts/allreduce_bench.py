@@ -69,7 +69,7 @@ def worker(args: argparse.Namespace) -> None:
         return _tcp_worker(args)
     from swarm.averaging.allreduce import AllReduceError, GroupAllReduce
     from swarm.averaging.deadlines import AdaptiveDeadlines
-    from swarm.averaging.matchmaking import Candidate, form_group
+    from swarm.averaging.matchmaking import Candidate, GroupPush, form_group
     from swarm.dht.node import NetworkOptions, SwarmNode
     from swarm.runtime import LoopThread
 
@@ -82,6 +82,8 @@ def worker(args: argparse.Namespace) -> None:
                   for name in codecs}
     for allreduce in allreduces.values():
         loop.run(allreduce.start())
+    push = GroupPush(node, "bench")
+    loop.run(push.start())
     bandwidth = args.bandwidth_hint or 12.5e6
     vectors = _vectors(args)
     for round_no in range(args.rounds):
@@ -93,7 +95,7 @@ def worker(args: argparse.Namespace) -> None:
         for attempt in range(ATTEMPTS):
             started = time.monotonic()
             group, _ = loop.run(form_group(node, "bench", round_no, attempt, Candidate("same", bandwidth, False),
-                                           set(), args.peers, args.peers, timeout=120.0))
+                                           set(), args.peers, args.peers, timeout=120.0, push=push))
             matched = time.monotonic()
             if group is None:
                 print(json.dumps({"index": args.index, "round": round_no, "attempt": attempt, "error": "no group"}),

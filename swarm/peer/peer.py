@@ -22,7 +22,7 @@ from swarm import __version__
 from swarm.averaging.allreduce import COMMIT_GRACE, AllReduceError, AllReduceResult, GroupAllReduce
 from swarm.averaging.deadlines import AdaptiveDeadlines
 from swarm.averaging.faults import FaultPlan
-from swarm.averaging.matchmaking import Candidate, Group, form_group
+from swarm.averaging.matchmaking import Candidate, Group, GroupPush, form_group
 from swarm.compression import ErrorFeedback
 from swarm.config import PeerSettings, Recipe, RecipeError, load_recipe
 from swarm.dht.node import NetworkOptions, SwarmNode
@@ -122,11 +122,13 @@ class Peer:
             self.node, r.run_id, r.averaging.codec, 3 * self.diloco.numel,
             AdaptiveDeadlines(r.averaging.min_phase_timeout, r.averaging.allreduce_timeout),
             on_bad_peer=self._on_bad_peer, faults=self.faults, ring=r.averaging.ring)
+        self.group_push = GroupPush(self.node, r.run_id)  # groups our leaders push to us, and ours to members
         if s.client_mode:
             logger.info("client mode: accepting no inbound streams; contributing to averages without reducing, "
                         "serving no state")
         else:
             self.loop.run(self.allreduce.start(), timeout=30)
+            self.loop.run(self.group_push.start(), timeout=30)
             self.loop.run(serve_state(self.node, r.run_id, self.diloco), timeout=30)
         self.announcer = Announcer(self.node, r.run_id, self.n_blocks, self._record, self.metrics)
         # -- issue #3: what we announce about ourselves. Every peer trains the whole model for now, so its
@@ -407,7 +409,8 @@ class Peer:
                     self.node, r.run_id, round_no, attempt, me_as, expected, r.averaging.min_group_size,
                     r.averaging.target_group_size, r.averaging.matchmaking_timeout, excluded=self._excluded,
                     not_waiting_for=self._unresponsive,
-                    still_in=lambda: None if self._moved_on(round_no) else self._in_round(round_no)),
+                    still_in=lambda: None if self._moved_on(round_no) else self._in_round(round_no),
+                    push=self.group_push),
                     timeout=3 * r.averaging.matchmaking_timeout + 30)
             except TimeoutError:
                 group, others_seen = None, 1
