@@ -282,7 +282,7 @@ class Peer:
                 logger.info("the swarm is at round %d and I am at %d: re-syncing", behind[0], self.diloco.round)
                 self.pending = self.in_flight_tokens = None  # an average in flight belongs to a round we leave
                 if self._resync(behind[2], behind[1], reason="behind the swarm"):
-                    self.next_attempt, self.retry_after_tokens = 0, 0
+                    self.next_attempt, self.retry_after_tokens, self.attempt = 0, 0, 0
                 else:  # train on, and do not hammer holders that just failed us
                     self.resync_after = time.monotonic() + RESYNC_BACKOFF
                 self.state = "training"
@@ -353,7 +353,9 @@ class Peer:
         r = self.recipe
         if kind == "applied":
             self._apply(contribution, result, group, started)
-            self.next_attempt, self.retry_after_tokens = 0, 0
+            # A new round starts at attempt 0: the attempt we announce is read as the one of our announced round,
+            # and a stale one made every later round follow it (and so never average along a ring again).
+            self.next_attempt, self.retry_after_tokens, self.attempt = 0, 0, 0
             self.rounds_done += 1
             self.metrics.round_seconds.set(time.monotonic() - self.round_started)
             self.round_started = time.monotonic()
