@@ -226,15 +226,11 @@ def _tcp_worker(args: argparse.Namespace) -> None:
 
 def _tcp_ring(connections: dict, me: int, n: int, numel: int) -> int:
     """One ring all-reduce's bytes and dependencies (no arithmetic); returns the bytes sent."""
-    from swarm.averaging.allreduce import chunk_bounds
+    from swarm.averaging.allreduce import chunk_bounds, ring_schedule
     from swarm.averaging.partition import partition
 
     chunking = [chunk_bounds(a, b) for a, b in partition(numel, n)]
-
-    def schedule(i: int) -> list[tuple[str, int, int]]:  # as GroupAllReduce._run_ring sends them
-        sums = [("sum", (i - 1 - s) % n, k) for s in range(n - 1) for k in range(len(chunking[(i - 1 - s) % n]))]
-        return sums + [("avg", (i - s) % n, k) for s in range(n - 1) for k in range(len(chunking[(i - s) % n]))]
-    mine, theirs = schedule(me), schedule((me - 1) % n)
+    mine, theirs = ring_schedule(me, chunking), ring_schedule((me - 1) % n, chunking)
     arrived = {item: threading.Event() for item in theirs}
     successor, predecessor = connections[(me + 1) % n], connections[(me - 1) % n]
 

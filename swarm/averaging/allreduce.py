@@ -9,10 +9,10 @@ every chunk of every part was averaged over the whole group and every member con
 averages.
 
 With `ring` "auto", a lossless group of three or more members with even links (shares within RING_SPREAD of the
-even split's; "always": whatever the links) averages along a ring instead (NCCL's pipelined ring): each member streams only to its successor, partial
-sums of each part first, then the averaged parts, so every link carries one TCP flow instead of N - 1 flows that
-share it unevenly. It moves the same bytes (2 (N-1)/N of the vector each way) and keeps the same accounts and
-commit phase; since only a member's successor sees what it sent, a member that gives up tells the others whom it
+even split's; "always": whatever the links) averages along a ring instead (NCCL's pipelined ring): each member
+streams only to its successor, partial sums of each part first, then the averaged parts, so every link carries
+one TCP flow instead of N - 1 flows that share it unevenly. It moves the same bytes (2 (N-1)/N of the vector each
+way) and keeps the same accounts and commit phase; since only a member's successor sees what it sent, a member that gives up tells the others whom it
 blames, and the retry (attempt 1 on) runs the butterfly.
 
 Members in client mode (behind NAT: they accept no inbound streams) reduce nothing and open every stream
@@ -57,6 +57,14 @@ def chunk_bounds(start: int, end: int, split: Optional[int] = None) -> list[tupl
         return chunk_bounds(start, split) + chunk_bounds(split, end)
     size = max(MIN_CHUNK, CHUNK_ALIGN * -(-(end - start) // (CHUNKS_PER_PART * CHUNK_ALIGN)))
     return [(a, min(a + size, end)) for a in range(start, end, size)]
+
+
+def ring_schedule(i: int, chunking: list[list[tuple[int, int]]]) -> list[tuple[str, int, int]]:
+    """What member i of a ring of len(chunking) sends its successor, in order, as (kind, part, chunk): the partial
+    sums of parts i-1, i-2, ... ("sum"), then the averages of parts i, i-1, ... ("avg")."""
+    n = len(chunking)
+    sums = [("sum", (i - 1 - s) % n, k) for s in range(n - 1) for k in range(len(chunking[(i - 1 - s) % n]))]
+    return sums + [("avg", (i - s) % n, k) for s in range(n - 1) for k in range(len(chunking[(i - s) % n]))]
 
 
 class AllReduceError(RuntimeError):
@@ -535,12 +543,8 @@ class GroupAllReduce:
         result = torch.empty_like(vector)
         accounts: dict[str, list[dict]] = {}  # member -> its meta for each chunk of its part
 
-        def schedule(i: int) -> list[tuple[str, int, int]]:
-            """What member i sends its successor, in order: (kind, part, chunk)."""
-            sums = [("sum", (i - 1 - s) % n, k) for s in range(n - 1) for k in range(len(chunking[(i - 1 - s) % n]))]
-            return sums + [("avg", (i - s) % n, k) for s in range(n - 1) for k in range(len(chunking[(i - s) % n]))]
-        mine = schedule(index)
-        from_pred = {item: m for m, item in enumerate(schedule((index - 1) % n))}
+        mine = ring_schedule(index, chunking)
+        from_pred = {item: m for m, item in enumerate(ring_schedule((index - 1) % n, chunking))}
         aborts = [mailbox.slot("abort", peer) for peer in others]
         lost = mailbox.slot("lost", pred)  # the predecessor's stream broke
         broken = asyncio.Event()  # our stream to the successor failed

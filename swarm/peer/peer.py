@@ -497,7 +497,8 @@ class Peer:
                     "val loss %.4f, train loss %.4f, digest %s", round_no, result.group_size,
                     f" (one of the groups of {group.swarm_size} peers, params mixed)" if group.mix else
                     f" (one of the groups of {group.swarm_size} peers)" if group.swarm_size > result.group_size
-                    else " along a ring" if self.allreduce.uses_ring(group) else "", result.seconds, result.bytes_sent / 1e6, int(result.total_weight),
+                    else " along a ring" if self.allreduce.uses_ring(group) else "", result.seconds,
+                    result.bytes_sent / 1e6, int(result.total_weight),
                     time.monotonic() - started - result.seconds,
                     self.val_loss, self.loss or float("nan"), self.diloco.digest())
         if self.settings.trace_dir:
