@@ -452,16 +452,7 @@ class GroupAllReduce:
         if i_am_client:
             tasks += [pull(reducer) for reducer in reducers]
         tasks += [reduce_my_part()] + [receive_from(reducer) for reducer in reducers]
-        running = [asyncio.ensure_future(task) for task in tasks]
-        try:
-            # A conflict or a fatal error ends the attempt at once: nobody waits out timeouts for it.
-            done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_EXCEPTION)
-            for task in done:
-                if task.exception() is not None:
-                    raise task.exception()
-        finally:
-            for task in running:
-                task.cancel()
+        await _all_or_first_failure(tasks)
 
         # The all-or-nothing rule: if any chunk was averaged without some member, no part is applied anywhere.
         # Every member sees the same reducers' accounts, so all agree on whom to leave out of the retry:
@@ -632,15 +623,7 @@ class GroupAllReduce:
             for k, (a, b) in enumerate(chunking[part]):
                 averaged(*await incoming(("avg", part, k)), part, a, b)
 
-        running = [asyncio.ensure_future(send()), asyncio.ensure_future(receive_last())]
-        try:
-            done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_EXCEPTION)
-            for task in done:
-                if task.exception() is not None:
-                    raise task.exception()
-        finally:
-            for task in running:
-                task.cancel()
+        await _all_or_first_failure([send(), receive_last()])
 
         # The same all-or-nothing accounts as the butterfly: every chunk averaged over every member, one weight.
         weights = set()
@@ -750,6 +733,20 @@ class GroupAllReduce:
             raise AllReduceError("bad_data", f"peer {sender[-8:]} sent {part.numel()} values (expected {numel}) "
                                              "or non-finite values", {sender})
         return part
+
+
+async def _all_or_first_failure(coroutines: list) -> None:
+    """Run them together until all are done or one fails; a failure (a conflict, a fatal error) cancels the rest
+    and is raised at once, so nobody waits out timeouts for an attempt that is over."""
+    running = [asyncio.ensure_future(coroutine) for coroutine in coroutines]
+    try:
+        done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            if task.exception() is not None:
+                raise task.exception()
+    finally:
+        for task in running:
+            task.cancel()
 
 
 async def _no_chunks():
