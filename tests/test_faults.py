@@ -50,16 +50,22 @@ def _start_three(swarm, fault: str, rounds: int, recipe: Path | None = None):
     return faulty, survivors
 
 
-def _check_survivors_averaged_without(swarm, survivors, fault_round: int, rounds: int) -> None:
+def _check_round_redone_without(swarm, survivors, round_no: int, read=_trace) -> None:
+    """Both survivors' trace of `round_no`: averaged by the two of them alone, to the exact weighted mean of their
+    pseudo-gradients, with bit-identical results."""
     ids = sorted(p.wait_for(PEER_ID, 5).group(1) for p in survivors)
-    for peer in survivors:
-        assert peer.wait(180) == 0, peer.output()[-3000:]
-    (meta_a, ta), (meta_b, tb) = (_trace(swarm.workdir / f"trace{i}", fault_round) for i in range(2))
+    (meta_a, ta), (meta_b, tb) = (read(swarm.workdir / f"trace{i}", round_no) for i in range(2))
     assert meta_a["members"] == meta_b["members"] == ids, "the round must be redone with the survivors only"
     total = meta_a["weight"] + meta_b["weight"]
     expected = (ta["pseudo_gradient"] * meta_a["weight"] + tb["pseudo_gradient"] * meta_b["weight"]) / total
     torch.testing.assert_close(ta["average"], expected, rtol=1e-5, atol=1e-7)
     assert torch.equal(ta["average"], tb["average"]) and torch.equal(ta["global_after"], tb["global_after"])
+
+
+def _check_survivors_averaged_without(swarm, survivors, fault_round: int, rounds: int) -> None:
+    for peer in survivors:
+        assert peer.wait(180) == 0, peer.output()[-3000:]
+    _check_round_redone_without(swarm, survivors, fault_round)
     # ...and the swarm went on: both survivors averaged the following rounds together.
     last_a, last_b = _trace(swarm.workdir / "trace0", rounds - 1), _trace(swarm.workdir / "trace1", rounds - 1)
     assert torch.equal(last_a[1]["global_after"], last_b[1]["global_after"])
@@ -130,13 +136,7 @@ def test_bad_data_along_the_ring_is_excluded_and_reported(swarm):
         peer.wait_for(rf"round {first_bad}: averaged with 2 peers", 150)
     # The redone round, as both survivors traced it (the bad peer keeps sending garbage in later rounds, so the
     # swarm's later rounds are not this test's business).
-    ids = sorted(p.wait_for(PEER_ID, 5).group(1) for p in survivors)
-    (meta_a, ta), (meta_b, tb) = (_written_trace(swarm.workdir / f"trace{i}", first_bad) for i in range(2))
-    assert meta_a["members"] == meta_b["members"] == ids, "the round is redone with the survivors only"
-    total = meta_a["weight"] + meta_b["weight"]
-    expected = (ta["pseudo_gradient"] * meta_a["weight"] + tb["pseudo_gradient"] * meta_b["weight"]) / total
-    torch.testing.assert_close(ta["average"], expected, rtol=1e-5, atol=1e-7)
-    assert torch.equal(ta["average"], tb["average"]) and torch.equal(ta["global_after"], tb["global_after"])
+    _check_round_redone_without(swarm, survivors, first_bad, read=_written_trace)
     reported = "".join(p.output() for p in survivors)
     assert re.search(rf"peer {faulty_id} sent a bad contribution", reported), "the bad peer is logged by id"
     assert re.search(rf"round {first_bad}: the ring broke", reported), "the garbage was sent along the ring"
