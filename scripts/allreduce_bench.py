@@ -226,7 +226,8 @@ def _tcp_worker(args: argparse.Namespace) -> None:
 
 def _tcp_ring(connections: dict, me: int, n: int, numel: int) -> int:
     """One ring all-reduce's bytes and dependencies (no arithmetic); returns the bytes sent."""
-    from swarm.averaging.allreduce import chunk_bounds, ring_schedule
+    from swarm.averaging.common import chunk_bounds
+    from swarm.averaging.ring import ring_schedule
     from swarm.averaging.partition import partition
 
     chunking = [chunk_bounds(a, b) for a, b in partition(numel, n)]

@@ -8,12 +8,8 @@ every chunk of every part was averaged over the whole group and every member con
 (commit phase); otherwise nothing is applied. Survivors decode the same bytes, so they end with bit-identical
 averages.
 
-With `ring` "auto", a lossless group of three or more members with even links (shares within RING_SPREAD of the
-even split's; "always": whatever the links) averages along a ring instead (NCCL's pipelined ring): each member
-streams only to its successor, partial sums of each part first, then the averaged parts, so every link carries
-one TCP flow instead of N - 1 flows that share it unevenly. It moves the same bytes (2 (N-1)/N of the vector each
-way) and keeps the same accounts and commit phase; since only a member's successor sees what it sent, a member that gives up tells the others whom it
-blames, and the retry (attempt 1 on) runs the butterfly.
+With `ring` "auto", a lossless group of three or more members with even links averages along a ring instead
+(ring.py); "always": whatever the links.
 
 Members in client mode (behind NAT: they accept no inbound streams) reduce nothing and open every stream
 themselves: they push their parts like everyone, pull the averaged chunks from each reducer ("pull"), send their
@@ -26,16 +22,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import msgpack
 import torch
 
+from swarm.averaging.common import (CHUNK_ALIGN, COMMIT_GRACE, AllReduceError, AllReduceResult, Mailbox,
+                                    all_or_first_failure, chunk_bounds, no_chunks)
 from swarm.averaging.deadlines import AdaptiveDeadlines
 from swarm.averaging.faults import FaultPlan
 from swarm.averaging.matchmaking import Group
 from swarm.averaging.partition import partition
+from swarm.averaging.ring import run_ring, uses_ring
 from swarm.averaging.streams import MAX_HEADER_BYTES, GroupConflict, StreamClient, read_chunk
 from swarm.compression import CodecError, get_codec
 from swarm.dht.node import SwarmNode, recv_frame, send_frame
@@ -43,62 +41,7 @@ from swarm.dht.node import SwarmNode, recv_frame, send_frame
 logger = logging.getLogger(__name__)
 MAX_PENDING_GROUPS = 8
 MAX_DECISIONS = 64  # (round, attempt) keys whose group we remember, for answering streams about them
-COMMIT_GRACE = 2.0  # s to wait for the commit of a member our own commit could not reach (it is likely dead)
-MIN_CHUNK = 1 << 16  # elements; chunk sizes are multiples of CHUNK_ALIGN so codec blocks never straddle chunks
-CHUNK_ALIGN = 4096
-CHUNKS_PER_PART = 64
-RING_SPREAD = 1.1  # largest ratio of the members' implied link speeds at which the ring is used
-
-
-def chunk_bounds(start: int, end: int, split: Optional[int] = None) -> list[tuple[int, int]]:
-    """[start, end) cut into about CHUNKS_PER_PART chunks of at least MIN_CHUNK elements (the same on every peer),
-    none of which straddles `split` (where the vector's lossless tail begins)."""
-    if split is not None and start < split < end:
-        return chunk_bounds(start, split) + chunk_bounds(split, end)
-    size = max(MIN_CHUNK, CHUNK_ALIGN * -(-(end - start) // (CHUNKS_PER_PART * CHUNK_ALIGN)))
-    return [(a, min(a + size, end)) for a in range(start, end, size)]
-
-
-def ring_schedule(i: int, chunking: list[list[tuple[int, int]]]) -> list[tuple[str, int, int]]:
-    """What member i of a ring of len(chunking) sends its successor, in order, as (kind, part, chunk): the partial
-    sums of parts i-1, i-2, ... ("sum"), then the averages of parts i, i-1, ... ("avg")."""
-    n = len(chunking)
-    sums = [("sum", (i - 1 - s) % n, k) for s in range(n - 1) for k in range(len(chunking[(i - 1 - s) % n]))]
-    return sums + [("avg", (i - s) % n, k) for s in range(n - 1) for k in range(len(chunking[(i - s) % n]))]
-
-
-class AllReduceError(RuntimeError):
-    """The attempt failed and nothing was applied. `reason` is a short metric label. `suspects` did not deliver
-    (not waited for in the retry, but welcome if they show up); `rejected` sent bad data (left out of this round)."""
-
-    def __init__(self, reason: str, message: str, suspects: set[str], rejected: set[str] = frozenset()):
-        super().__init__(message)
-        self.reason, self.suspects, self.rejected = reason, set(suspects), set(rejected)
-
-
-@dataclass
-class AllReduceResult:
-    average: torch.Tensor  # flat fp32, identical on every member
-    delivered: torch.Tensor  # our vector as the reducers decoded it: what error feedback compares against
-    total_weight: float
-    group_size: int
-    bytes_sent: int
-    bytes_received: int
-    seconds: float
-
-
-@dataclass
-class _Mailbox:
-    """Messages of one group, which may arrive before this peer has started that group's all-reduce."""
-
-    created: float = field(default_factory=time.monotonic)
-    slots: dict[tuple[str, str, int], asyncio.Future] = field(default_factory=dict)
-
-    def slot(self, phase: str, sender: str, chunk: int = -1) -> asyncio.Future:
-        key = (phase, sender, chunk)
-        if key not in self.slots:
-            self.slots[key] = asyncio.get_running_loop().create_future()
-        return self.slots[key]
+__all__ = ["COMMIT_GRACE", "AllReduceError", "AllReduceResult", "GroupAllReduce"]  # (the first three: common.py)
 
 
 class GroupAllReduce:
@@ -116,7 +59,7 @@ class GroupAllReduce:
         self.max_payload = 16 + 8 * max_numel + MAX_HEADER_BYTES  # the largest chunk any codec makes, with slack
         self.streams = StreamClient(node, self.protocol, self.max_payload, self.faults)
         self.on_bad_peer = on_bad_peer or (lambda peer, reason: None)
-        self._mailboxes: dict[str, _Mailbox] = {}
+        self._mailboxes: dict[str, Mailbox] = {}
         self._running: dict[tuple[int, int], str] = {}  # (round, attempt) -> group id we are averaging in
         self._finished: dict[tuple[int, int], str] = {}  # ...and the ones we averaged in recently
         # (round, attempt) -> the group id we joined for it, or None (no group). A stream about a key we have
@@ -159,7 +102,7 @@ class GroupAllReduce:
             decided.set_result(group_id)
             self._decisions[(round_no, attempt)] = decided
 
-    def _mailbox(self, group_id: str) -> _Mailbox:
+    def _mailbox(self, group_id: str) -> Mailbox:
         if group_id not in self._mailboxes:
             running = set(self._running.values())
             # Bounded memory against stray or hostile senders, but never at the expense of a group we are in.
@@ -168,7 +111,7 @@ class GroupAllReduce:
                 oldest = min(evictable, key=lambda g: self._mailboxes[g].created)
                 evictable.remove(oldest)
                 del self._mailboxes[oldest]
-            self._mailboxes[group_id] = _Mailbox()
+            self._mailboxes[group_id] = Mailbox()
         return self._mailboxes[group_id]
 
     async def settle(self, timeout: float) -> None:
@@ -285,20 +228,13 @@ class GroupAllReduce:
         return result
 
     def uses_ring(self, group: Group) -> bool:
-        """Whether this group averages along a ring: every member computes the same answer from the group."""
-        n = len(group.members)
-        if self.ring == "never" or self.codec.name != "none" or group.attempt != 0 or n < 3 or any(group.clients):
-            return False
-        if self.ring == "always":
-            return True
-        # The leader set shares so that member i moves S (1 + (N - 2) p_i) at its speed: these give the speeds.
-        loads = [1 + (n - 2) * share for share in group.shares]
-        return self.ring == "auto" and min(group.shares) > 0 and max(loads) <= RING_SPREAD * min(loads)
+        """Whether this group averages along a ring (ring.py): every member computes the same answer."""
+        return uses_ring(self.ring, self.codec.name, group)
 
     async def _run(self, group: Group, vector: torch.Tensor, weight: float,
                    exact_from: Optional[int]) -> AllReduceResult:
         if self.uses_ring(group):
-            return await self._run_ring(group, vector, weight)
+            return await run_ring(self, group, vector, weight)
         started = time.monotonic()
         me, members = self.node.peer_id, group.members
         others = [m for m in members if m != me]
@@ -452,7 +388,7 @@ class GroupAllReduce:
         if i_am_client:
             tasks += [pull(reducer) for reducer in reducers]
         tasks += [reduce_my_part()] + [receive_from(reducer) for reducer in reducers]
-        await _all_or_first_failure(tasks)
+        await all_or_first_failure(tasks)
 
         # The all-or-nothing rule: if any chunk was averaged without some member, no part is applied anywhere.
         # Every member sees the same reducers' accounts, so all agree on whom to leave out of the retry:
@@ -485,7 +421,7 @@ class GroupAllReduce:
         # reached us; whether our own commits were acknowledged does not matter for our decision (a lost
         # acknowledgement is not a lost commit; the rare peer left behind re-syncs through the params digest).
         self.faults.maybe_die("commit", group.round)
-        await asyncio.gather(*(send(peer, {**base, "phase": "commit", "chunks": 0}, _no_chunks())
+        await asyncio.gather(*(send(peer, {**base, "phase": "commit", "chunks": 0}, no_chunks())
                                for peer in servers))
         if i_am_client:
             # We cannot receive commits: ask every non-client member whether it applies (it does only once every
@@ -515,172 +451,6 @@ class GroupAllReduce:
         return AllReduceResult(result, delivered, group_weight, len(members), stats["sent"], stats["received"],
                                time.monotonic() - started)
 
-    async def _run_ring(self, group: Group, vector: torch.Tensor, weight: float) -> AllReduceResult:
-        """The ring: member i streams to member i+1, in order, the partial sums of parts i-1, i-2, ... (each
-        adding its own contribution to what member i-1 sent), then the averaged parts i, i-1, ... (its own, then
-        forwarding what it received). Part j's sum starts at member j+1 and ends at member j, which averages it."""
-        started = time.monotonic()
-        me, members = self.node.peer_id, group.members
-        n, index = len(members), members.index(me)
-        succ, pred = members[(index + 1) % n], members[(index - 1) % n]
-        others = [m for m in members if m != me]
-        vector = vector.detach().to(torch.float32).contiguous().view(-1)
-        chunking = [chunk_bounds(a, b) for a, b in partition(vector.numel(), n)]
-        exact = get_codec("none")
-        mailbox = self._mailbox(group.group_id)
-        phase_timeout = self.deadlines.phase_timeout(group.phase_timeout)
-        stats = {"sent": 0, "received": 0}
-        bad = self.faults.bad_data(group.round, ring=True)
-        result = torch.empty_like(vector)
-        accounts: dict[str, list[dict]] = {}  # member -> its meta for each chunk of its part
-
-        mine = ring_schedule(index, chunking)
-        from_pred = {item: m for m, item in enumerate(ring_schedule((index - 1) % n, chunking))}
-        aborts = [mailbox.slot("abort", peer) for peer in others]
-        lost = mailbox.slot("lost", pred)  # the predecessor's stream broke
-        broken = asyncio.Event()  # our stream to the successor failed
-
-        async def incoming(item: tuple[str, int, int]) -> tuple[dict, bytes]:
-            """The predecessor's message `item`; a member giving up, or the deadline, ends the attempt."""
-            slot = mailbox.slot("ring", pred, from_pred[item])
-            if not slot.done() and not any(abort.done() for abort in aborts) and not broken.is_set() and \
-                    not lost.done():
-                waiter = asyncio.ensure_future(broken.wait())
-                try:
-                    await asyncio.wait([slot, waiter, lost, *aborts], timeout=phase_timeout,
-                                       return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    waiter.cancel()
-            if not slot.done():
-                raise self._ring_failure(group, mailbox, others, {pred} if not broken.is_set() else {succ})
-            meta, payload = slot.result()
-            stats["received"] += len(payload)
-            return meta, payload
-
-        def partial_sum(meta: dict, payload: bytes, numel: int) -> tuple[torch.Tensor, float, list[str]]:
-            """What the predecessor sent as a part's partial sum, checked: values, weight and contributors."""
-            named, total_weight = meta.get("contributors"), meta.get("weight")
-            if not isinstance(named, list) or not all(isinstance(m, str) for m in named) or len(set(named)) != \
-                    len(named) or not set(named) <= set(members) - {me} or pred not in named or \
-                    isinstance(total_weight, bool) or not isinstance(total_weight, (int, float)) or \
-                    not 0 <= total_weight < 1e18:
-                self.on_bad_peer(pred, "bad_header")
-                raise AllReduceError("bad_data", f"peer {pred[-8:]} sent a malformed partial sum", set(), {pred})
-            try:
-                return self._decode(pred, payload, numel, exact), float(total_weight), named
-            except AllReduceError as e:
-                raise AllReduceError("bad_data", str(e), set(), {pred}) from None
-
-        def averaged(meta: dict, payload: bytes, part: int, a: int, b: int) -> None:
-            try:
-                result[a:b] = self._decode(pred, payload, b - a, exact)
-            except AllReduceError as e:
-                raise AllReduceError("bad_data", str(e), set(), {pred}) from None
-            accounts.setdefault(members[part], []).append(meta)
-
-        async def messages():
-            for kind, part, k in mine:
-                a, b = chunking[part][k]
-                total, total_weight, contributors = vector[a:b] * weight, float(weight), [me]
-                if kind == "sum" and part != (index - 1) % n or kind == "avg" and part == index:
-                    summed, summed_weight, named = partial_sum(*await incoming(("sum", part, k)), b - a)
-                    total, total_weight, contributors = total + summed, total_weight + summed_weight, \
-                        contributors + named
-                    self.faults.maybe_die("reduce", group.round)  # dies with partial sums in hand
-                if kind == "sum":
-                    yield {"contributors": contributors, "weight": total_weight}, self._outgoing(total, bad, exact)
-                    self.faults.maybe_die("ring", group.round)  # dies with some of its ring stream delivered
-                elif part == index:  # the sum of our part is complete: average it and send it around
-                    if total_weight <= 0:
-                        raise AllReduceError("bad_data", "the group's total weight is zero: nobody trained this "
-                                             "round", set())
-                    average = total / total_weight
-                    result[a:b] = average
-                    meta = {"contributors": sorted(contributors), "rejected": [], "total_weight": total_weight}
-                    accounts.setdefault(me, []).append(meta)
-                    yield meta, self._outgoing(average, bad, exact) if bad else exact.encode(average)
-                else:  # another member's average: keep it and pass it on
-                    meta, payload = await incoming(("avg", part, k))
-                    averaged(meta, payload, part, a, b)
-                    yield meta, payload
-
-        async def send() -> None:
-            try:
-                await self.streams.send(succ, {"group_id": group.group_id, "round": group.round,
-                                               "attempt": group.attempt, "phase": "ring", "weight": float(weight),
-                                               "chunks": len(mine)}, messages(), stats,
-                                        die_after_first=("send", group.round))
-            except (AllReduceError, GroupConflict):
-                raise
-            except Exception as e:  # noqa: BLE001 - any transport error: the successor is gone for this round
-                logger.info("could not send the ring to %s: %s", succ[-8:],
-                            str(e).splitlines()[0] if str(e) else type(e).__name__)
-                broken.set()
-                raise self._ring_failure(group, mailbox, others, {succ}) from None
-
-        async def receive_last() -> None:  # the successor's average ends its trip with us: keep it
-            part = (index + 1) % n
-            for k, (a, b) in enumerate(chunking[part]):
-                averaged(*await incoming(("avg", part, k)), part, a, b)
-
-        await _all_or_first_failure([send(), receive_last()])
-
-        # The same all-or-nothing accounts as the butterfly: every chunk averaged over every member, one weight.
-        weights = set()
-        for j, member in enumerate(members):
-            metas = accounts.get(member, [])
-            if len(metas) != len(chunking[j]) or any(meta.get("contributors") != list(members) for meta in metas):
-                raise AllReduceError("partial", f"round {group.round}: part {j} was not averaged over the whole "
-                                     "group; nothing applied", set())
-            weights |= {meta.get("total_weight") for meta in metas}
-        if len(weights) != 1 or not isinstance(next(iter(weights)), float):
-            raise AllReduceError("partial", f"round {group.round}: the ring's parts disagree on the total weight "
-                                 f"{sorted(map(str, weights))}; nothing applied", set())
-
-        self.faults.maybe_die("commit", group.round)
-        unconfirmed = set()
-
-        async def commit(peer: str) -> None:
-            try:
-                await self.streams.send(peer, {"group_id": group.group_id, "round": group.round,
-                                               "attempt": group.attempt, "phase": "commit", "chunks": 0},
-                                        _no_chunks(), stats)
-            except GroupConflict:
-                raise
-            except Exception:  # noqa: BLE001 - its own commit (or its absence) decides below
-                unconfirmed.add(peer)
-        await asyncio.gather(*(commit(peer) for peer in others))
-        commits = await self._collect(mailbox, "commit", others,
-                                      min(phase_timeout, COMMIT_GRACE) if unconfirmed else phase_timeout)
-        missing = set(others) - set(commits)
-        if missing:
-            raise AllReduceError("commit", f"round {group.round}: {len(missing)} member(s) did not confirm; "
-                                 "nothing applied", missing)
-        return AllReduceResult(result, vector.clone(), next(iter(weights)), n, stats["sent"], stats["received"],
-                               time.monotonic() - started)
-
-    def _ring_failure(self, group: Group, mailbox: _Mailbox, others: list[str],
-                      default: set[str]) -> AllReduceError:
-        """Why a ring attempt ended: the members that gave up told us whom they blame; if nobody did, `default`
-        (the neighbour whose stream failed or went quiet) is the suspect."""
-        suspects, rejected, gave_up = set(), set(), False
-        for peer in others:
-            slot = mailbox.slot("abort", peer)
-            if slot.done():
-                gave_up = True
-                header = slot.result() if isinstance(slot.result(), dict) else {}
-                for name, into in (("suspects", suspects), ("rejected", rejected)):
-                    named = header.get(name)
-                    if isinstance(named, list):
-                        into |= {m for m in named if isinstance(m, str) and m in group.members}
-        if not gave_up:
-            suspects = set(default)
-        suspects -= {self.node.peer_id}
-        rejected -= {self.node.peer_id}
-        blamed = ", ".join(p[-8:] for p in sorted(suspects | rejected)) or "a member gave up"
-        return AllReduceError("bad_data" if rejected else "partial",
-                              f"round {group.round}: the ring broke ({blamed}); nothing applied", suspects, rejected)
-
     def _outgoing(self, part: torch.Tensor, bad: Optional[str], codec) -> bytes:
         """The encoded part, or (under fault injection) a named kind of bad data."""
         if bad == "garbage":
@@ -693,7 +463,7 @@ class GroupAllReduce:
             return codec.encode(part[: max(part.numel() // 2, 1)])
         return codec.encode(part)
 
-    async def _collect(self, mailbox: _Mailbox, phase: str, senders: list[str], timeout: float) -> dict:
+    async def _collect(self, mailbox: Mailbox, phase: str, senders: list[str], timeout: float) -> dict:
         """Messages of `phase` from `senders` that arrive within `timeout` s: {sender: (header, payload)}."""
         slots = {sender: mailbox.slot(phase, sender) for sender in senders}
         aborts = {sender: mailbox.slot("abort", sender) for sender in senders}
@@ -733,22 +503,3 @@ class GroupAllReduce:
             raise AllReduceError("bad_data", f"peer {sender[-8:]} sent {part.numel()} values (expected {numel}) "
                                              "or non-finite values", {sender})
         return part
-
-
-async def _all_or_first_failure(coroutines: list) -> None:
-    """Run them together until all are done or one fails; a failure (a conflict, a fatal error) cancels the rest
-    and is raised at once, so nobody waits out timeouts for an attempt that is over."""
-    running = [asyncio.ensure_future(coroutine) for coroutine in coroutines]
-    try:
-        done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_EXCEPTION)
-        for task in done:
-            if task.exception() is not None:
-                raise task.exception()
-    finally:
-        for task in running:
-            task.cancel()
-
-
-async def _no_chunks():
-    return
-    yield  # an empty async generator

@@ -1,0 +1,79 @@
+"""What the group all-reduce's two shapes (the butterfly in allreduce.py, the ring in ring.py) share: how a part is
+cut into chunks, how an attempt ends (AllReduceError, AllReduceResult), where a group's messages wait (Mailbox),
+and how an attempt's concurrent tasks are run."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+COMMIT_GRACE = 2.0  # s to wait for the commit of a member our own commit could not reach (it is likely dead)
+MIN_CHUNK = 1 << 16  # elements; chunk sizes are multiples of CHUNK_ALIGN so codec blocks never straddle chunks
+CHUNK_ALIGN = 4096
+CHUNKS_PER_PART = 64
+
+
+def chunk_bounds(start: int, end: int, split: Optional[int] = None) -> list[tuple[int, int]]:
+    """[start, end) cut into about CHUNKS_PER_PART chunks of at least MIN_CHUNK elements (the same on every peer),
+    none of which straddles `split` (where the vector's lossless tail begins)."""
+    if split is not None and start < split < end:
+        return chunk_bounds(start, split) + chunk_bounds(split, end)
+    size = max(MIN_CHUNK, CHUNK_ALIGN * -(-(end - start) // (CHUNKS_PER_PART * CHUNK_ALIGN)))
+    return [(a, min(a + size, end)) for a in range(start, end, size)]
+
+
+class AllReduceError(RuntimeError):
+    """The attempt failed and nothing was applied. `reason` is a short metric label. `suspects` did not deliver
+    (not waited for in the retry, but welcome if they show up); `rejected` sent bad data (left out of this round)."""
+
+    def __init__(self, reason: str, message: str, suspects: set[str], rejected: set[str] = frozenset()):
+        super().__init__(message)
+        self.reason, self.suspects, self.rejected = reason, set(suspects), set(rejected)
+
+
+@dataclass
+class AllReduceResult:
+    average: torch.Tensor  # flat fp32, identical on every member
+    delivered: torch.Tensor  # our vector as the reducers decoded it: what error feedback compares against
+    total_weight: float
+    group_size: int
+    bytes_sent: int
+    bytes_received: int
+    seconds: float
+
+
+@dataclass
+class Mailbox:
+    """Messages of one group, which may arrive before this peer has started that group's all-reduce."""
+
+    created: float = field(default_factory=time.monotonic)
+    slots: dict[tuple[str, str, int], asyncio.Future] = field(default_factory=dict)
+
+    def slot(self, phase: str, sender: str, chunk: int = -1) -> asyncio.Future:
+        key = (phase, sender, chunk)
+        if key not in self.slots:
+            self.slots[key] = asyncio.get_running_loop().create_future()
+        return self.slots[key]
+
+
+async def all_or_first_failure(coroutines: list) -> None:
+    """Run them together until all are done or one fails; a failure (a conflict, a fatal error) cancels the rest
+    and is raised at once, so nobody waits out timeouts for an attempt that is over."""
+    running = [asyncio.ensure_future(coroutine) for coroutine in coroutines]
+    try:
+        done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            if task.exception() is not None:
+                raise task.exception()
+    finally:
+        for task in running:
+            task.cancel()
+
+
+async def no_chunks():
+    return
+    yield  # an empty async generator
