@@ -274,15 +274,19 @@ def _read(connection, count: int, keep: bool = True) -> bytes:
 class Namespaces:
     """A hub namespace with a bridge and one namespace per peer, joined by veth pairs; `tc tbf` limits each
     peer's upload (on its side of the veth) and download (on the hub side). Addresses are inside these
-    namespaces only (10.231.0.0/24), made and removed by this object. Needs root and `ip netns`."""
+    namespaces only (10.231.0.0/24), made and removed by this object. Needs root and `ip netns`.
+
+    `congestion_control` (e.g. "reno") is the TCP congestion control of every socket in the namespaces, whatever
+    process owns it (None: the host's default, which new namespaces inherit)."""
 
     SUBNET = "10.231.0"
 
-    def __init__(self, count: int, mbits: list[float]):
+    def __init__(self, count: int, mbits: list[float], congestion_control: str | None = None):
         self.tag = f"{os.getpid() % 100000}"
         self.hub = f"swh{self.tag}"
         self.names = [f"swp{self.tag}-{i}" for i in range(count)]
         self.mbits = mbits
+        self.congestion_control = congestion_control
         self.created: list[str] = []
 
     def _ip(self, *argv: str) -> None:
@@ -308,6 +312,10 @@ class Namespaces:
                 self._ip("-n", name, "addr", "add", f"{self.address(index)}/24", "dev", inner)
                 self._ip("-n", name, "link", "set", inner, "up")
                 self._ip("-n", name, "link", "set", "lo", "up")
+                if self.congestion_control:
+                    subprocess.run(["ip", "netns", "exec", name, "sysctl", "-w",
+                                    f"net.ipv4.tcp_congestion_control={self.congestion_control}"],
+                                   check=True, capture_output=True, text=True)
                 mbit = self.mbits[index] if index < len(self.mbits) else 0
                 if mbit > 0:
                     burst = max(int(mbit * 1e6 / 8 / 100), 16 * 1024)  # ~10 ms of traffic
@@ -359,7 +367,7 @@ def run(args: argparse.Namespace, engine: str) -> dict:
     mbits = [float(x) for x in args.mbit.split(",")] if args.mbit else []
     if mbits and len(mbits) < args.peers:
         mbits += [mbits[-1]] * (args.peers - len(mbits))
-    namespaces = Namespaces(args.peers + 1, mbits + [0.0]) if args.netns else None
+    namespaces = Namespaces(args.peers + 1, mbits + [0.0], args.congestion_control) if args.netns else None
     if namespaces:
         namespaces.__enter__()
     processes = []
@@ -420,7 +428,8 @@ def summarize(result: dict, args: argparse.Namespace) -> dict:
     for error in errors[:3]:
         print(f"{result['engine']} peer {error['index']} round {error['round']}: {error['error']}", file=sys.stderr)
     return {"engine": result["engine"], "peers": args.peers, "size_mb": size_bytes / 1e6, "codec": args.codec,
-            "netns": bool(args.netns), "mbit": args.mbit or "", "rounds": len(round_times), "round_seconds": seconds,
+            "netns": bool(args.netns), "mbit": args.mbit or "", "congestion_control": args.congestion_control or "",
+            "rounds": len(round_times), "round_seconds": seconds,
             "allreduce_seconds": statistics.median(transfer) if transfer else None,
             "gb_per_s": size_bytes / seconds / 1e9 if round_times else None, "errors": len(errors),
             "ring_rounds": len({r["round"] for r in warm if r.get("ring")})}
@@ -457,6 +466,9 @@ def main() -> None:
                             "harness's floor, no all-reduce); tcp-ring: the same for a ring; all: the four")
         p.add_argument("--netns", action="store_true", help="one network namespace per peer (root)")
         p.add_argument("--mbit", help="per-peer link rates in Mbit/s, e.g. 25,50,100,200 (needs --netns)")
+        p.add_argument("--congestion-control", metavar="NAME",
+                       help="TCP congestion control in every namespace, for every engine alike (e.g. reno; "
+                            "default: the host's, see /proc/sys/net/ipv4/tcp_congestion_control)")
         p.add_argument("--bandwidth-hints", action="store_true",
                        help="tell each engine its peer's link rate (our partition and hivemind's `bandwidth`)")
         p.add_argument("--save", help="directory for inputs and results (for tests)")
@@ -481,6 +493,14 @@ def main() -> None:
     args.numel = args.numel or int(args.size_mb * 1e6 / 4)
     if args.mbit and not args.netns:
         parser.error("--mbit needs --netns")
+    if args.congestion_control and not args.netns:
+        parser.error("--congestion-control needs --netns (it is set in the namespaces the harness makes)")
+    if args.congestion_control:
+        # A namespace other than the host's may only choose among these (the kernel's rule).
+        allowed = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().split()
+        if args.congestion_control not in allowed:
+            parser.error(f"--congestion-control {args.congestion_control}: namespaces here may use only "
+                         f"{', '.join(allowed)} (net.ipv4.tcp_allowed_congestion_control)")
     engines = {"both": ("swarm", "hivemind"), "all": ("tcp", "tcp-ring", "swarm", "hivemind")}.get(args.engine,
                                                                                           (args.engine,))
     summaries = [summarize(run(args, engine), args) for engine in engines]

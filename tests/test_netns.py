@@ -14,7 +14,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-from allreduce_bench import netns_available  # noqa: E402
+from allreduce_bench import Namespaces, netns_available  # noqa: E402
 
 REASON = netns_available()
 MBIT, PEERS, NUMEL = 40.0, 3, 1_000_000
@@ -58,3 +58,20 @@ def test_plain_tcp_floor_obeys_the_shaping():
     assert summary["engine"] == "tcp" and summary["errors"] == 0 and summary["rounds"] == 2  # round 0 is warm-up
     bound = 2 * (PEERS - 1) / PEERS * NUMEL * 4 * 8 / (MBIT * 1e6)
     assert summary["round_seconds"] >= 0.9 * bound, f"links are not shaped: {summary} vs bound {bound:.2f} s"
+
+
+@pytest.mark.skipif(REASON is not None, reason=f"network namespaces unavailable here: {REASON}")
+def test_namespaces_use_the_congestion_control_asked_for():
+    """`--congestion-control` holds for every socket in the harness's namespaces (every engine alike): the
+    namespaces report it, not the host's default they would otherwise inherit."""
+    host = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    allowed = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().split()
+    other = next((name for name in allowed if name != host), None)
+    if other is None:
+        pytest.skip(f"no congestion control other than the host's ({host}) is allowed in namespaces here")
+    for wanted, expected in ((other, other), (None, host)):
+        with Namespaces(2, [50.0], wanted) as spaces:
+            for index in range(2):
+                seen = subprocess.run(spaces.prefix(index) + ["cat", "/proc/sys/net/ipv4/tcp_congestion_control"],
+                                      capture_output=True, text=True, check=True).stdout.strip()
+                assert seen == expected, (wanted, index, seen)
