@@ -41,6 +41,11 @@ from swarm.dht.node import SwarmNode, recv_frame, send_frame
 logger = logging.getLogger(__name__)
 MAX_PENDING_GROUPS = 8
 MAX_DECISIONS = 64  # (round, attempt) keys whose group we remember, for answering streams about them
+# A member sends a reducer chunk k of its part only once the average of chunk k - SCATTER_AHEAD came back. Without
+# it, the part streams (nothing to wait for) fill the links' queues and take most of each upload from the average
+# streams (which wait for every sender's chunk), and a round ends on the averages' tail: 4.04 s against 3.52 s on
+# 4 x 100 Mbit/s fp32 with Reno (see README).
+SCATTER_AHEAD = 8
 __all__ = ["COMMIT_GRACE", "AllReduceError", "AllReduceResult", "GroupAllReduce"]  # (the first three: common.py)
 
 
@@ -278,7 +283,14 @@ class GroupAllReduce:
             return slot.result()
 
         async def parts_for(j: int):
-            for a, b in chunking[j]:
+            reducer, throttled = members[j], True
+            for k, (a, b) in enumerate(chunking[j]):
+                if throttled and k >= SCATTER_AHEAD:
+                    # Not more than SCATTER_AHEAD chunks ahead of the averages we got back for this part.
+                    try:
+                        await arrival(mailbox.slot("avg", reducer, k - SCATTER_AHEAD), reducer)
+                    except asyncio.TimeoutError:
+                        throttled = False  # it is gone or late: its stream (or receive_from) tells the rest
                 payload = self._outgoing(vector[a:b], bad, codec_at(a))
                 if codec_at(a).name != "none" and not bad:
                     delivered[a:b] = codec_at(a).decode(payload)
