@@ -140,3 +140,16 @@ def test_malformed_requests_do_not_break_the_server(network):
     joiner_state = _diloco(2)
     _download(loop, client, [holder], joiner_state, source.digest())
     assert _same_state(joiner_state, source)
+
+
+def test_holders_that_moved_on_are_told_apart_from_holders_that_failed(network):
+    """A joiner asks for the params the swarm announced; if the holders have meanwhile moved on to newer ones, the
+    error says so (the peer asks again at once instead of backing off); a holder that serves nothing does not."""
+    loop, add = network
+    newer = _trained(1)
+    with pytest.raises(StateSyncError) as moved:
+        _download(loop, add(), [add(StateServer(newer))], _diloco(2), _trained(0).digest())
+    assert moved.value.moved_on and newer.digest() in str(moved.value)
+    with pytest.raises(StateSyncError) as failed:
+        _download(loop, add(), [add()], _diloco(2), _trained(0).digest())  # it serves no state at all
+    assert not failed.value.moved_on

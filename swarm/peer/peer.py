@@ -43,7 +43,8 @@ from swarm.runtime import LoopThread, install_stop_handlers
 logger = logging.getLogger("swarm.peer")
 EVAL_BATCHES = 4
 MAX_IMMEDIATE_RETRIES = 3  # then train on and try again later: failures that keep coming need fresh views
-RESYNC_BACKOFF = 10.0  # s of training after a failed state download before the next try
+RESYNC_BACKOFF = 10.0  # s of training after a failed state download before the next try...
+RESYNC_RETRY = 1.0  # ...or after one that failed only because the holders had moved on to newer params
 
 
 @dataclass(frozen=True)
@@ -189,12 +190,15 @@ class Peer:
 
     def _resync(self, holders: list[str], digest: str, reason: str) -> bool:
         """Download the swarm's state (params digest `digest`) from `holders`; False (keeping our own state) if
-        none could provide it."""
+        none could provide it, and then no other try before `resync_after`."""
         self.state = "syncing"
         try:
             # No overall timeout: a big model on a slow link takes long; a holder that stalls is dropped.
             done = self.loop.run(download_state(self.node, holders, self.recipe.run_id, self.diloco, digest))
         except StateSyncError as e:
+            # Holders that moved on answered at once and will serve their newer params: ask again soon. Others
+            # failed us: do not hammer them.
+            self.resync_after = time.monotonic() + (RESYNC_RETRY if e.moved_on else RESYNC_BACKOFF)
             logger.warning("%s; continuing with my own state", e)
             return False
         self.metrics.resyncs.inc()
@@ -283,9 +287,7 @@ class Peer:
                 self.pending = self.in_flight_tokens = None  # an average in flight belongs to a round we leave
                 if self._resync(behind[2], behind[1], reason="behind the swarm"):
                     self.next_attempt, self.retry_after_tokens, self.attempt = 0, 0, 0
-                else:  # train on, and do not hammer holders that just failed us
-                    self.resync_after = time.monotonic() + RESYNC_BACKOFF
-                self.state = "training"
+                self.state = "training"  # (on failure: train on until resync_after)
                 continue
             swarm_tokens = self.announcer.swarm_progress(self._counting_round(), self.tokens_in_round)
             # -- issue #7: per-step gauges (they also catch resyncs and resumed checkpoints) and the progress line

@@ -35,7 +35,12 @@ SNAPSHOT_SECONDS = 300.0  # a served snapshot is kept this long after its last r
 
 
 class StateSyncError(RuntimeError):
-    pass
+    """No holder could provide the state asked for. `moved_on`: holders answered, serving other params (the swarm
+    moved on while we looked: ask again for the newest at once rather than back off)."""
+
+    def __init__(self, message: str, moved_on: bool = False):
+        super().__init__(message)
+        self.moved_on = moved_on
 
 
 def protocol(run_id: str) -> str:
@@ -158,7 +163,9 @@ async def download_state(node: SwarmNode, holders: list[str], run_id: str, diloc
     fitting = {h: x for h, x in headers.items() if x is not None and x["digest"] == digest
                and 0 < x["size"] <= max_bytes}
     if not fitting:
-        raise StateSyncError(f"none of {len(holders)} peers serves state with digest {digest}")
+        served = sorted({x["digest"] for x in headers.values() if x is not None and x["digest"] != digest})
+        raise StateSyncError(f"none of {len(holders)} peers serves state with digest {digest}"
+                             + (f" (they serve {', '.join(served)})" if served else ""), moved_on=bool(served))
     # Holders of the same params serialise the same bytes; follow the sha256 most of them announce.
     sha256 = Counter(x["sha256"] for x in fitting.values()).most_common(1)[0][0]
     sources = [h for h, x in fitting.items() if x["sha256"] == sha256]
