@@ -140,6 +140,10 @@ def test_bad_data_along_the_ring_is_excluded_and_reported(swarm):
     reported = "".join(p.output() for p in survivors)
     assert re.search(rf"peer {faulty_id} sent a bad contribution", reported), "the bad peer is logged by id"
     assert re.search(rf"round {first_bad}: the ring broke", reported), "the garbage was sent along the ring"
+    # The survivor that did not see the garbage blames whom its successor blamed, not the successor (which closed
+    # its stream to it before its abort arrived).
+    blamed = set(re.findall(rf"round {first_bad}: the ring broke \(([^)]*)\)", reported))
+    assert blamed == {faulty_id[-8:]}, f"the ring's break was blamed on {blamed}, not on {faulty_id[-8:]}"
 
 
 def test_diverged_peers_never_send_and_rejoin_the_next_average(swarm):

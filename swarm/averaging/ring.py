@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 RING_SPREAD = 1.1  # largest ratio of the members' implied link speeds at which the ring is used
+ABORT_GRACE = 2.0  # s a member whose neighbour's stream broke waits for an abort naming whom to blame
 
 
 def uses_ring(mode: str, codec_name: str, group: Group) -> bool:
@@ -74,6 +75,14 @@ async def run_ring(engine: GroupAllReduce, group: Group, vector: torch.Tensor, w
     lost = mailbox.slot("lost", pred)  # the predecessor's stream broke
     broken = asyncio.Event()  # our stream to the successor failed
 
+    async def broke(default: set[str]) -> AllReduceError:
+        """Why the ring broke, once a neighbour's stream did (or went quiet): `default` is to blame unless a member
+        that gave up says whom it blames. Such a member closes its ring stream before its abort (a new stream)
+        reaches us, so that is waited for a moment; a member that died sends none."""
+        if (lost.done() or broken.is_set()) and not any(abort.done() for abort in aborts):
+            await asyncio.wait(aborts, timeout=ABORT_GRACE, return_when=asyncio.FIRST_COMPLETED)
+        return ring_failure(me, group, mailbox, others, default)
+
     async def incoming(item: tuple[str, int, int]) -> tuple[dict, bytes]:
         """The predecessor's message `item`; a member giving up, or the deadline, ends the attempt."""
         slot = mailbox.slot("ring", pred, from_pred[item])
@@ -86,7 +95,7 @@ async def run_ring(engine: GroupAllReduce, group: Group, vector: torch.Tensor, w
             finally:
                 waiter.cancel()
         if not slot.done():
-            raise ring_failure(me, group, mailbox, others, {pred} if not broken.is_set() else {succ})
+            raise await broke({pred} if not broken.is_set() else {succ})
         meta, payload = slot.result()
         stats["received"] += len(payload)
         return meta, payload
@@ -150,7 +159,7 @@ async def run_ring(engine: GroupAllReduce, group: Group, vector: torch.Tensor, w
             logger.info("could not send the ring to %s: %s", succ[-8:],
                         str(e).splitlines()[0] if str(e) else type(e).__name__)
             broken.set()
-            raise ring_failure(me, group, mailbox, others, {succ}) from None
+            raise await broke({succ}) from None
 
     async def receive_last() -> None:  # the successor's average ends its trip with us: keep it
         part = (index + 1) % n
