@@ -227,7 +227,7 @@ def _tcp_worker(args: argparse.Namespace) -> None:
 def _tcp_ring(connections: dict, me: int, n: int, numel: int) -> int:
     """One ring all-reduce's bytes and dependencies (no arithmetic); returns the bytes sent."""
     from swarm.averaging.common import chunk_bounds
-    from swarm.averaging.ring import ring_schedule
+    from swarm.averaging.ring import builds_on, ring_schedule
     from swarm.averaging.partition import partition
 
     chunking = [chunk_bounds(a, b) for a, b in partition(numel, n)]
@@ -242,12 +242,11 @@ def _tcp_ring(connections: dict, me: int, n: int, numel: int) -> int:
             arrived[(kind, part, k)].set()
 
     def send() -> None:
-        for kind, part, k in mine:
-            a, b = chunking[part][k]
-            if kind == "sum" and part != (me - 1) % n or kind == "avg" and part == me:
-                arrived[("sum", part, k)].wait()
-            elif kind == "avg":
-                arrived[("avg", part, k)].wait()
+        for item in mine:
+            a, b = chunking[item[1]][item[2]]
+            needed = builds_on(me, n, item)
+            if needed is not None:
+                arrived[needed].wait()
             successor.sendall(bytes(4 * (b - a)))
 
     threads = [threading.Thread(target=send), threading.Thread(target=receive)]

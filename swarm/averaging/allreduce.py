@@ -172,7 +172,7 @@ class GroupAllReduce:
         if phase == "abort":  # that member gave this attempt up: stop waiting for anything from it
             slot = box.slot("abort", remote)
             if not slot.done():
-                slot.set_result(header)  # (truthy) whom it blames, if anyone: see _ring_failure
+                slot.set_result(header)  # (truthy) whom it blames, if anyone: see ring.ring_failure
             return
         if phase == "pull":  # a client member fetches the averaged chunks of our part as we make them
             queue, count, stats = await asyncio.wait_for(asyncio.shield(box.slot("outbox", remote)),

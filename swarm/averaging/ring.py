@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -48,6 +48,16 @@ def ring_schedule(i: int, chunking: list[list[tuple[int, int]]]) -> list[tuple[s
     n = len(chunking)
     sums = [("sum", (i - 1 - s) % n, k) for s in range(n - 1) for k in range(len(chunking[(i - 1 - s) % n]))]
     return sums + [("avg", (i - s) % n, k) for s in range(n - 1) for k in range(len(chunking[(i - s) % n]))]
+
+
+def builds_on(i: int, n: int, item: tuple[str, int, int]) -> Optional[tuple[str, int, int]]:
+    """The predecessor's message that member i's message `item` (of ring_schedule) builds on, or None: a partial
+    sum extends the predecessor's (except where the part's sum starts, at member part+1), a part's average is made
+    from its complete sum, and another part's average is forwarded."""
+    kind, part, k = item
+    if kind == "sum":
+        return None if part == (i - 1) % n else ("sum", part, k)
+    return ("sum", part, k) if part == i else ("avg", part, k)
 
 
 async def run_ring(engine: GroupAllReduce, group: Group, vector: torch.Tensor, weight: float) -> AllReduceResult:
@@ -125,7 +135,7 @@ async def run_ring(engine: GroupAllReduce, group: Group, vector: torch.Tensor, w
         for kind, part, k in mine:
             a, b = chunking[part][k]
             total, total_weight, contributors = vector[a:b] * weight, float(weight), [me]
-            if kind == "sum" and part != (index - 1) % n or kind == "avg" and part == index:
+            if builds_on(index, n, (kind, part, k)) == ("sum", part, k):
                 summed, summed_weight, named = partial_sum(*await incoming(("sum", part, k)), b - a)
                 total, total_weight, contributors = total + summed, total_weight + summed_weight, \
                     contributors + named
