@@ -48,7 +48,13 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-3, help="inner AdamW lr (also the data-parallel lr)")
     parser.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov lr for M workers (DiLoCo: 0.7)")
     parser.add_argument("--outer-momentum", type=float, default=0.9, help="outer Nesterov momentum (DiLoCo: 0.9)")
+    parser.add_argument("--warmup-frac", type=float, default=0.05,
+                        help="inner lr warm-up as a fraction of the run's tokens (recipe inner.warmup_tokens)")
+    parser.add_argument("--min-lr-ratio", type=float, default=0.1,
+                        help="cosine floor as a fraction of the peak lr (recipe inner.min_lr_ratio; 1: constant)")
     parser.add_argument("--dp-lr", type=float, help="AdamW lr of (a) only (default: --lr), to tune the baseline too")
+    parser.add_argument("--dp-warmup-frac", type=float, help="warm-up fraction of (a) only (default: --warmup-frac)")
+    parser.add_argument("--dp-min-lr-ratio", type=float, help="cosine floor of (a) only (default: --min-lr-ratio)")
     parser.add_argument("--outer-lr-single", type=float, default=0.7,
                         help="outer lr for the M=1 run (a single worker's pseudo-gradient is not averaged down, "
                              "so it may need a smaller one)")
@@ -69,12 +75,16 @@ def main() -> None:
         "model": {"hidden_size": args.hidden, "intermediate_size": int(args.hidden * 8 / 3) // 8 * 8,
                   "num_layers": args.layers, "num_heads": 4, "max_seq_len": args.seq_len},
         "data": {"seq_len": args.seq_len, "batch_size": args.batch, "vocab_size": 4096},
-        "inner": {"lr": args.lr, "warmup_tokens": total_tokens // 20},
+        "inner": {"lr": args.lr, "warmup_tokens": int(total_tokens * args.warmup_frac),
+                  "min_lr_ratio": args.min_lr_ratio},
         "outer": {"lr": args.outer_lr, "momentum": args.outer_momentum},
         "total_tokens": total_tokens,
     })
-    baseline = recipe if args.dp_lr is None else \
-        recipe.model_copy(update={"inner": recipe.inner.model_copy(update={"lr": args.dp_lr})})
+    dp_inner = {"lr": args.dp_lr,
+                "warmup_tokens": None if args.dp_warmup_frac is None else int(total_tokens * args.dp_warmup_frac),
+                "min_lr_ratio": args.dp_min_lr_ratio}
+    baseline = recipe.model_copy(update={"inner": recipe.inner.model_copy(
+        update={key: value for key, value in dp_inner.items() if value is not None})})
     single = recipe.model_copy(update={"outer": recipe.outer.model_copy(update={"lr": args.outer_lr_single})})
     data = prepare_run_data(recipe.data.source, recipe.data.tokenizer, recipe.data.vocab_size,
                             recipe.data.val_fraction, recipe.data.seq_len, recipe.data.batch_size, recipe.data.seed,
