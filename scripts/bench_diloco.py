@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from swarm.config import parse_recipe  # noqa: E402
+from swarm.config import RecipeError, parse_recipe  # noqa: E402
 from swarm.peer.data import prepare_run_data  # noqa: E402
 from swarm.peer.simulation import simulate_data_parallel, simulate_diloco, simulate_groups  # noqa: E402
 
@@ -70,7 +70,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     m, h, rounds = args.workers, args.inner_steps, args.rounds
     total_tokens = m * h * rounds * args.batch * args.seq_len
-    recipe = parse_recipe({
+    fields = {
         "run_id": "bench",
         "model": {"hidden_size": args.hidden, "intermediate_size": int(args.hidden * 8 / 3) // 8 * 8,
                   "num_layers": args.layers, "num_heads": 4, "max_seq_len": args.seq_len},
@@ -79,12 +79,15 @@ def main() -> None:
                   "min_lr_ratio": args.min_lr_ratio},
         "outer": {"lr": args.outer_lr, "momentum": args.outer_momentum},
         "total_tokens": total_tokens,
-    })
+    }
     dp_inner = {"lr": args.dp_lr,
                 "warmup_tokens": None if args.dp_warmup_frac is None else int(total_tokens * args.dp_warmup_frac),
                 "min_lr_ratio": args.dp_min_lr_ratio}
-    baseline = recipe.model_copy(update={"inner": recipe.inner.model_copy(
-        update={key: value for key, value in dp_inner.items() if value is not None})})
+    dp_inner = {**fields["inner"], **{key: value for key, value in dp_inner.items() if value is not None}}
+    try:
+        recipe, baseline = parse_recipe(fields), parse_recipe({**fields, "inner": dp_inner})
+    except RecipeError as exc:
+        parser.error(str(exc))
     single = recipe.model_copy(update={"outer": recipe.outer.model_copy(update={"lr": args.outer_lr_single})})
     data = prepare_run_data(recipe.data.source, recipe.data.tokenizer, recipe.data.vocab_size,
                             recipe.data.val_fraction, recipe.data.seq_len, recipe.data.batch_size, recipe.data.seed,
