@@ -80,10 +80,9 @@ def main() -> None:
         "outer": {"lr": args.outer_lr, "momentum": args.outer_momentum},
         "total_tokens": total_tokens,
     }
-    dp_inner = {"lr": args.dp_lr,
-                "warmup_tokens": None if args.dp_warmup_frac is None else int(total_tokens * args.dp_warmup_frac),
-                "min_lr_ratio": args.dp_min_lr_ratio}
-    dp_inner = {**fields["inner"], **{key: value for key, value in dp_inner.items() if value is not None}}
+    dp_only = {"lr": args.dp_lr, "min_lr_ratio": args.dp_min_lr_ratio,
+               "warmup_tokens": None if args.dp_warmup_frac is None else int(total_tokens * args.dp_warmup_frac)}
+    dp_inner = {**fields["inner"], **{key: value for key, value in dp_only.items() if value is not None}}
     try:
         recipe, baseline = parse_recipe(fields), parse_recipe({**fields, "inner": dp_inner})
     except RecipeError as exc:
