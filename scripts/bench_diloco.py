@@ -91,7 +91,12 @@ def main() -> None:
     data = prepare_run_data(recipe.data.source, recipe.data.tokenizer, recipe.data.vocab_size,
                             recipe.data.val_fraction, recipe.data.seq_len, recipe.data.batch_size, recipe.data.seed,
                             args.cache_dir, eval_batches=16)
-    shards = list(range(m))
+    # Workers start at shards spread evenly over the corpus, as peers whose starting shards come from their peer ids
+    # are on average. Adjacent starts would have worker k read, one shard later, the shard worker k+1 has just read,
+    # so every run would repeat its data, and data-parallel (which sees all M streams every step) more than DiLoCo.
+    if not 1 <= m <= recipe.data.num_shards:
+        parser.error(f"--workers must be in [1, {recipe.data.num_shards}] (one starting shard each), got {m}")
+    shards = [k * recipe.data.num_shards // m for k in range(m)]
     configs = {
         "a": ("data-parallel", lambda: simulate_data_parallel(baseline, data, shards, steps=h * rounds, eval_every=h)),
         "b": (f"DiLoCo M={m} H={h} fp32", lambda: simulate_diloco(recipe, data, shards, rounds, h, "none")),
