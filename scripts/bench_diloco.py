@@ -85,17 +85,17 @@ def main() -> None:
     dp_inner = {**fields["inner"], **{key: value for key, value in dp_only.items() if value is not None}}
     try:
         recipe, baseline = parse_recipe(fields), parse_recipe({**fields, "inner": dp_inner})
+        single = parse_recipe({**fields, "outer": {**fields["outer"], "lr": args.outer_lr_single}})
     except RecipeError as exc:
         parser.error(str(exc))
-    single = recipe.model_copy(update={"outer": recipe.outer.model_copy(update={"lr": args.outer_lr_single})})
+    if not 1 <= m <= recipe.data.num_shards:
+        parser.error(f"--workers must be in [1, {recipe.data.num_shards}] (one starting shard each), got {m}")
     data = prepare_run_data(recipe.data.source, recipe.data.tokenizer, recipe.data.vocab_size,
                             recipe.data.val_fraction, recipe.data.seq_len, recipe.data.batch_size, recipe.data.seed,
                             args.cache_dir, eval_batches=16)
     # Workers start at shards spread evenly over the corpus, as peers whose starting shards come from their peer ids
     # are on average. Adjacent starts would have worker k read, one shard later, the shard worker k+1 has just read,
     # so every run would repeat its data, and data-parallel (which sees all M streams every step) more than DiLoCo.
-    if not 1 <= m <= recipe.data.num_shards:
-        parser.error(f"--workers must be in [1, {recipe.data.num_shards}] (one starting shard each), got {m}")
     shards = [k * recipe.data.num_shards // m for k in range(m)]
     configs = {
         "a": ("data-parallel", lambda: simulate_data_parallel(baseline, data, shards, steps=h * rounds, eval_every=h)),
