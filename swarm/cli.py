@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--cache-dir", metavar="DIR",
                       help="tokenizer and tokenized-corpus cache (default ~/.cache/swarm)")
     join.add_argument("--data-shard", type=int, metavar="K",
-                      help="train on data shard K (default: derived from the peer id)")
+                      help="start the data stream at shard K (default: where no live peer reads)")
     join.add_argument("--trace-dir", metavar="DIR",
                       help="write every round's pseudo-gradient, average and global params as safetensors, to "
                            "audit the averaging")

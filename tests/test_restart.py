@@ -49,3 +49,28 @@ def test_ctrl_c_stops_cleanly_with_a_checkpoint(swarm):
     assert not peers[0].session_alive(), "p2pd and the DHT process must exit with the peer"
     checkpoint = load_latest(swarm.workdir / "ckpt0")
     assert checkpoint is not None and checkpoint.round >= 2
+
+
+def test_a_joiner_reads_where_no_peer_does_and_a_restart_keeps_its_place(swarm):
+    """A new peer starts its data stream inside the widest run of shards that no live peer reads (peers hashed
+    their ids to a shard, and two of ten then shared one about half the time, training on identical batches). A
+    restarted peer goes on where its checkpoint left its stream."""
+    _, maddr = swarm.bootstrap()
+    chose = r"data: shard (\d+)/64 at step 0, inside the widest run of shards no live peer reads \(they read \[(.*)\]\)"
+    first = swarm.peer(maddr, "--until-round", "3", name="first")
+    assert first.wait_for(chose, 120).group(2) == "", "the first peer sees nobody reading"
+    first.wait_for("training round 0", 60)
+    checkpoints = swarm.workdir / "ckpt"
+    joiner = swarm.peer(maddr, "--until-round", "3", "--checkpoint-dir", str(checkpoints), name="joiner")
+    start, reading = joiner.wait_for(chose, 120).groups()
+    start, reading = int(start), int(reading)  # exactly one shard: the one the first peer announced
+    assert min((start - reading) % 64, (reading - start) % 64) >= 16, (start, reading)
+    for peer in (first, joiner):
+        assert peer.wait(180) == 0, peer.output()[-3000:]
+    saved = load_latest(checkpoints)
+    steps = saved.meta["inner_steps"]
+    assert saved.round == 3 and saved.meta["data_shard"] == start and steps > 0, saved.meta
+
+    again = swarm.peer(maddr, "--until-round", "3", "--checkpoint-dir", str(checkpoints), name="again")
+    again.wait_for(rf"data: shard {start}/64 at step {steps}, as our checkpoint says", 120)
+    assert again.wait(60) == 0, again.output()[-3000:]

@@ -72,6 +72,9 @@ class PeerRecord:
     # With overlap: the tokens of `round` handed to an all-reduce still in flight; tokens_in_round then count
     # toward round + 1 already. None otherwise.
     in_flight_tokens: Optional[int] = None
+    # The data shard the peer reads now (None before it chose one, or from a peer that does not announce it):
+    # joiners start where nobody reads.
+    data_shard: Optional[int] = None
     updated: float = 0.0
 
     @property
@@ -115,8 +118,9 @@ class PeerRecord:
         for name in ("round", "tokens_in_round", "block_start", "block_end", "attempt"):
             _integer(getattr(self, name), name, 1 << 62)
         _integer(self.device_memory, "device_memory", MAX_MEMORY)
-        if self.in_flight_tokens is not None:
-            _integer(self.in_flight_tokens, "in_flight_tokens", 1 << 62)
+        for name in ("in_flight_tokens", "data_shard"):
+            if getattr(self, name) is not None:
+                _integer(getattr(self, name), name, 1 << 62)
         if not self.block_start < self.block_end or (n_blocks is not None and self.block_end > n_blocks):
             raise InvalidRecord(f"block range [{self.block_start}, {self.block_end}) is outside the model")
         for name, bound in (("tokens_per_s", MAX_TOKENS_PER_S), ("bandwidth_up", MAX_BANDWIDTH),

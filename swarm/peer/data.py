@@ -8,8 +8,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import uuid
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +28,7 @@ __all__ = [
     "CorpusError",
     "Document",
     "TokenDataset",
+    "choose_data_shard",
     "load_corpus",
     "load_tokenizer",
     "split_documents",
@@ -189,16 +192,26 @@ class TokenDataset:
         windows = torch.arange((start + epoch) % num_shards, self.num_windows, num_shards)
         return windows[_epoch_permutation(len(windows), seed, start, epoch)]
 
-    def _stream(self, shard: int, num_shards: int, batch_size: int, seed: int,
-                start_step: int) -> Iterator[torch.Tensor]:
-        # Where step `start_step` begins: whole passes over the corpus, then epoch by epoch (sizes differ by one).
-        skip = start_step * batch_size
-        passes, skip = divmod(skip, self.num_windows)
+    def shard_at(self, shard: int, num_shards: int, batch_size: int, step: int) -> int:
+        """The shard that step `step` of the stream starting at `shard` reads (its first window's): what a peer
+        announces, so that joiners start where nobody is reading."""
+        epoch, _ = self._position(shard, num_shards, batch_size, step)
+        return (shard + epoch) % num_shards
+
+    def _position(self, shard: int, num_shards: int, batch_size: int, step: int) -> tuple[int, int]:
+        """(epoch, offset in that epoch's order) where step `step` begins: whole passes over the corpus, then epoch
+        by epoch (epoch sizes differ by one window)."""
+        passes, skip = divmod(step * batch_size, self.num_windows)
         epoch = passes * num_shards
         while skip >= len(range((shard + epoch) % num_shards, self.num_windows, num_shards)):
             skip -= len(range((shard + epoch) % num_shards, self.num_windows, num_shards))
             epoch += 1
-        order, offset = self._epoch(shard, num_shards, seed, epoch), skip
+        return epoch, skip
+
+    def _stream(self, shard: int, num_shards: int, batch_size: int, seed: int,
+                start_step: int) -> Iterator[torch.Tensor]:
+        epoch, offset = self._position(shard, num_shards, batch_size, start_step)
+        order = self._epoch(shard, num_shards, seed, epoch)
         while True:
             picked = []
             missing = batch_size
@@ -222,6 +235,31 @@ class TokenDataset:
         count = min(self.num_windows, batch_size * max_batches)
         picked = torch.arange(count) * self.num_windows // count
         return [self._windows[chunk].long() for chunk in picked.split(batch_size)]
+
+
+def choose_data_shard(reading: Sequence[int], num_shards: int, tie_break: int) -> int:
+    """The shard a joining peer starts its stream at: inside the widest run of shards that no live peer reads now
+    (`reading`: the shards they announce; values outside [0, num_shards) are ignored), so that its stream stays
+    away from theirs for as long as possible. It lands in the middle half of that run, at a place drawn from
+    `tie_break` (a hash of the peer id): peers that join at the same moment see the same view, and starting them
+    all at the exact middle would give them identical streams. The same draw breaks ties between runs of equal
+    width. With nobody reading, the shard is tie_break % num_shards; with every shard read, a least-read one."""
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be positive, got {num_shards}")
+    rng = random.Random(tie_break)
+    counts = Counter(s for s in reading if 0 <= s < num_shards)
+    if not counts:
+        return tie_break % num_shards
+    if len(counts) == num_shards:
+        fewest = min(counts.values())
+        return rng.choice(sorted(s for s, n in counts.items() if n == fewest))
+    taken = sorted(counts)
+    # (first free shard, number of free shards) of each run between two read shards, going round the circle.
+    runs = [(a + 1, (b - a - 1) % num_shards) for a, b in zip(taken, taken[1:] + [taken[0] + num_shards])]
+    widest = max(length for _, length in runs)
+    first, length = rng.choice([run for run in runs if run[1] == widest])
+    margin = length // 4
+    return (first + margin + rng.randrange(length - 2 * margin)) % num_shards
 
 
 def _epoch_permutation(size: int, seed: int, shard: int, epoch: int) -> torch.Tensor:

@@ -31,7 +31,7 @@ from swarm.monitoring.metrics import PeerMetrics
 from swarm.monitoring.progress import ProgressLine  # issue #7
 from swarm.peer import checkpoint as ckpt
 from swarm.peer.announcer import Announcer, fetch_recipe
-from swarm.peer.data import prepare_run_data
+from swarm.peer.data import choose_data_shard, prepare_run_data
 from swarm.peer.diloco import DiLoCo
 from swarm.peer.model import build_model, n_blocks
 from swarm.peer.probe import describe_device, measure_tokens_per_s  # issue #3
@@ -103,12 +103,9 @@ class Peer:
         data = prepare_run_data(r.data.source, r.data.tokenizer, r.data.vocab_size, r.data.val_fraction,
                                 r.data.seq_len, r.data.batch_size, r.data.seed, s.cache_dir, EVAL_BATCHES)
         self.train_data, self.eval_batches = data.train, data.eval_batches
-        shard = s.data_shard if s.data_shard is not None else \
-            int(hashlib.sha256(self.node.peer_id.encode()).hexdigest(), 16) % r.data.num_shards
-        self.shard = shard % r.data.num_shards
-        logger.info("data: %d train docs (%d tokens), %d validation docs, shard %d/%d, prepared in %.1f s",
-                    data.n_train_docs, len(self.train_data.tokens), data.n_val_docs, self.shard, r.data.num_shards,
-                    time.monotonic() - started)
+        self.shard: Optional[int] = None  # where our stream starts: chosen once we see the swarm (_choose_data)
+        logger.info("data: %d train docs (%d tokens), %d validation docs, prepared in %.1f s",
+                    data.n_train_docs, len(self.train_data.tokens), data.n_val_docs, time.monotonic() - started)
 
         model = build_model(r.model, data.vocab_size)
         self.model = model.to(self.device)
@@ -155,9 +152,14 @@ class Peer:
         self._initial_state()
 
     def _initial_state(self) -> None:
-        """Newest of: the swarm's state (downloaded from a peer), our checkpoint, a fresh seeded init."""
+        """The newest params (see _load_state), then where in the data we read (see _choose_data)."""
         self.announcer.refresh_now(self.loop)
         checkpoint = ckpt.load_latest(self.settings.checkpoint_dir) if self.settings.checkpoint_dir else None
+        self._load_state(checkpoint)
+        self._choose_data(checkpoint)
+
+    def _load_state(self, checkpoint: Optional[ckpt.Checkpoint]) -> None:
+        """Newest of: the swarm's state (downloaded from a peer), our checkpoint, a fresh seeded init."""
         swarm_round, digest, holders = self._swarm_reference()
         if holders and (checkpoint is None or checkpoint.round < swarm_round or
                         (checkpoint.round == swarm_round and checkpoint.meta.get("digest") != digest)):
@@ -170,11 +172,45 @@ class Peer:
                         if key.startswith("error_feedback.")}
             if residual and residual.get("residual", torch.empty(0)).numel() == self.diloco.numel:
                 self.error_feedback.load_state_dict(residual)
-            self.inner_steps = int(checkpoint.meta.get("inner_steps", 0))
             logger.info("resumed from checkpoint %s (round %d, %d tokens seen)", checkpoint.path,
                         checkpoint.round, checkpoint.tokens_seen)
         else:
             logger.info("starting from the recipe's initial params (round 0, digest %s)", self.diloco.digest())
+
+    def _choose_data(self, checkpoint: Optional[ckpt.Checkpoint]) -> None:
+        """Our stream's starting shard and the step we are at in it. A restart goes on where its checkpoint of this
+        run left off, wherever the params came from (a peer that re-read its stream from the start would repeat
+        the data it already trained on); `--data-shard` overrides the shard. A new peer starts inside the widest
+        run of shards that no live peer reads now: peers that hashed their ids to a shard collided (two of ten
+        about half the time) and then trained on identical batches."""
+        s, n = self.settings, self.recipe.data.num_shards
+        ours = checkpoint is not None and checkpoint.meta.get("recipe") == self.recipe.digest()
+        saved = checkpoint.meta.get("data_shard") if ours else None
+        if ours:
+            self.inner_steps = int(checkpoint.meta.get("inner_steps", 0))
+        if s.data_shard is not None:
+            self.shard, how = s.data_shard % n, "as --data-shard says"
+        elif isinstance(saved, int) and not isinstance(saved, bool) and 0 <= saved < n:
+            self.shard, how = saved, "as our checkpoint says"
+        elif ours:  # a checkpoint from before shards were chosen: its stream started where our id hashes
+            self.shard, how = self._id_hash() % n, "hashed from our peer id, as our checkpoint's stream did"
+        else:
+            reading = sorted(p.data_shard for p in self.announcer.live()
+                             if p.peer_id != self.node.peer_id and p.data_shard is not None)
+            self.shard = choose_data_shard(reading, n, self._id_hash())
+            how = f"inside the widest run of shards no live peer reads (they read {reading})"
+        logger.info("data: shard %d/%d at step %d, %s", self.shard, n, self.inner_steps, how)
+        self.announcer.refresh_soon(self.loop)
+
+    def _id_hash(self) -> int:
+        return int(hashlib.sha256(self.node.peer_id.encode()).hexdigest(), 16)
+
+    def _reading_shard(self) -> Optional[int]:
+        """The shard our stream reads now (announced), or None before we chose where to start."""
+        if self.shard is None:
+            return None
+        r = self.recipe.data
+        return self.train_data.shard_at(self.shard, r.num_shards, r.batch_size, self.inner_steps)
 
     def _swarm_reference(self) -> tuple[int, str, list[str]]:
         """(highest round of live peers, the digest most of them hold, the peers holding it). A peer whose
@@ -220,7 +256,7 @@ class Peer:
             device_name=self.device_info.name, device_memory=self.device_info.memory_bytes,  # issue #3
             tokens_per_s=self.tokens_per_s, bandwidth_up=self.bandwidth_up, bandwidth_down=self.bandwidth_down,
             loss=self.loss, val_loss=self.val_loss, attempt=self.attempt, updated=self.node.now(),
-            in_flight_tokens=self.in_flight_tokens)
+            in_flight_tokens=self.in_flight_tokens, data_shard=self._reading_shard())
 
     def _counting_round(self) -> int:
         """The round our tokens_in_round count toward: with overlap, the next one as soon as this round's
@@ -560,7 +596,8 @@ class Peer:
         path = ckpt.save_checkpoint(
             self.settings.checkpoint_dir, self.diloco.round, self.diloco.tokens_seen, tensors,
             {"digest": self.diloco.digest(), "recipe": self.recipe.digest(), "loss": self.loss,
-             "val_loss": self.val_loss, "inner_steps": self.inner_steps, "version": __version__},
+             "val_loss": self.val_loss, "inner_steps": self.inner_steps, "data_shard": self.shard,
+             "version": __version__},
             keep=self.settings.keep_checkpoints, series_every=self.settings.checkpoint_series)
         self._last_checkpoint_round = self.diloco.round
         self.metrics.checkpoint_written(self.diloco.round)  # issue #7: round and age
