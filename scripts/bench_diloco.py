@@ -93,9 +93,10 @@ def main() -> None:
     data = prepare_run_data(recipe.data.source, recipe.data.tokenizer, recipe.data.vocab_size,
                             recipe.data.val_fraction, recipe.data.seq_len, recipe.data.batch_size, recipe.data.seed,
                             args.cache_dir, eval_batches=16)
-    # Workers start at shards spread evenly over the corpus, as peers whose starting shards come from their peer ids
-    # are on average. Adjacent starts would have worker k read, one shard later, the shard worker k+1 has just read,
-    # so every run would repeat its data, and data-parallel (which sees all M streams every step) more than DiLoCo.
+    # Workers start at shards spread evenly over the corpus, as peers spread themselves (each joiner starts inside the
+    # widest run of shards that no live peer reads). Adjacent starts would have worker k read, one shard later, the
+    # shard worker k+1 has just read, so every run would repeat its data, and data-parallel (which sees all M streams
+    # every step) more than DiLoCo.
     shards = [k * recipe.data.num_shards // m for k in range(m)]
     configs = {
         "a": ("data-parallel", lambda: simulate_data_parallel(baseline, data, shards, steps=h * rounds, eval_every=h)),

@@ -97,9 +97,9 @@ def test_peer_metrics_account_compression_checkpoints_blocks_and_memory():
 def test_swarm_gauges_cover_every_block_and_drop_stale_ones():
     registry = CollectorRegistry()
     gauges = SwarmGauges(registry)
-    peers = [record("a", block_start=0, block_end=2, tokens_per_s=10.0, loss=4.0, val_loss=5.0),
-             record("b", block_start=1, block_end=3, tokens_per_s=30.0, loss=6.0),
-             record("c", state="offline", block_start=0, block_end=3, tokens_per_s=1000.0)]
+    peers = [record("a", block_start=0, block_end=2, tokens_per_s=10.0, loss=4.0, val_loss=5.0, data_shard=5),
+             record("b", block_start=1, block_end=3, tokens_per_s=30.0, loss=6.0, data_shard=5),
+             record("c", state="offline", block_start=0, block_end=3, tokens_per_s=1000.0, data_shard=9)]
     gauges.update(summarize(peers, invalid=0, n_blocks=4), now=100.0)
     got = samples(registry)
     replicas = [got[("swarm_swarm_block_replicas", (("block", str(b)),))] for b in range(4)]
@@ -109,12 +109,14 @@ def test_swarm_gauges_cover_every_block_and_drop_stale_ones():
     assert got[("swarm_swarm_loss_spread", ())] == pytest.approx(1.0)  # population std of 4 and 6
     assert got[("swarm_swarm_val_loss_mean", ())] == 5.0
     assert got[("swarm_swarm_round_start_timestamp_seconds", ())] == 100.0
+    assert got[("swarm_swarm_peers_sharing_a_data_shard", ())] == 2, "a and b read shard 5 (c is offline)"
 
     gauges.update(summarize([record("a", block_end=2, loss=None)], invalid=0, n_blocks=2), now=130.0)
     got = samples(registry)
     assert not any(name.startswith("swarm_swarm_block") and dict(labels).get("block") in ("2", "3")
                    for name, labels in got), "blocks the model no longer has must not linger"
     assert math.isnan(got[("swarm_swarm_loss_spread", ())]), "no loss reported: unknown, not 0"
+    assert got[("swarm_swarm_peers_sharing_a_data_shard", ())] == 0
     assert got[("swarm_swarm_round_start_timestamp_seconds", ())] == 100.0, "same round: same start"
     gauges.update(summarize([record("a", round=4, block_end=2)], invalid=0, n_blocks=2), now=150.0)
     assert samples(registry)[("swarm_swarm_round_start_timestamp_seconds", ())] == 150.0
@@ -417,6 +419,7 @@ def test_bootstrap_serves_the_swarm_as_metrics_json_and_page(live_swarm):
             f"http://127.0.0.1:{port}/metrics")[2].decode()) for s in family.samples if not s.labels}
         assert peer["swarm_outer_round"] >= 1 and peer["swarm_train_loss"] > 0
         assert peer["swarm_hosted_blocks"] == 2 and peer["swarm_compression_ratio"] == pytest.approx(1.0, abs=0.01)
+        assert peer["swarm_data_shard"] in range(64)
         assert peer["swarm_allreduce_uncompressed_bytes_sent_total"] > 0
         assert peer["swarm_device_memory_used_bytes"] > 1 << 20
     piped = live_swarm.peers[0].output()

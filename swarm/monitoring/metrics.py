@@ -82,6 +82,9 @@ class PeerMetrics:
         self.block_start = Gauge("swarm_hosted_block_start", "First block this peer hosts", registry=r)
         self.block_end = Gauge("swarm_hosted_block_end", "End (exclusive) of the blocks this peer hosts",
                                registry=r)
+        self.data_shard = Gauge("swarm_data_shard", "Data shard this peer reads now (NaN before it chose where "
+                                "to start)", registry=r)
+        self.data_shard.set(math.nan)
         self.memory_used = Gauge("swarm_device_memory_used_bytes", "Memory in use on the training device: "
                                  "allocated tensors on a GPU, resident set of the process on a CPU", registry=r)
         self.memory_total = Gauge("swarm_device_memory_total_bytes", "Memory of the training device (system "
@@ -181,6 +184,8 @@ class SwarmGauges:
                                  "(NaN when no peer reports one)", registry=registry)
         self.val_loss = Gauge("swarm_swarm_val_loss_mean", "Mean validation loss reported by training peers of "
                               "the current round (NaN when none reports one)", registry=registry)
+        self.sharing_data = Gauge("swarm_swarm_peers_sharing_a_data_shard", "Online peers that read a data shard "
+                                  "another online peer reads now (they train on the same windows)", registry=registry)
         self.round_started = Gauge("swarm_swarm_round_start_timestamp_seconds", "Unix time at which the bootstrap "
                                    "first saw the current round", registry=registry)
         self._labelled_blocks = 0
@@ -197,6 +202,11 @@ class SwarmGauges:
         self._labelled_blocks = summary.n_blocks
         self.blocks.set(summary.n_blocks)
         self.peers_online.set(summary.peers_online)
+        readers: dict[int, int] = {}  # data shard -> online peers reading it
+        for p in summary.peers:
+            if p.state != "offline" and p.data_shard is not None:
+                readers[p.data_shard] = readers.get(p.data_shard, 0) + 1
+        self.sharing_data.set(sum(n for n in readers.values() if n > 1))
         self.loss_spread.set(math.nan if summary.loss_spread is None else summary.loss_spread)
         val_losses = [p.val_loss for p in summary.peers if p.state in ("training", "averaging")
                       and p.round == summary.round and p.val_loss is not None]

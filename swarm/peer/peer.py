@@ -187,7 +187,12 @@ class Peer:
         ours = checkpoint is not None and checkpoint.meta.get("recipe") == self.recipe.digest()
         saved = checkpoint.meta.get("data_shard") if ours else None
         if ours:
-            self.inner_steps = int(checkpoint.meta.get("inner_steps", 0))
+            steps = checkpoint.meta.get("inner_steps", 0)
+            if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0:
+                self.inner_steps = steps
+            else:
+                logger.warning("checkpoint %s: inner_steps %r is not a step count; reading our stream from its start",
+                               checkpoint.path, steps)
         if s.data_shard is not None:
             self.shard, how = s.data_shard % n, "as --data-shard says"
         elif isinstance(saved, int) and not isinstance(saved, bool) and 0 <= saved < n:
@@ -200,6 +205,7 @@ class Peer:
             self.shard = choose_data_shard(reading, n, self._id_hash())
             how = f"inside the widest run of shards no live peer reads (they read {reading})"
         logger.info("data: shard %d/%d at step %d, %s", self.shard, n, self.inner_steps, how)
+        self.metrics.data_shard.set_function(lambda: float(self._reading_shard()))
         self.announcer.refresh_soon(self.loop)
 
     def _id_hash(self) -> int:
