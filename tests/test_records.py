@@ -321,6 +321,10 @@ def test_summary_coverage_agreement_and_json():
     text = render_status(summary, "unit-run", "f" * 64)
     assert "3 peers online" in text and "1 offline" in text and "hosted by nobody: 3, 4" in text
     assert "2 invalid records" in text and "agree (" in text and "DIFFER" in render_status(disagree, "r", "f")
+    header, first = text.splitlines()[3:5]
+    assert header.split()[-4:] == ["round", "shard", "loss", "seen"] and first.split()[-4:-2] == ["3", "17"]
+    unknown = render_status(summarize([dataclasses.replace(peers[0], data_shard=None)], 0, 5), "r", "f")
+    assert unknown.splitlines()[4].split()[-3] == "-", "a peer that announces no shard"
     assert summarize([], 0).n_blocks == 0
 
 
