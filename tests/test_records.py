@@ -45,7 +45,8 @@ def record(peer_id: str = "", **changes) -> PeerRecord:
     base = PeerRecord(peer_id=peer_id, state="training", version="0.1.0", run_id=RUN, round=3, tokens_in_round=512,
                       block_start=0, block_end=2, digest="ab" * 8, device="cuda", device_name="NVIDIA A100",
                       device_memory=80 << 30, tokens_per_s=1234.5, bandwidth_up=1e8, bandwidth_down=2e8,
-                      loss=4.2, val_loss=4.3, attempt=0, data_shard=17, updated=1000.0)
+                      loss=4.2, val_loss=4.3, attempt=0, data_shard=17, data_start=12,
+                      updated=1000.0)
     return dataclasses.replace(base, **changes)
 
 
@@ -59,11 +60,12 @@ def test_record_round_trips_and_ignores_unknown_fields():
 
 def test_old_records_without_new_fields_still_parse():
     wire = record("QmPeer").to_wire()
-    for name in ("device_name", "device_memory", "bandwidth_up", "bandwidth_down", "in_flight_tokens", "data_shard"):
+    for name in ("device_name", "device_memory", "bandwidth_up", "bandwidth_down", "in_flight_tokens", "data_shard",
+                 "data_start"):
         del wire[name]
     parsed = PeerRecord.from_wire("QmPeer", wire)
     assert (parsed.device_name, parsed.device_memory, parsed.bandwidth_up, parsed.bandwidth_down) == ("", 0, 0, 0)
-    assert parsed.data_shard is None
+    assert parsed.data_shard is None and parsed.data_start is None
     assert parsed.counting_round == parsed.round
 
 
@@ -75,6 +77,7 @@ def test_old_records_without_new_fields_still_parse():
     ("device_memory", 1 << 60), ("device_memory", 1.0), ("loss", math.nan), ("loss", "low"), ("updated", -1.0),
     ("digest", "x" * 10_000), ("device_name", ["a"]), ("run_id", None), ("in_flight_tokens", -1),
     ("in_flight_tokens", "4"), ("data_shard", -3), ("data_shard", 2.0), ("data_shard", True),
+    ("data_start", -1), ("data_start", "0"),
 ])
 def test_malformed_fields_are_rejected(field, value):
     wire = {**record().to_wire(), field: value}

@@ -8,7 +8,9 @@ import signal
 
 import pytest
 
+from swarm.dht.validation import Identity
 from swarm.peer.checkpoint import load_latest
+from swarm.peer.peer import peer_id_hash
 
 pytestmark = pytest.mark.slow
 
@@ -68,9 +70,42 @@ def test_a_joiner_reads_where_no_peer_does_and_a_restart_keeps_its_place(swarm):
     for peer in (first, joiner):
         assert peer.wait(180) == 0, peer.output()[-3000:]
     saved = load_latest(checkpoints)
-    steps = saved.meta["inner_steps"]
+    steps = saved.meta["data_step"]
     assert saved.round == 3 and saved.meta["data_shard"] == start and steps > 0, saved.meta
 
     again = swarm.peer(maddr, "--until-round", "3", "--checkpoint-dir", str(checkpoints), name="again")
     again.wait_for(rf"data: shard {start}/64 at step {steps}, as our checkpoint says", 120)
     assert again.wait(60) == 0, again.output()[-3000:]
+
+
+def test_peers_whose_streams_start_at_one_shard_part(swarm):
+    """Two peers whose ids hash to one shard join at the same moment. If each chose before the other announced a
+    shard, both start there and read identical batches: the one whose id hashes higher moves to a new stream. If
+    one saw the other's shard, it started elsewhere. Either way they end on different streams."""
+    keys: dict[int, Identity] = {}
+    for i in range(400):  # about 10 keys until two share a shard (64 of them): the birthday bound
+        identity = Identity.load_or_create(str(swarm.workdir / f"id{i}.key"))
+        shard = peer_id_hash(identity.peer_id) % 64
+        if shard in keys:
+            twins = sorted([keys[shard], identity], key=lambda k: peer_id_hash(k.peer_id))
+            break
+        keys[shard] = identity
+    _, maddr = swarm.bootstrap()
+    peers = [swarm.peer(maddr, "--until-round", "8", "--identity-path", twin.path, "--checkpoint-dir",
+                        str(swarm.workdir / f"ckpt{i}"), name=f"twin{i}") for i, twin in enumerate(twins)]
+    for peer in peers:
+        assert peer.wait(180) == 0, peer.output()[-3000:]
+    chose = [re.search(r"data: shard (\d+)/64 at step 0, inside the widest run of shards no live peer reads "
+                       r"\(they read \[(.*)\]\)", peer.output()).groups() for peer in peers]
+    moved = [re.findall(r"data: peer (\S+) started at shard (\d+) too \(identical batches\); moving to shard (\d+)",
+                        peer.output()) for peer in peers]
+    blind = [reading == "" for _, reading in chose]
+    print("choices", chose, "moves", moved)
+    if all(blind):  # both took the shard their ids hash to: the same one
+        assert chose[0][0] == chose[1][0] == str(shard)
+        assert moved[0] == [] and len(moved[1]) == 1, "exactly one moves: the one whose id hashes higher"
+        assert moved[1][0][:2] == (twins[0].peer_id, str(shard)) and moved[1][0][2] != str(shard)
+    else:
+        assert moved == [[], []], "a peer that saw the other's shard started elsewhere: nobody needs to move"
+    starts = [load_latest(swarm.workdir / f"ckpt{i}").meta["data_shard"] for i in range(2)]
+    assert starts[0] != starts[1], starts

@@ -72,9 +72,11 @@ class PeerRecord:
     # With overlap: the tokens of `round` handed to an all-reduce still in flight; tokens_in_round then count
     # toward round + 1 already. None otherwise.
     in_flight_tokens: Optional[int] = None
-    # The data shard the peer reads now (None before it chose one, or from a peer that does not announce it):
-    # joiners start where nobody reads.
+    # The data shard the peer reads now, and the one its stream started at (None before it chose one, or from a
+    # peer that does not announce them): joiners start where nobody reads, and peers whose streams started at one
+    # shard (identical batches) part.
     data_shard: Optional[int] = None
+    data_start: Optional[int] = None
     updated: float = 0.0
 
     @property
@@ -118,7 +120,7 @@ class PeerRecord:
         for name in ("round", "tokens_in_round", "block_start", "block_end", "attempt"):
             _integer(getattr(self, name), name, 1 << 62)
         _integer(self.device_memory, "device_memory", MAX_MEMORY)
-        for name in ("in_flight_tokens", "data_shard"):
+        for name in ("in_flight_tokens", "data_shard", "data_start"):
             if getattr(self, name) is not None:
                 _integer(getattr(self, name), name, 1 << 62)
         if not self.block_start < self.block_end or (n_blocks is not None and self.block_end > n_blocks):

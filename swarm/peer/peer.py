@@ -59,6 +59,15 @@ class Contribution:
 DEFAULT_BANDWIDTH = 12.5e6  # bytes/s (100 Mbit/s) until the first all-reduce measures the real link
 
 
+def peer_id_hash(peer_id: str) -> int:
+    """A peer id as a number: the tie-break of data shard choices."""
+    return int(hashlib.sha256(peer_id.encode()).hexdigest(), 16)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 class Peer:
     def __init__(self, settings: PeerSettings):
         self.settings = settings
@@ -143,6 +152,7 @@ class Peer:
         self.metrics.set_blocks(*self.block_range)  # issue #7
         self.state, self.tokens_in_round, self.loss, self.tokens_per_s = "syncing", 0, None, probe_tokens_per_s
         self.inner_steps, self.attempt, self.steps_in_round, self.last_group_size = 0, 0, 0, 1
+        self.data_step = 0  # batches read from our stream (it starts at self.shard)
         self.bandwidth = DEFAULT_BANDWIDTH  # what we tell matchmaking, for the reduction shares
         self.bandwidth_up = self.bandwidth_down = 0.0  # what the last all-reduce moved per second (announced)
         self._excluded: set[str] = set()  # sent bad data this round: left out until the round is over
@@ -187,15 +197,17 @@ class Peer:
         ours = checkpoint is not None and checkpoint.meta.get("recipe") == self.recipe.digest()
         saved = checkpoint.meta.get("data_shard") if ours else None
         if ours:
-            steps = checkpoint.meta.get("inner_steps", 0)
-            if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0:
-                self.inner_steps = steps
+            steps = checkpoint.meta.get("data_step", checkpoint.meta.get("inner_steps", 0))  # older: inner_steps
+            if _is_count(steps):
+                self.data_step = steps
+                if _is_count(checkpoint.meta.get("inner_steps")):
+                    self.inner_steps = checkpoint.meta["inner_steps"]
             else:
-                logger.warning("checkpoint %s: inner_steps %r is not a step count; reading our stream from its start",
+                logger.warning("checkpoint %s: data_step %r is not a step count; reading our stream from its start",
                                checkpoint.path, steps)
         if s.data_shard is not None:
             self.shard, how = s.data_shard % n, "as --data-shard says"
-        elif isinstance(saved, int) and not isinstance(saved, bool) and 0 <= saved < n:
+        elif _is_count(saved) and saved < n:
             self.shard, how = saved, "as our checkpoint says"
         elif ours:  # a checkpoint from before shards were chosen: its stream started where our id hashes
             self.shard, how = self._id_hash() % n, "hashed from our peer id, as our checkpoint's stream did"
@@ -204,19 +216,38 @@ class Peer:
                              if p.peer_id != self.node.peer_id and p.data_shard is not None)
             self.shard = choose_data_shard(reading, n, self._id_hash())
             how = f"inside the widest run of shards no live peer reads (they read {reading})"
-        logger.info("data: shard %d/%d at step %d, %s", self.shard, n, self.inner_steps, how)
+        logger.info("data: shard %d/%d at step %d, %s", self.shard, n, self.data_step, how)
         self.metrics.data_shard.set_function(lambda: float(self._reading_shard()))
         self.announcer.refresh_soon(self.loop)
 
+    def _leave_a_shared_stream(self) -> bool:
+        """Peers that join at the same moment choose from the same view (each before the other announced a
+        shard), and can start at one shard: their streams are then identical, batch for batch. When a live peer
+        announces our starting shard and its id hashes lower than ours, we start a new stream (of two such peers,
+        exactly one moves). A shard set by --data-shard stays. True if we moved."""
+        if self.settings.data_shard is not None:
+            return False
+        me = self._id_hash()
+        others = [p for p in self.announcer.live() if p.peer_id != self.node.peer_id]
+        rival = next((p for p in others if p.data_start == self.shard and peer_id_hash(p.peer_id) < me), None)
+        if rival is None:
+            return False
+        reading = sorted(p.data_shard for p in others if p.data_shard is not None)
+        before, self.shard, self.data_step = self.shard, choose_data_shard(reading, self.recipe.data.num_shards, me), 0
+        logger.info("data: peer %s started at shard %d too (identical batches); moving to shard %d, inside the widest "
+                    "run of shards no live peer reads (they read %s)", rival.peer_id, before, self.shard, reading)
+        self.announcer.refresh_soon(self.loop)
+        return True
+
     def _id_hash(self) -> int:
-        return int(hashlib.sha256(self.node.peer_id.encode()).hexdigest(), 16)
+        return peer_id_hash(self.node.peer_id)
 
     def _reading_shard(self) -> Optional[int]:
         """The shard our stream reads now (announced), or None before we chose where to start."""
         if self.shard is None:
             return None
         r = self.recipe.data
-        return self.train_data.shard_at(self.shard, r.num_shards, r.batch_size, self.inner_steps)
+        return self.train_data.shard_at(self.shard, r.num_shards, r.batch_size, self.data_step)
 
     def _swarm_reference(self) -> tuple[int, str, list[str]]:
         """(highest round of live peers, the digest most of them hold, the peers holding it). A peer whose
@@ -262,7 +293,7 @@ class Peer:
             device_name=self.device_info.name, device_memory=self.device_info.memory_bytes,  # issue #3
             tokens_per_s=self.tokens_per_s, bandwidth_up=self.bandwidth_up, bandwidth_down=self.bandwidth_down,
             loss=self.loss, val_loss=self.val_loss, attempt=self.attempt, updated=self.node.now(),
-            in_flight_tokens=self.in_flight_tokens, data_shard=self._reading_shard())
+            in_flight_tokens=self.in_flight_tokens, data_shard=self._reading_shard(), data_start=self.shard)
 
     def _counting_round(self) -> int:
         """The round our tokens_in_round count toward: with overlap, the next one as soon as this round's
@@ -279,7 +310,7 @@ class Peer:
         """Train until max_rounds, until_round or a stop signal; returns the number of rounds averaged."""
         s, r = self.settings, self.recipe
         batches = self.train_data.batches(self.shard, r.data.num_shards, r.data.batch_size, r.data.seed,
-                                          start_step=self.inner_steps)
+                                          start_step=self.data_step)
         self.rounds_done, self.next_attempt = 0, 0
         tokens_per_step = r.data.batch_size * r.data.seq_len
         self.retry_after_tokens = 0
@@ -304,6 +335,7 @@ class Peer:
             compute_seconds += time.monotonic() - step_started
             self.metrics.compute_utilization.set(compute_seconds / max(time.monotonic() - run_started, 1e-9))
             self.inner_steps += 1
+            self.data_step += 1
             self.steps_in_round += 1
             self.metrics.inner_steps.inc()
             self.metrics.tokens.inc(tokens_per_step)
@@ -319,6 +351,9 @@ class Peer:
                 self.tokens_per_s = window_tokens / elapsed
                 self.metrics.tokens_per_second.set(self.tokens_per_s)
                 window_start, window_tokens = time.monotonic(), 0
+            if self._leave_a_shared_stream():  # cheap: a look at the view, which the heartbeat keeps fresh
+                batches = self.train_data.batches(self.shard, r.data.num_shards, r.data.batch_size, r.data.seed,
+                                                  start_step=self.data_step)
             if self.pending is not None and self.pending[0].done():
                 self._finish_pending()
                 continue  # the round changed: re-check whether we are finished before preparing another
@@ -603,7 +638,7 @@ class Peer:
             self.settings.checkpoint_dir, self.diloco.round, self.diloco.tokens_seen, tensors,
             {"digest": self.diloco.digest(), "recipe": self.recipe.digest(), "loss": self.loss,
              "val_loss": self.val_loss, "inner_steps": self.inner_steps, "data_shard": self.shard,
-             "version": __version__},
+             "data_step": self.data_step, "version": __version__},
             keep=self.settings.keep_checkpoints, series_every=self.settings.checkpoint_series)
         self._last_checkpoint_round = self.diloco.round
         self.metrics.checkpoint_written(self.diloco.round)  # issue #7: round and age
