@@ -207,7 +207,7 @@ class Peer:
                                checkpoint.path, steps)
         if s.data_shard is not None:
             self.shard, how = s.data_shard % n, "as --data-shard says"
-            if ours and saved != self.shard:
+            if ours and saved is not None and saved != self.shard:
                 self.data_step = 0  # our checkpoint's place was in another stream
         elif _is_count(saved) and saved < n:
             self.shard, how = saved, "as our checkpoint says"
