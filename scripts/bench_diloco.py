@@ -128,7 +128,8 @@ def main() -> None:
     by_key = {row["config"]: row for row in rows}
     params = sum(p.numel() for p in result.global_params)
     print(f"\n{params / 1e6:.2f}M-parameter Llama, {total_tokens:,} tokens, M={m}, H={h}, batch {args.batch}x"
-          f"{args.seq_len} per worker")
+          f"{args.seq_len} per worker; corpus {args.data_source}: {data.n_train_docs} training documents, "
+          f"{data.train.num_windows * args.seq_len:,} tokens")
     print(f"{'config':<28}{'val loss':>10}{'vs (a)':>9}{'vs (b)':>9}{'MB sent/worker':>16}{'less than (a)':>15}")
     for row in rows:
         vs_a = f"{(row['val_loss'] / by_key['a']['val_loss'] - 1) * 100:+.2f}%" if "a" in by_key else "-"
