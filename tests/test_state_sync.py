@@ -47,6 +47,20 @@ class DroppingServer(StateServer):
         await super().handle(remote, reader, writer)
 
 
+class MovingServer(StateServer):
+    """A holder whose swarm takes a round while a joiner downloads: after `ranges` requests it serves newer params."""
+
+    def __init__(self, diloco: DiLoCo, newer: DiLoCo, ranges: int):
+        super().__init__(diloco)
+        self.newer, self.left = StateServer(newer), ranges
+
+    async def current(self) -> Snapshot:
+        if self.left <= 0:
+            return await self.newer.current()
+        self.left -= 1
+        return await super().current()
+
+
 class LyingServer(StateServer):
     """A holder that announces the right digest and sha256 but serves other bytes."""
 
@@ -153,3 +167,19 @@ def test_holders_that_moved_on_are_told_apart_from_holders_that_failed(network):
     with pytest.raises(StateSyncError) as failed:
         _download(loop, add(), [add()], _diloco(2), _trained(0).digest())  # it serves no state at all
     assert not failed.value.moved_on
+
+
+def test_a_download_overtaken_by_a_round_says_the_holders_moved_on(network):
+    """Holders that take a round while a joiner downloads drop out mid-download with a changed sha256: the error
+    says they moved on, so the peer asks again at once for the newer state instead of backing off (with rounds
+    shorter than its back-off, a joiner that backed off never caught up)."""
+    loop, add = network
+    old, newer = _trained(0), _trained(1)
+    joiner_state = _diloco(2)
+    with pytest.raises(StateSyncError) as overtaken:
+        _download(loop, add(), [add(MovingServer(old, newer, ranges=3))], joiner_state, old.digest())
+    assert overtaken.value.moved_on and "moved on to newer params" in str(overtaken.value)
+    assert joiner_state.round == 0, "nothing is loaded from a download that did not finish"
+    with pytest.raises(StateSyncError) as dropped:
+        _download(loop, add(), [add(DroppingServer(_trained(0), ranges=3))], _diloco(2), old.digest())
+    assert not dropped.value.moved_on, "a holder that went away is not a holder that moved on"

@@ -197,6 +197,7 @@ async def _fetch(node: SwarmNode, sources: list[str], run_id: str, size: int, sh
         todo.put_nowait(offset)
     served: Counter = Counter()
     alive = set(sources)
+    moved_on: set[str] = set()  # holders that dropped because their state changed: the swarm took a round
 
     async def fetch_from(holder: str) -> None:
         while holder in alive:
@@ -206,8 +207,11 @@ async def _fetch(node: SwarmNode, sources: list[str], run_id: str, size: int, sh
                 return
             try:
                 theirs, data = await _request(node, holder, run_id, offset, range_bytes, sha256, stall)
-                if theirs["sha256"] != sha256 or len(data) != min(range_bytes, size - offset):
+                if theirs["sha256"] != sha256:
+                    moved_on.add(holder)
                     raise ValueError("its state changed")
+                if len(data) != min(range_bytes, size - offset):
+                    raise ValueError("state range of the wrong length")
             except Exception as e:  # noqa: BLE001 - the range goes back for another holder
                 todo.put_nowait(offset)
                 if holder in alive:
@@ -222,7 +226,9 @@ async def _fetch(node: SwarmNode, sources: list[str], run_id: str, size: int, sh
         await asyncio.gather(*(fetch_from(h) for h in list(alive) for _ in range(REQUESTS_PER_HOLDER)))
     if todo.qsize():
         raise StateSyncError(f"state download failed: every holder dropped, {todo.qsize()} of "
-                             f"{-(-size // range_bytes)} ranges missing")
+                             f"{-(-size // range_bytes)} ranges missing"
+                             + (f" ({len(moved_on)} moved on to newer params)" if moved_on else ""),
+                             moved_on=bool(moved_on))
     return b"".join(pieces[offset] for offset in sorted(pieces)), served
 
 
