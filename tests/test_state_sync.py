@@ -171,8 +171,8 @@ def test_holders_that_moved_on_are_told_apart_from_holders_that_failed(network):
 
 def test_a_download_overtaken_by_a_round_says_the_holders_moved_on(network):
     """Holders that take a round while a joiner downloads drop out mid-download with a changed sha256: the error
-    says they moved on, so the peer asks again at once for the newer state instead of backing off (with rounds
-    shorter than its back-off, a joiner that backed off never caught up)."""
+    says they moved on, so the peer asks again for the newer state after a second instead of backing off for ten
+    (with rounds shorter than its back-off, a joiner that backed off never caught up)."""
     loop, add = network
     old, newer = _trained(0), _trained(1)
     joiner_state = _diloco(2)
