@@ -61,6 +61,24 @@ def test_state_round_trip_restores_params_and_momentum():
         a.outer_step(torch.ones(3), 1)
 
 
+def test_the_replay_log_keeps_the_latest_unbroken_steps_within_a_states_bytes():
+    diloco = DiLoCo(_model(), OuterRecipe())
+    n = diloco.numel
+    for step in range(3):  # fp32 averages: 4 bytes a param, so the 8 bytes of a state hold 2 of them
+        diloco.outer_step(torch.full((n,), 0.5 * (step + 1)), tokens=10)
+    assert [s.round for s in diloco.replay_log] == [1, 2]
+    wire = [(0, n, b"x" * n)]  # as an all-reduce that sent a byte a param delivered it (not decoded here)
+    for step in range(8):
+        diloco.outer_step(torch.full((n,), 0.1), tokens=10, wire=wire)
+    assert [s.round for s in diloco.replay_log] == [3, 4, 5, 6, 7, 8, 9, 10]
+    assert all(s.wire == tuple(wire) and s.average is None for s in diloco.replay_log)
+    assert [s.after for s in diloco.replay_log][:-1] == [s.digest for s in diloco.replay_log][1:], "unbroken"
+    assert diloco.steps_since(4, diloco.replay_log[1].digest) == list(diloco.replay_log)[1:]
+    assert diloco.steps_since(4, "other params") == [] and diloco.steps_since(1, diloco.digest()) == []
+    diloco.load_flat_state(diloco.flat_state())
+    assert not diloco.replay_log, "after a mixing group's state, the log starts again"
+
+
 def test_learning_rate_warmup_then_cosine():
     inner = InnerRecipe(lr=1e-3, warmup_tokens=1000, min_lr_ratio=0.1)
     assert learning_rate(inner, 500, 10_000) == pytest.approx(5e-4)

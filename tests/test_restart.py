@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -37,6 +38,29 @@ def test_whole_swarm_restarts_from_newest_checkpoint(swarm):
             "synced state of round 2" in output, output[-2000:]
         assert "round 2: averaged with 2 peers" in output, "training went on from round 2, losing nothing"
     assert [load_latest(c).round for c in ckpt] == [3, 3]
+
+
+def test_a_peer_back_a_few_rounds_behind_replays_them_instead_of_downloading_the_state(swarm):
+    """A peer leaves at round 2 (its checkpoint holds that state); the other two go on; restarted, it asks them
+    for the outer steps they took since its state and replays them (int8 averages: a byte a param, against the
+    eight of params and momentum), checking the params digest after each, and then averages with them again."""
+    _, maddr = swarm.bootstrap(recipe=Path(__file__).parent / "recipes" / "replay.yaml")
+    rounds, checkpoints = 8, swarm.workdir / "ckpt"
+    others = [swarm.peer(maddr, "--until-round", str(rounds), name=f"stays{i}") for i in range(2)]
+    leaving = swarm.peer(maddr, "--until-round", "2", "--checkpoint-dir", str(checkpoints), name="leaving")
+    assert leaving.wait(180) == 0, leaving.output()[-3000:]
+    assert load_latest(checkpoints).round == 2
+    others[0].wait_for(r"round 2: averaged with 2 peers", 120)  # the swarm went on without it
+    back = swarm.peer(maddr, "--until-round", str(rounds), "--checkpoint-dir", str(checkpoints), name="back")
+    back.wait_for(r"resumed from checkpoint .*\(round 2,", 120)
+    synced = back.wait_for(r"synced state of round (\d+), digest \S+ \(replayed (\d+) outer step", 120)
+    assert int(synced.group(1)) >= 3 and int(synced.group(2)) == int(synced.group(1)) - 2, synced.group(0)
+    for peer in [*others, back]:
+        assert peer.wait(180) == 0, peer.output()[-3000:]
+    assert "downloaded the state" not in back.output()
+    last = [re.search(rf"round {rounds - 1}: averaged with 3 peers.* digest (\S+)", p.output()) for p in
+            [*others, back]]
+    assert all(last) and len({m.group(1) for m in last}) == 1, "the three end with the same params"
 
 
 def test_ctrl_c_stops_cleanly_with_a_checkpoint(swarm):

@@ -9,10 +9,11 @@ import numpy
 import pytest
 import torch
 
+from swarm.compression import decode, get_codec
 from swarm.config import OuterRecipe
 from swarm.dht.node import NetworkOptions, SwarmNode
-from swarm.peer.diloco import DiLoCo
-from swarm.peer.state_sync import Snapshot, StateServer, StateSyncError, download_state, protocol
+from swarm.peer.diloco import DiLoCo, OuterStep
+from swarm.peer.state_sync import Snapshot, StateServer, StateSyncError, download_state, protocol, sync_state
 from swarm.runtime import LoopThread
 
 RUN = "state-test"
@@ -28,9 +29,28 @@ def _diloco(seed: int) -> DiLoCo:
 def _trained(seed: int) -> DiLoCo:
     """A DiLoCo state two outer steps in, so it has momentum buffers and a round number."""
     diloco = _diloco(seed)
-    for step in range(2):
-        diloco.outer_step(torch.randn(diloco.numel, generator=torch.Generator().manual_seed(step)), 1000)
+    _step(diloco, 2)
     return diloco
+
+
+def _step(diloco: DiLoCo, rounds: int, codec: str | None = None) -> None:
+    """Outer steps with seeded averages: fp32, or as an all-reduce with `codec` delivers them (three chunks, each
+    encoded on its own, as three reducers would)."""
+    for _ in range(rounds):
+        average = torch.randn(diloco.numel, generator=torch.Generator().manual_seed(diloco.round)) * 1e-2
+        wire = None
+        if codec is not None:
+            bounds = [0, diloco.numel // 3, 2 * diloco.numel // 3, diloco.numel]
+            wire = [(a, b, get_codec(codec).encode(average[a:b])) for a, b in zip(bounds, bounds[1:])]
+            average = torch.cat([decode(payload) for _, _, payload in wire])
+        diloco.outer_step(average, 1000, wire)
+
+
+def _copy(diloco: DiLoCo, seed: int = 5) -> DiLoCo:
+    """Another peer's DiLoCo holding the same state (its own model's init differs: `seed`)."""
+    twin = _diloco(seed)
+    twin.load_state_tensors(diloco.state_tensors(), diloco.round, diloco.tokens_seen)
+    return twin
 
 
 class DroppingServer(StateServer):
@@ -48,24 +68,55 @@ class DroppingServer(StateServer):
 
 
 class MovingServer(StateServer):
-    """A holder whose swarm takes a round while a joiner downloads: after `ranges` requests it serves newer params."""
+    """A holder whose swarm takes a round while a joiner downloads and that no longer keeps the snapshot the joiner
+    started on (it restarted with newer params): after `ranges` requests it serves only newer params."""
 
     def __init__(self, diloco: DiLoCo, newer: DiLoCo, ranges: int):
         super().__init__(diloco)
         self.newer, self.left = StateServer(newer), ranges
 
-    async def current(self) -> Snapshot:
+    async def snapshot(self, sha256) -> Snapshot:
         if self.left <= 0:
             return await self.newer.current()
         self.left -= 1
-        return await super().current()
+        return await super().snapshot(sha256)
+
+
+class SteppingServer(StateServer):
+    """An honest holder whose swarm takes `rounds` rounds (fp32 averages) after it served `ranges` requests: a
+    joiner's download is overtaken mid-way."""
+
+    def __init__(self, diloco: DiLoCo, ranges: int, rounds: int = 1):
+        super().__init__(diloco)
+        self.left, self.rounds = ranges, rounds
+
+    async def handle(self, remote, reader, writer):
+        await super().handle(remote, reader, writer)
+        self.left -= 1
+        if self.left == 0:
+            _step(self.diloco, self.rounds)
+
+
+class ForgingServer(StateServer):
+    """Serves the state honestly but logs outer steps of its own making: each applies to the asker's state and
+    names the holder's digest as its end, but its average is not the one that got there."""
+
+    async def _send_steps(self, remote, request, writer):
+        real = self.diloco.steps_since(request["replay_from"], request["digest"])
+        self.diloco.replay_log.clear()
+        self.diloco.replay_log.extend(OuterStep(s.round, s.digest, s.after, s.tokens, s.average + 1e-3) for s in real)
+        try:
+            await super()._send_steps(remote, request, writer)
+        finally:
+            self.diloco.replay_log.clear()
+            self.diloco.replay_log.extend(real)
 
 
 class LyingServer(StateServer):
     """A holder that announces the right digest and sha256 but serves other bytes."""
 
-    async def current(self) -> Snapshot:
-        snapshot = await super().current()
+    async def snapshot(self, sha256) -> Snapshot:
+        snapshot = await super().snapshot(sha256)
         flipped = (numpy.frombuffer(snapshot.payload, numpy.uint8) ^ 0xFF).tobytes()  # every range is wrong
         return Snapshot(snapshot.header, flipped, snapshot.last_used)
 
@@ -92,6 +143,11 @@ def network():
 def _download(loop, joiner, holders, diloco, digest):
     return loop.run(download_state(joiner, [h.peer_id for h in holders], RUN, diloco, digest, stall=20,
                                    range_bytes=RANGE), timeout=120)
+
+
+def _sync(loop, joiner, holders, diloco, digest):
+    return loop.run(sync_state(joiner, [h.peer_id for h in holders], RUN, diloco, digest, stall=20,
+                               range_bytes=RANGE), timeout=120)
 
 
 def _same_state(a: DiLoCo, b: DiLoCo) -> bool:
@@ -169,10 +225,63 @@ def test_holders_that_moved_on_are_told_apart_from_holders_that_failed(network):
     assert not failed.value.moved_on
 
 
+def test_a_download_overtaken_by_a_round_ends_in_the_swarms_newest_state(network):
+    """A holder that takes two rounds while a joiner downloads keeps serving the snapshot the joiner started on;
+    the joiner then replays the two outer steps it missed and ends bit-identical to the holder. Before, the holder
+    served only its newest state, and a download longer than a round never finished."""
+    loop, add = network
+    source = _trained(0)
+    started_at = source.digest()
+    joiner_state = _diloco(2)
+    synced = _sync(loop, add(), [add(SteppingServer(source, ranges=4, rounds=2))], joiner_state, started_at)
+    assert synced.downloaded is not None and synced.downloaded.header["digest"] == started_at
+    assert synced.downloaded.header["round"] == 2 and source.round == 4, "the download was overtaken"
+    assert synced.replayed is not None and synced.replayed.steps == 2
+    assert synced.replayed.bytes == 2 * 4 * source.numel, "two fp32 averages"
+    assert _same_state(joiner_state, source) and joiner_state.digest() == source.digest()
+
+
+def test_a_peer_some_rounds_behind_replays_them_without_a_download(network):
+    """A peer that missed rounds (a failed round, a restart from its checkpoint) replays the outer steps a holder
+    logged since its state: each costs what its average cost on the wire, a fraction of the state."""
+    loop, add = network
+    source = _trained(0)
+    behind = _copy(source)
+    _step(source, 1)
+    _step(source, 2, codec="int8")
+    synced = _sync(loop, add(), [add(StateServer(source))], behind, source.digest())
+    assert synced.downloaded is None and synced.replayed.steps == 3
+    n = source.numel
+    assert 4 * n + 2 * n <= synced.replayed.bytes <= 4 * n + 2 * (n + (16 << 10)), "an fp32 step and two int8 ones"
+    assert _same_state(behind, source)
+    assert "replayed 3 outer step(s)" in synced.describe(behind) and f"round {source.round}" in \
+        synced.describe(behind)
+    assert [s.wire is not None for s in behind.replay_log][-2:] == [True, True], "it can pass them on as cheaply"
+
+
+def test_forged_outer_steps_are_not_applied_and_the_state_is_downloaded_instead(network):
+    """A holder whose logged steps do not lead where they say cannot move a peer anywhere: the replay is undone
+    (bit for bit) and the peer downloads the state, verified against the digest, instead."""
+    loop, add = network
+    source = _trained(0)
+    behind = _copy(source)
+    _step(source, 1)  # one step: nothing after it would notice that it ended elsewhere
+    before = {k: v.clone() for k, v in behind.state_tensors().items()}
+    forger = ForgingServer(source)
+    holder = add(forger)
+    joiner = add()
+    from swarm.peer.state_sync import replay_steps
+    assert loop.run(replay_steps(joiner, [holder.peer_id], RUN, behind, stall=20), timeout=60) is None
+    assert behind.round == 2 and all(torch.equal(before[k], v) for k, v in behind.state_tensors().items())
+    synced = _sync(loop, joiner, [holder], behind, source.digest())
+    assert synced.downloaded is not None and _same_state(behind, source)
+
+
 def test_a_download_overtaken_by_a_round_says_the_holders_moved_on(network):
-    """Holders that take a round while a joiner downloads drop out mid-download with a changed sha256: the error
-    says they moved on, so the peer asks again for the newer state after a second instead of backing off for ten
-    (with rounds shorter than its back-off, a joiner that backed off never caught up)."""
+    """Holders that take a round while a joiner downloads and no longer keep the snapshot it started on drop out
+    mid-download with a changed sha256: the error says they moved on, so the peer asks again for the newer state
+    after a second instead of backing off for ten (with rounds shorter than its back-off, a joiner that backed off
+    never caught up)."""
     loop, add = network
     old, newer = _trained(0), _trained(1)
     joiner_state = _diloco(2)

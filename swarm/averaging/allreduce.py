@@ -261,6 +261,7 @@ class GroupAllReduce:
         stats = {"sent": 0, "received": 0}
         bad = self.faults.bad_data(group.round)
         result = torch.empty_like(vector)
+        wire: dict[int, tuple[int, int, bytes]] = {}  # chunk start -> the bytes its average travelled as
         delivered = vector.clone()  # our vector as the reducers decode it (for error feedback)
         unresponsive: set[str] = set()
         reducers = [members[j] for j in range(len(members)) if j != index and bounds[j][1] > bounds[j][0]]
@@ -346,6 +347,7 @@ class GroupAllReduce:
                 average = total / total_weight
                 encoded = codec_at(a).encode(average)
                 result[a:b] = codec_at(a).decode(encoded, max_numel=b - a)  # exactly what the others will hold
+                wire[a] = (a, b, bytes(encoded))
                 meta = {"contributors": sorted(contributors), "rejected": sorted(rejected),
                         "total_weight": total_weight}
                 accounts.setdefault(me, []).append(meta)
@@ -365,6 +367,7 @@ class GroupAllReduce:
                 self.faults.maybe_die("reduce", group.round)  # (when our own share is empty)
                 try:
                     result[a:b] = self._decode(reducer, payload, b - a, codec_at(a))
+                    wire[a] = (a, b, bytes(payload))
                 except AllReduceError:
                     bad_reducers.add(reducer)  # every member decodes the same bytes, so all of them reject it
                     return
@@ -449,7 +452,7 @@ class GroupAllReduce:
                 raise AllReduceError("commit", f"round {group.round}: {len(set(servers) - applying)} member(s) did "
                                      "not apply; nothing applied", set(servers) - applying)
             return AllReduceResult(result, delivered, group_weight, len(members), stats["sent"],
-                                   stats["received"], time.monotonic() - started)
+                                   stats["received"], time.monotonic() - started, [wire[a] for a in sorted(wire)])
         # A member our commit could not reach is most likely dead: its own commit, if it sent one, is here by
         # now or very soon, so do not wait out the whole deadline for it.
         commit_timeout = min(phase_timeout, COMMIT_GRACE) if unresponsive else phase_timeout
@@ -461,7 +464,7 @@ class GroupAllReduce:
             raise AllReduceError("commit", f"round {group.round}: {len(unconfirmed)} member(s) did not confirm; "
                                  "nothing applied", unconfirmed)
         return AllReduceResult(result, delivered, group_weight, len(members), stats["sent"], stats["received"],
-                               time.monotonic() - started)
+                               time.monotonic() - started, [wire[a] for a in sorted(wire)])
 
     def _outgoing(self, part: torch.Tensor, bad: Optional[str], codec) -> bytes:
         """The encoded part, or (under fault injection) a named kind of bad data."""

@@ -44,6 +44,9 @@ class AllReduceResult:
     bytes_sent: int
     bytes_received: int
     seconds: float
+    # The average as every member decoded it: (start, end, encoded bytes) per chunk, in order, or None where it
+    # never travelled encoded (the ring's fp32). A peer that missed the round can redo it from these bytes.
+    wire: Optional[list[tuple[int, int, bytes]]] = None
 
 
 @dataclass

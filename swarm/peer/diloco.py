@@ -1,17 +1,58 @@
 """DiLoCo around an ordinary inner optimizer: the global params (fp32, CPU) and the outer Nesterov optimizer
 live beside the local model; a round's pseudo-gradient is global minus local, and the outer step applies the
-group's average of them and resets the local model to the new global params.
+group's average of them and resets the local model to the new global params. The last few outer steps are kept
+(OuterStep), so a peer a few rounds behind can replay them instead of downloading the whole state.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from swarm.compression import decode
 from swarm.config import OuterRecipe
 from swarm.peer.model import params_digest
+
+
+@dataclass(frozen=True)
+class OuterStep:
+    """One applied outer step, enough to redo it: the averaged pseudo-gradient and tokens that took the state of
+    round `round` with params digest `digest` to the params digest `after`. The average is kept as the encoded
+    chunks every member of the group decoded (`wire`: (start, end, bytes), in order), so it costs what it cost on
+    the wire (int8: about a byte a param), or in fp32 where it never travelled encoded (the ring's)."""
+
+    round: int
+    digest: str
+    after: str
+    tokens: int
+    average: Optional[torch.Tensor] = None
+    wire: Optional[tuple[tuple[int, int, bytes], ...]] = None
+
+    @property
+    def nbytes(self) -> int:
+        if self.wire is not None:
+            return sum(len(payload) for _, _, payload in self.wire)
+        return self.average.numel() * 4
+
+    def vector(self, numel: int) -> torch.Tensor:
+        """The average, flat fp32; ValueError if it does not hold `numel` values."""
+        if self.wire is None:
+            if self.average is None or self.average.numel() != numel:
+                raise ValueError(f"outer step of round {self.round} has no average of {numel} values")
+            return self.average.to(torch.float32)
+        out, at = torch.empty(numel, dtype=torch.float32), 0
+        for start, end, payload in self.wire:
+            if start != at or not start < end <= numel:
+                raise ValueError(f"outer step of round {self.round}: chunks do not cover its {numel} values")
+            out[start:end] = decode(payload, max_numel=end - start)
+            at = end
+        if at != numel:
+            raise ValueError(f"outer step of round {self.round}: chunks do not cover its {numel} values")
+        return out
 
 
 class DiLoCo:
@@ -29,6 +70,9 @@ class DiLoCo:
         self.tokens_seen = 0
         self.lock = threading.RLock()  # guards global params and optimizer state against concurrent readers
         self._digest: Optional[str] = None
+        # The latest outer steps, in order and unbroken (a state loaded from elsewhere starts a new log), holding
+        # at most the bytes of one state: about 8 rounds of an int8 all-reduce, 4 of an fp16 one, 2 of an fp32 one.
+        self.replay_log: deque[OuterStep] = deque()
 
     def pseudo_gradient(self) -> torch.Tensor:
         """Flat fp32 vector of global minus local params, in parameter order."""
@@ -36,11 +80,14 @@ class DiLoCo:
             return torch.cat([(g - l.detach().to("cpu", torch.float32)).view(-1)
                               for g, l in zip(self.global_params, self.local_params)])
 
-    def outer_step(self, average: torch.Tensor, tokens: int) -> None:
-        """Apply the averaged pseudo-gradient with the outer optimizer, advance the round, reset local params."""
+    def outer_step(self, average: torch.Tensor, tokens: int,
+                   wire: Optional[list[tuple[int, int, bytes]]] = None) -> None:
+        """Apply the averaged pseudo-gradient with the outer optimizer, advance the round, reset local params.
+        `wire`: the encoded chunks `average` was decoded from (AllReduceResult.wire), kept for replaying."""
         if average.numel() != self.numel:
             raise ValueError(f"averaged pseudo-gradient has {average.numel()} elements, expected {self.numel}")
         with self.lock, torch.no_grad():
+            before, round_before = self.digest(), self.round
             offset = 0
             for param in self.global_params:
                 param.grad = average[offset:offset + param.numel()].view_as(param).to(torch.float32).clone()
@@ -50,7 +97,39 @@ class DiLoCo:
             self.round += 1
             self.tokens_seen += int(tokens)
             self._digest = None
+            self.replay_log.append(OuterStep(round_before, before, self.digest(), int(tokens),
+                                             None if wire else average.to(torch.float32).clone(),
+                                             tuple(wire) if wire else None))
+            while sum(step.nbytes for step in self.replay_log) > 8 * self.numel:
+                self.replay_log.popleft()
         self.reset_local()
+
+    def steps_since(self, round_no: int, digest: str) -> list[OuterStep]:
+        """The logged outer steps that take the state of `round_no` with params `digest` to ours (empty if the
+        log does not reach back to it)."""
+        with self.lock:
+            steps = list(self.replay_log)
+        for i, step in enumerate(steps):
+            if step.round == round_no and step.digest == digest:
+                return steps[i:]
+        return []
+
+    def replay(self, steps: list[OuterStep]) -> None:
+        """Redo another peer's outer steps from our state, checking the params digest before and after each.
+        Raises ValueError, with our state as it was, if one does not apply to our state or ends elsewhere."""
+        with self.lock:
+            saved, log = (self.state_tensors(), self.round, self.tokens_seen), list(self.replay_log)
+            try:
+                for step in steps:
+                    if step.round != self.round or step.digest != self.digest():
+                        raise ValueError(f"the outer step of round {step.round} is not from our state")
+                    self.outer_step(step.vector(self.numel), step.tokens, step.wire)
+                    if self.digest() != step.after:
+                        raise ValueError(f"the outer step of round {step.round} ends at other params")
+            except Exception:
+                self.load_state_tensors(*saved)
+                self.replay_log.extend(log)
+                raise
 
     def flat_state(self) -> torch.Tensor:
         """Global params then outer momentum (zeros before the first outer step, which torch's SGD treats the
@@ -75,6 +154,7 @@ class DiLoCo:
                     self.outer_optimizer.state[param]["momentum_buffer"] = momentum.to(torch.float32).clone()
                 offset += param.numel()
             self._digest = None
+            self.replay_log.clear()  # a mixed state is nobody's to replay from
 
     def reset_local(self) -> None:
         """Local params := global params (cast to the model's device and dtype)."""
@@ -122,4 +202,5 @@ class DiLoCo:
                     self.outer_optimizer.state.pop(param, None)
             self.round, self.tokens_seen = int(round_no), int(tokens_seen)
             self._digest = None
+            self.replay_log.clear()
         self.reset_local()

@@ -34,7 +34,7 @@ from swarm.peer.data import prepare_run_data
 from swarm.peer.diloco import DiLoCo
 from swarm.peer.model import build_model, n_blocks
 from swarm.peer.probe import describe_device, measure_tokens_per_s  # issue #3
-from swarm.peer.state_sync import StateSyncError, download_state, serve_state
+from swarm.peer.state_sync import StateSyncError, serve_state, sync_state
 from swarm.peer.stream import DataStream
 from swarm.peer.training import (inner_step, learning_rate, make_inner_optimizer, pick_device, schedule_tokens,
                                  validation_loss)
@@ -160,13 +160,8 @@ class Peer:
         self._place_stream(checkpoint)
 
     def _load_state(self, checkpoint: Optional[ckpt.Checkpoint]) -> None:
-        """Newest of: the swarm's state (downloaded from a peer), our checkpoint, a fresh seeded init."""
-        swarm_round, digest, holders = self._swarm_reference()
-        if holders and (checkpoint is None or checkpoint.round < swarm_round or
-                        (checkpoint.round == swarm_round and checkpoint.meta.get("digest") != digest)):
-            if swarm_round > 0 or digest != self.diloco.digest():
-                self._resync(holders, digest, reason="joining")
-                return
+        """Our checkpoint (else a fresh seeded init), then the swarm's state if it is newer: replayed from ours
+        where a live peer still logs the rounds since, else downloaded."""
         if checkpoint is not None:
             self.diloco.load_state_tensors(checkpoint.tensors, checkpoint.round, checkpoint.tokens_seen)
             residual = {key.split(".", 1)[1]: value for key, value in checkpoint.tensors.items()
@@ -177,6 +172,10 @@ class Peer:
                         checkpoint.round, checkpoint.tokens_seen)
         else:
             logger.info("starting from the recipe's initial params (round 0, digest %s)", self.diloco.digest())
+        swarm_round, digest, holders = self._swarm_reference()
+        if holders and (self.diloco.round < swarm_round or
+                        (self.diloco.round == swarm_round and digest != self.diloco.digest())):
+            self._resync(holders, digest, reason="joining")
 
     def _place_stream(self, checkpoint: Optional[ckpt.Checkpoint]) -> None:
         """Where in the data we read (DataStream.place): our checkpoint's place if it is of this run."""
@@ -202,12 +201,12 @@ class Peer:
         return top, digest, [p.peer_id for p in at_top if p.digest == digest]
 
     def _resync(self, holders: list[str], digest: str, reason: str) -> bool:
-        """Download the swarm's state (params digest `digest`) from `holders`; False (keeping our own state) if
-        none could provide it, and then no other try before `resync_after`."""
+        """Bring our state to the swarm's (params digest `digest`, held by `holders`; see sync_state); False
+        (keeping our own state) if no holder could, and then no other try before `resync_after`."""
         self.state = "syncing"
         try:
             # No overall timeout: a big model on a slow link takes long; a holder that stalls is dropped.
-            done = self.loop.run(download_state(self.node, holders, self.recipe.run_id, self.diloco, digest))
+            synced = self.loop.run(sync_state(self.node, holders, self.recipe.run_id, self.diloco, digest))
         except StateSyncError as e:
             # Holders that moved on answered at once and will serve their newer params: ask again soon. Others
             # failed us: do not hammer them.
@@ -218,10 +217,7 @@ class Peer:
         self.tokens_in_round = self.steps_in_round = 0
         self.error_feedback.reset()  # our local progress is gone, and with it what we owed the swarm
         self.inner_optimizer = make_inner_optimizer(self.model, self.recipe.inner)
-        size = done.header["size"]
-        logger.info("synced state of round %d from %d peer(s) (%s, digest %s): %.1f MB in %.1f s, %.1f MB/s",
-                    done.header["round"], len(done.bytes_by_holder), reason, digest, size / 1e6, done.seconds,
-                    size / 1e6 / max(done.seconds, 1e-9))
+        logger.info("%s (%s)", synced.describe(self.diloco), reason)
         return True
 
     # ---- what we announce ----------------------------------------------------------------------------------
@@ -495,7 +491,7 @@ class Peer:
             self.metrics.mixing_rounds.inc()
         # With several groups, each sees only its own tokens: count the swarm's (its estimate) in the schedule.
         tokens = result.total_weight * group.swarm_size / max(result.group_size, 1)
-        self.diloco.outer_step(average, int(round(tokens)))
+        self.diloco.outer_step(average, int(round(tokens)), None if group.mix else result.wire)
         self.in_flight_tokens = None  # our tokens since count toward the round we are now in
         self.last_group_size = max(result.group_size, group.swarm_size)
         self.metrics.round_peers.set(group.swarm_size)

@@ -6,6 +6,11 @@ ranges from all of them at once, so a joiner's downlink is not capped by one hol
 goes back to the queue and is fetched from another holder: a holder that leaves mid-download costs only its
 range in flight. Nothing is loaded before the bytes match the sha256 and the tensors match the digest, so a bad
 or hostile holder can waste time but never corrupt the model.
+
+A holder that takes a round while a joiner downloads keeps serving the snapshot the joiner started on, and it
+keeps its last outer steps (DiLoCo.replay_log): the joiner then replays the rounds it missed, each a fraction of
+the state's size, so a download that takes longer than a round still ends in the swarm's current state. A peer
+that fell a few rounds behind replays them the same way without downloading the state at all.
 """
 
 from __future__ import annotations
@@ -19,11 +24,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 import msgpack
+import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from swarm.dht.node import SwarmNode, recv_frame, send_frame
-from swarm.peer.diloco import DiLoCo
+from swarm.peer.diloco import DiLoCo, OuterStep
 from swarm.peer.model import params_digest
 
 logger = logging.getLogger(__name__)
@@ -32,6 +38,9 @@ FRAME_BYTES = 1 << 20  # bytes per frame within a range
 REQUESTS_PER_HOLDER = 2  # in flight, so a holder's link does not idle between two ranges
 STALL_SECONDS = 60.0  # a holder that sends nothing for this long is dropped (slow links are fine, silent ones not)
 SNAPSHOT_SECONDS = 300.0  # a served snapshot is kept this long after its last request, for resuming joiners
+KEPT_SNAPSHOTS = 2  # older snapshots still being downloaded (each asked for in the last STALL_SECONDS)
+MAX_REPLAY_STEPS = 64
+REPLAY_HOLDERS = 3  # asked in turn for the outer steps since our state, before downloading it
 
 
 class StateSyncError(RuntimeError):
@@ -60,6 +69,7 @@ class StateServer:
     def __init__(self, diloco: DiLoCo):
         self.diloco = diloco
         self._snapshot: Optional[Snapshot] = None
+        self._kept: dict[str, Snapshot] = {}  # by sha256: snapshots of past rounds that joiners are downloading
         self._lock = asyncio.Lock()
         self.bytes_served = 0
 
@@ -71,21 +81,45 @@ class StateServer:
             if cached is None or (cached.header["round"], cached.header["digest"]) != key or \
                     time.monotonic() - cached.last_used > SNAPSHOT_SECONDS:
                 header, payload = await asyncio.get_running_loop().run_in_executor(None, _serialise, self.diloco)
+                if cached is not None:
+                    self._keep(cached)
                 cached = self._snapshot = Snapshot(header, payload, time.monotonic())
             cached.last_used = time.monotonic()
             return cached
 
+    def _keep(self, old: Snapshot) -> None:
+        """Keep the snapshot we stop serving as current while joiners still download it (bounded: the most
+        recently asked-for KEPT_SNAPSHOTS, each dropped a stall's time after its last request)."""
+        now = time.monotonic()
+        self._kept[old.header["sha256"]] = old
+        fresh = sorted((s for s in self._kept.values() if now - s.last_used < STALL_SECONDS),
+                       key=lambda s: s.last_used)[-KEPT_SNAPSHOTS:]
+        self._kept = {s.header["sha256"]: s for s in fresh}
+
+    async def snapshot(self, sha256: Optional[str]) -> Snapshot:
+        """The snapshot with `sha256` while we keep it (a joiner goes on with a download our round overtook),
+        else the current one."""
+        async with self._lock:
+            for snapshot in [self._snapshot, *self._kept.values()]:
+                if sha256 is not None and snapshot is not None and snapshot.header["sha256"] == sha256:
+                    snapshot.last_used = time.monotonic()
+                    return snapshot
+        return await self.current()
+
     async def handle(self, remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         request = msgpack.unpackb(await recv_frame(reader, 1024))
+        if isinstance(request, dict) and "replay_from" in request:
+            await self._send_steps(remote, request, writer)
+            return
         offset, length = (request.get("offset", 0), request.get("length", 0)) if isinstance(request, dict) else \
             (None, None)
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (offset, length)):
             raise ValueError(f"malformed state request from {remote}: {request!r}")
-        snapshot = await self.current()
-        await send_frame(writer, msgpack.packb(snapshot.header))
         wanted = request.get("sha256")
+        snapshot = await self.snapshot(wanted if isinstance(wanted, str) else None)
+        await send_frame(writer, msgpack.packb(snapshot.header))
         if wanted is not None and wanted != snapshot.header["sha256"]:
-            return  # our state moved on since the joiner's first request: it sees the new sha256 and goes elsewhere
+            return  # we no longer keep what the joiner downloads: it sees our sha256 and goes elsewhere
         end = min(offset + length, len(snapshot.payload))
         view = memoryview(snapshot.payload)
         for start in range(offset, end, FRAME_BYTES):
@@ -94,6 +128,25 @@ class StateServer:
         if end == len(snapshot.payload) and end > offset:
             logger.info("served the last range of the state of round %d (%.1f MB) to %s", snapshot.header["round"],
                         len(snapshot.payload) / 1e6, remote[-8:])
+
+    async def _send_steps(self, remote: str, request: dict, writer: asyncio.StreamWriter) -> None:
+        """Our logged outer steps from the asker's state on: a header listing them, then each one's bytes (its
+        average's encoded chunks, or its fp32 values)."""
+        round_no, digest = request.get("replay_from"), request.get("digest")
+        if not isinstance(round_no, int) or isinstance(round_no, bool) or not isinstance(digest, str):
+            raise ValueError(f"malformed replay request from {remote}: {request!r}")
+        steps = self.diloco.steps_since(round_no, digest)[:MAX_REPLAY_STEPS]
+        bodies = [msgpack.packb([list(chunk) for chunk in s.wire]) if s.wire is not None else
+                  s.average.to(torch.float32).numpy().tobytes() for s in steps]
+        await send_frame(writer, msgpack.packb({"round": self.diloco.round, "steps": [
+            {"round": s.round, "digest": s.digest, "after": s.after, "tokens": s.tokens,
+             "form": "wire" if s.wire is not None else "float32", "size": len(body)}
+            for s, body in zip(steps, bodies)]}))
+        for body in bodies:
+            view = memoryview(body)
+            for start in range(0, len(view), FRAME_BYTES):
+                await send_frame(writer, view[start:start + FRAME_BYTES])
+            self.bytes_served += len(view)
 
 
 def _serialise(diloco: DiLoCo) -> tuple[dict, bytes]:
@@ -115,6 +168,107 @@ class Downloaded:
     header: dict
     seconds: float
     bytes_by_holder: Counter
+
+
+@dataclass
+class Replayed:
+    steps: int
+    bytes: int
+    holder: str
+
+
+@dataclass
+class Synced:
+    """How `sync_state` brought a peer to the swarm's state: a download (None if replaying sufficed), then the
+    outer steps replayed on top of it."""
+
+    downloaded: Optional[Downloaded]
+    replayed: Optional[Replayed]
+    seconds: float
+
+    def describe(self, diloco: DiLoCo) -> str:
+        parts = []
+        if self.downloaded is not None:
+            d = self.downloaded
+            size = d.header["size"]
+            parts.append(f"downloaded the state of round {d.header['round']} from {len(d.bytes_by_holder)} peer(s): "
+                         f"{size / 1e6:.1f} MB in {d.seconds:.1f} s, {size / 1e6 / max(d.seconds, 1e-9):.1f} MB/s")
+        if self.replayed is not None:
+            r = self.replayed
+            parts.append(f"replayed {r.steps} outer step(s) from {r.holder[-8:]} ({r.bytes / 1e6:.1f} MB)")
+        return f"synced state of round {diloco.round}, digest {diloco.digest()} ({'; '.join(parts)}) in " \
+               f"{self.seconds:.1f} s"
+
+
+async def sync_state(node: SwarmNode, holders: list[str], run_id: str, diloco: DiLoCo, digest: str,
+                     stall: float = STALL_SECONDS, range_bytes: int = RANGE_BYTES) -> Synced:
+    """Bring `diloco` to the swarm's state, the params `digest` that `holders` announced: by replaying the outer
+    steps we missed where a holder still logs them from our state, else by downloading the state and replaying
+    the rounds the holders took meanwhile. Raises StateSyncError, leaving `diloco` as it was, if neither works."""
+    started = time.monotonic()
+    replayed = await replay_steps(node, holders, run_id, diloco, stall)
+    if replayed is not None:  # we are where the holder is now: at `digest`, or past it if it took a round since
+        return Synced(None, replayed, time.monotonic() - started)
+    downloaded = await download_state(node, holders, run_id, diloco, digest, stall, range_bytes)
+    # The swarm may have taken rounds while we downloaded (the holders kept serving our snapshot): replay them.
+    # If that fails we still hold an exact state of the swarm's, only older, and the caller asks again.
+    replayed = await replay_steps(node, list(downloaded.bytes_by_holder), run_id, diloco, stall)
+    return Synced(downloaded, replayed, time.monotonic() - started)
+
+
+async def replay_steps(node: SwarmNode, holders: list[str], run_id: str, diloco: DiLoCo,
+                       stall: float = STALL_SECONDS) -> Optional[Replayed]:
+    """Ask up to REPLAY_HOLDERS holders in turn for the outer steps they logged since our state, and replay the
+    first holder's that has any (DiLoCo.replay checks every step's params digest). None if none took us forward."""
+    for holder in holders[:REPLAY_HOLDERS]:
+        try:
+            steps, size = await _request_steps(node, holder, run_id, diloco, stall)
+            if not steps:
+                continue
+            await asyncio.get_running_loop().run_in_executor(None, diloco.replay, steps)
+            return Replayed(len(steps), size, holder)
+        except Exception as e:  # noqa: BLE001 - unreachable, broken or lying holder: ask the next
+            logger.info("replaying outer steps from %s failed: %s", holder[-8:], _reason(e))
+    return None
+
+
+async def _request_steps(node: SwarmNode, holder: str, run_id: str, diloco: DiLoCo,
+                         stall: float) -> tuple[list[OuterStep], int]:
+    reader, writer = await asyncio.wait_for(node.open_stream(holder, protocol(run_id)), stall)
+    try:
+        await send_frame(writer, msgpack.packb({"replay_from": diloco.round, "digest": diloco.digest()}))
+        header = msgpack.unpackb(await asyncio.wait_for(recv_frame(reader, 64 << 10), stall))
+        listed = header.get("steps") if isinstance(header, dict) else None
+        if not isinstance(listed, list) or len(listed) > MAX_REPLAY_STEPS:
+            raise ValueError("malformed replay header")
+        steps, total = [], 0
+        for meta in listed:
+            if not isinstance(meta, dict) or meta.get("form") not in ("wire", "float32") or \
+                    not all(isinstance(meta.get(k), int) and meta[k] >= 0 for k in ("round", "tokens", "size")) or \
+                    not all(isinstance(meta.get(k), str) for k in ("digest", "after")) or \
+                    meta["size"] > 4 * diloco.numel + (1 << 20) or \
+                    (meta["form"] == "float32" and meta["size"] != 4 * diloco.numel):
+                raise ValueError("malformed replay header")
+            data = bytearray()
+            while len(data) < meta["size"]:
+                frame = await asyncio.wait_for(recv_frame(reader, FRAME_BYTES), stall)
+                if not frame or len(data) + len(frame) > meta["size"]:
+                    raise ValueError("outer step of the wrong length")
+                data += frame
+            total += len(data)
+            fields = (meta["round"], meta["digest"], meta["after"], meta["tokens"])
+            if meta["form"] == "float32":
+                steps.append(OuterStep(*fields, average=torch.frombuffer(data, dtype=torch.float32)))
+            else:
+                chunks = msgpack.unpackb(bytes(data))
+                if not isinstance(chunks, list) or not all(
+                        isinstance(c, list) and len(c) == 3 and all(isinstance(x, int) for x in c[:2]) and
+                        isinstance(c[2], bytes) for c in chunks):
+                    raise ValueError("malformed outer step")
+                steps.append(OuterStep(*fields, wire=tuple((a, b, payload) for a, b, payload in chunks)))
+        return steps, total
+    finally:
+        writer.close()
 
 
 async def _request(node: SwarmNode, holder: str, run_id: str, offset: int, length: int,
