@@ -7,8 +7,13 @@ downloads it by range from all of them at once, verifies it and loads it. Prints
 
     python scripts/bench_state_sync.py                       # the default cases below
     python scripts/bench_state_sync.py --size-mb 100 --holders 25,25,25 --joiner 100
+    python scripts/bench_state_sync.py --behind 2 --codec int8   # a peer 2 rounds behind: it replays them
 
-"Link" is the rate the transfer cannot beat: min(joiner's rate, sum of the holders' rates).
+With --behind K the holders took K more rounds (their averages encoded by --codec, as an all-reduce delivers
+them) and the joiner holds the state of K rounds ago: it catches up by replaying the holders' logged outer steps
+(state_sync.sync_state) rather than downloading the state. "Link" is the rate the transfer cannot beat:
+min(joiner's rate, sum of the holders' rates) for a download, min(joiner's rate, the first holder's rate) for a
+replay (it takes every step from one holder).
 """
 
 from __future__ import annotations
@@ -33,10 +38,12 @@ CASES = [  # (holder Mbit/s list, joiner Mbit/s)
 ]
 
 
-def _state(size_mb: float):
-    """A seeded DiLoCo state of about `size_mb` MB on the wire (params and momentum, fp32)."""
+def _state(size_mb: float, behind: int = 0, codec: str = "int8"):
+    """A seeded DiLoCo state of about `size_mb` MB on the wire (params and momentum, fp32), `behind` rounds on
+    (their averages as 4 reducers' `codec` chunks)."""
     import torch
 
+    from swarm.compression import decode, get_codec
     from swarm.config import OuterRecipe
     from swarm.peer.diloco import DiLoCo
 
@@ -45,6 +52,11 @@ def _state(size_mb: float):
     torch.manual_seed(0)
     diloco = DiLoCo(torch.nn.Linear(width, rows, bias=False), OuterRecipe())
     diloco.outer_step(torch.randn(diloco.numel, generator=torch.Generator().manual_seed(1)), 1)
+    bounds = [diloco.numel * i // 4 for i in range(5)]
+    for step in range(behind):
+        average = torch.randn(diloco.numel, generator=torch.Generator().manual_seed(2 + step)) * 1e-3
+        wire = [(a, b, get_codec(codec).encode(average[a:b])) for a, b in zip(bounds, bounds[1:])]
+        diloco.outer_step(torch.cat([decode(payload) for _, _, payload in wire]), 1, wire)
     return diloco
 
 
@@ -55,7 +67,7 @@ def holder(args: argparse.Namespace) -> None:
     from swarm.peer.state_sync import serve_state
     from swarm.runtime import LoopThread
 
-    diloco = _state(args.size_mb)
+    diloco = _state(args.size_mb, args.behind, args.codec)
     loop = LoopThread()
     node = SwarmNode([], NetworkOptions(host_maddrs=(args.host_maddr,)))
     loop.run(serve_state(node, RUN, diloco))
@@ -66,7 +78,7 @@ def holder(args: argparse.Namespace) -> None:
 
 def joiner(args: argparse.Namespace) -> None:
     from swarm.dht.node import NetworkOptions, SwarmNode
-    from swarm.peer.state_sync import download_state
+    from swarm.peer.state_sync import sync_state
     from swarm.runtime import LoopThread
 
     import torch
@@ -74,22 +86,30 @@ def joiner(args: argparse.Namespace) -> None:
     from swarm.config import OuterRecipe
     from swarm.peer.diloco import DiLoCo
 
-    reference = _state(args.size_mb)  # only for its shapes; the download must reproduce its digest
-    mine = DiLoCo(torch.nn.Linear(reference.global_params[0].shape[1], reference.global_params[0].shape[0],
-                                  bias=False), OuterRecipe())
+    if args.behind:
+        mine = _state(args.size_mb)  # the holders' state of `behind` rounds ago
+    else:
+        reference = _state(args.size_mb)  # only for its shapes; the download must reproduce its digest
+        mine = DiLoCo(torch.nn.Linear(reference.global_params[0].shape[1], reference.global_params[0].shape[0],
+                                      bias=False), OuterRecipe())
     loop = LoopThread()
     maddrs = args.holders.split(",")
     node = SwarmNode(maddrs, NetworkOptions(host_maddrs=(args.host_maddr,)))
     ids = [maddr.rsplit("/p2p/", 1)[1] for maddr in maddrs]
-    done = loop.run(download_state(node, ids, RUN, mine, args.digest))
+    done = loop.run(sync_state(node, ids, RUN, mine, args.digest))
     assert mine.digest() == args.digest
-    print(json.dumps({"seconds": done.seconds, "bytes": done.header["size"],
-                      "holders_used": sum(1 for n in done.bytes_by_holder.values() if n)}), flush=True)
+    if done.downloaded is not None:
+        row = {"how": "download", "bytes": done.downloaded.header["size"],
+               "holders_used": sum(1 for n in done.downloaded.bytes_by_holder.values() if n)}
+    else:
+        row = {"how": f"replay {done.replayed.steps}", "bytes": done.replayed.bytes, "holders_used": 1}
+    print(json.dumps({"seconds": done.seconds, **row}), flush=True)
     node.shutdown()
     loop.close()
 
 
-def run_case(holder_mbits: list[float], joiner_mbit: float, size_mb: float) -> dict:
+def run_case(holder_mbits: list[float], joiner_mbit: float, size_mb: float, behind: int = 0,
+             codec: str = "int8") -> dict:
     from allreduce_bench import Namespaces, kill_sessions
 
     count = len(holder_mbits) + 1
@@ -98,14 +118,15 @@ def run_case(holder_mbits: list[float], joiner_mbit: float, size_mb: float) -> d
         try:
             infos = []
             for index in range(len(holder_mbits)):
-                argv = [sys.executable, __file__, "holder", "--size-mb", str(size_mb),
-                        "--host-maddr", f"/ip4/{spaces.address(index)}/tcp/0"]
+                argv = [sys.executable, __file__, "holder", "--size-mb", str(size_mb), "--behind", str(behind),
+                        "--codec", codec, "--host-maddr", f"/ip4/{spaces.address(index)}/tcp/0"]
                 process = subprocess.Popen(spaces.prefix(index) + argv, stdout=subprocess.PIPE, text=True,
                                            start_new_session=True)
                 processes.append(process)
                 infos.append(json.loads(process.stdout.readline()))
             joiner_index = len(holder_mbits)
             argv = [sys.executable, __file__, "joiner", "--size-mb", str(size_mb), "--digest", infos[0]["digest"],
+                    "--behind", str(behind), "--codec", codec,
                     "--holders", ",".join(i["maddr"] for i in infos),
                     "--host-maddr", f"/ip4/{spaces.address(joiner_index)}/tcp/0"]
             process = subprocess.Popen(spaces.prefix(joiner_index) + argv, stdout=subprocess.PIPE, text=True,
@@ -118,9 +139,10 @@ def run_case(holder_mbits: list[float], joiner_mbit: float, size_mb: float) -> d
             row = rows[-1]
         finally:
             kill_sessions(processes)
-    link = min(joiner_mbit, sum(holder_mbits)) * 1e6 / 8
+    # A download takes ranges from every holder at once; a replay takes the steps from the first holder that has them.
+    link = min(joiner_mbit, sum(holder_mbits) if row["how"] == "download" else holder_mbits[0]) * 1e6 / 8
     achieved = row["bytes"] / row["seconds"]
-    return {"holders_mbit": holder_mbits, "joiner_mbit": joiner_mbit, "mb": row["bytes"] / 1e6,
+    return {"holders_mbit": holder_mbits, "joiner_mbit": joiner_mbit, "how": row["how"], "mb": row["bytes"] / 1e6,
             "seconds": row["seconds"], "mb_per_s": achieved / 1e6, "link_mb_per_s": link / 1e6,
             "fraction_of_link": achieved / link, "holders_used": row["holders_used"]}
 
@@ -131,6 +153,9 @@ def main() -> None:
     parser.add_argument("--size-mb", type=float, default=50.0, help="state size in MB (params + momentum)")
     parser.add_argument("--holders", help="holders' link rates in Mbit/s, e.g. 25,25,25 (default: built-in cases)")
     parser.add_argument("--joiner", type=float, default=100.0, help="joiner's link rate in Mbit/s")
+    parser.add_argument("--behind", type=int, default=0,
+                        help="rounds the joiner's own state is behind the holders' (0: it downloads the state)")
+    parser.add_argument("--codec", default="int8", help="codec of the averages of those rounds")
     parser.add_argument("--host-maddr", help=argparse.SUPPRESS)
     parser.add_argument("--digest", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -148,12 +173,12 @@ def main() -> None:
     results = []
     for holder_mbits, joiner_mbit in cases:
         started = time.monotonic()
-        results.append(run_case(holder_mbits, joiner_mbit, args.size_mb))
+        results.append(run_case(holder_mbits, joiner_mbit, args.size_mb, args.behind, args.codec))
         print(f"case {holder_mbits} -> {joiner_mbit} done in {time.monotonic() - started:.0f} s", file=sys.stderr)
-    print(f"{'holders (Mbit/s)':<20}{'joiner':>8}{'MB':>8}{'seconds':>9}{'MB/s':>8}{'link MB/s':>11}"
+    print(f"{'holders (Mbit/s)':<20}{'joiner':>8}{'how':>10}{'MB':>8}{'seconds':>9}{'MB/s':>8}{'link MB/s':>11}"
           f"{'of link':>9}{'used':>6}")
     for r in results:
-        print(f"{','.join(f'{m:g}' for m in r['holders_mbit']):<20}{r['joiner_mbit']:>8g}{r['mb']:>8.1f}"
+        print(f"{','.join(f'{m:g}' for m in r['holders_mbit']):<20}{r['joiner_mbit']:>8g}{r['how']:>10}{r['mb']:>8.1f}"
               f"{r['seconds']:>9.2f}{r['mb_per_s']:>8.2f}{r['link_mb_per_s']:>11.2f}{r['fraction_of_link']:>9.0%}"
               f"{r['holders_used']:>6}")
     print(json.dumps(results))
