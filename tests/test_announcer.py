@@ -76,3 +76,32 @@ def test_a_peer_whose_average_is_in_flight_takes_part_in_the_next_round():
     assert {p.peer_id for p in announcer(view).in_round(4)} == {"a", "b", "c"}
     assert {p.peer_id for p in announcer(view).in_round(3)} == {"a"}
     assert announcer(view).in_round(5) == []
+
+
+def test_the_swarms_reference_is_the_majority_digest_of_the_top_round_among_live_peers():
+    def at(peer_id, round_no, digest, updated=99.0, state="training"):
+        return PeerRecord(peer_id=peer_id, state=state, version="0", run_id="run", round=round_no,
+                          tokens_in_round=0, block_start=0, block_end=2, digest=digest, updated=updated)
+
+    assert announcer([]).swarm_reference() == (0, "", [])
+    view = [at("a", 5, "x"), at("b", 5, "y"), at("c", 5, "y"), at("d", 4, "y"), at("e", 4, "z"),
+            at("stale", 6, "w", updated=50.0),  # its heartbeat stopped: its round does not count
+            at("gone", 6, "w", state="offline"), at("nodigest", 7, ""), at("me", 9, "m")]
+    assert announcer(view).swarm_reference() == (5, "y", ["b", "c"])
+    tie = [at("a", 2, "q"), at("b", 2, "p")]
+    assert announcer(tie).swarm_reference() == (2, "p", ["b"]), "a tie goes to the smaller digest, in every view"
+
+
+def test_a_round_can_be_averaged_after_some_group_finished_it_only_with_enough_peers_left_in_it():
+    def at(peer_id, round_no):
+        return record(peer_id, "training", round_no, 0, 0.0, updated=99.0)
+
+    # Five live peers besides us, groups of 2: three of them still at round 3 with us.
+    view = [at("a", 4), at("b", 4), at("c", 3), at("d", 3), at("e", 3)]
+    assert announcer(view).others_still_in(3, set(), min_group_size=2, target_group_size=2)
+    # Those at round 3 just failed with us: nobody is left to average it with.
+    assert not announcer(view).others_still_in(3, {"c", "d", "e"}, min_group_size=2, target_group_size=2)
+    # One group holds the whole swarm: a straggler re-syncs rather than averaging apart.
+    assert not announcer(view).others_still_in(3, set(), min_group_size=2, target_group_size=8)
+    # Peers already past the round count toward the swarm's size but cannot average it.
+    assert not announcer([at("a", 4), at("b", 4), at("c", 4)]).others_still_in(3, set(), 2, 2)

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import random
 import time
+from collections import Counter
 from typing import Callable
 
 from swarm.config import Recipe, RecipeError
@@ -128,6 +129,28 @@ class Announcer:
         fresh_after = (self.node.now() if now is None else now) - FRESH_SECONDS
         return [p for p in self.view if p.peer_id != self.node.peer_id and p.updated >= fresh_after
                 and p.state in states]
+
+    def swarm_reference(self) -> tuple[int, str, list[str]]:
+        """(highest round of live peers, the digest most of them hold, the peers holding it). A peer whose
+        heartbeat stopped (its record lingers until it expires) is not live: it can serve nothing."""
+        live = [p for p in self.live() if p.digest]
+        if not live:
+            return 0, "", []
+        top = max(p.round for p in live)
+        at_top = [p for p in live if p.round == top]
+        counts = Counter(p.digest for p in at_top)
+        digest = min(counts, key=lambda d: (-counts[d], d))
+        return top, digest, [p.peer_id for p in at_top if p.digest == digest]
+
+    def others_still_in(self, round_no: int, failed: set[str], min_group_size: int, target_group_size: int) -> bool:
+        """Whether `round_no` can still be averaged here although some group already finished it: the swarm
+        averages in several groups (more live peers than a group holds) and enough peers are still at this round
+        to form one. A lone straggler of a single-group swarm re-syncs instead. Peers in `failed` (they just failed
+        to deliver in this round) do not count: a member SIGKILLed mid-round keeps a fresh-looking record for a few
+        seconds, and its partner would wait a whole matchmaking timeout for it instead of re-syncing at once."""
+        live = [p for p in self.live() if p.round >= round_no and p.peer_id not in failed]
+        return len(live) + 1 > target_group_size and \
+            sum(p.takes_part_in(round_no) for p in live) + 1 >= max(min_group_size, 2)
 
     def attempts(self, round_no: int) -> list[int]:
         return [p.attempt for p in self.view if p.round == round_no and p.state in ("training", "averaging")]

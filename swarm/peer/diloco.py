@@ -131,6 +131,16 @@ class DiLoCo:
                 self.replay_log.extend(log)
                 raise
 
+    def flat_local(self) -> torch.Tensor:
+        """Local params, flat fp32 on the CPU (parameter order)."""
+        with torch.no_grad():
+            return torch.cat([p.detach().to("cpu", torch.float32).view(-1) for p in self.local_params])
+
+    def flat_global(self) -> torch.Tensor:
+        """A copy of the global params, flat (parameter order)."""
+        with self.lock:
+            return torch.cat([p.view(-1) for p in self.global_params]).clone()
+
     def flat_state(self) -> torch.Tensor:
         """Global params then outer momentum (zeros before the first outer step, which torch's SGD treats the
         same), flat fp32: what a mixing group averages besides the pseudo-gradients."""

@@ -11,7 +11,6 @@ import concurrent.futures
 import threading
 import time
 from dataclasses import dataclass
-from collections import Counter
 from pathlib import Path
 from typing import Optional
 
@@ -172,7 +171,7 @@ class Peer:
                         checkpoint.round, checkpoint.tokens_seen)
         else:
             logger.info("starting from the recipe's initial params (round 0, digest %s)", self.diloco.digest())
-        swarm_round, digest, holders = self._swarm_reference()
+        swarm_round, digest, holders = self.announcer.swarm_reference()
         if holders and (self.diloco.round < swarm_round or
                         (self.diloco.round == swarm_round and digest != self.diloco.digest())):
             self._resync(holders, digest, reason="joining")
@@ -187,18 +186,6 @@ class Peer:
                     self.stream.step, how)
         self.metrics.data_shard.set_function(lambda: float(self.stream.reading()))
         self.announcer.refresh_soon(self.loop)
-
-    def _swarm_reference(self) -> tuple[int, str, list[str]]:
-        """(highest round of live peers, the digest most of them hold, the peers holding it). A peer whose
-        heartbeat stopped (its record lingers until it expires) is not live: it can serve nothing."""
-        live = [p for p in self.announcer.live() if p.digest]
-        if not live:
-            return 0, "", []
-        top = max(p.round for p in live)
-        at_top = [p for p in live if p.round == top]
-        counts = Counter(p.digest for p in at_top)
-        digest = min(counts, key=lambda d: (-counts[d], d))
-        return top, digest, [p.peer_id for p in at_top if p.digest == digest]
 
     def _resync(self, holders: list[str], digest: str, reason: str) -> bool:
         """Bring our state to the swarm's (params digest `digest`, held by `holders`; see sync_state); False
@@ -298,7 +285,7 @@ class Peer:
                 self._finish_pending()
                 continue  # the round changed: re-check whether we are finished before preparing another
 
-            behind = self._swarm_reference()
+            behind = self.announcer.swarm_reference()
             if behind[0] > self.diloco.round and behind[2] and time.monotonic() >= self.resync_after:
                 logger.info("the swarm is at round %d and I am at %d: re-syncing", behind[0], self.diloco.round)
                 self.pending = self.in_flight_tokens = None  # an average in flight belongs to a round we leave
@@ -396,7 +383,7 @@ class Peer:
         if not math.isfinite(norm) or norm > r.outer.max_pseudo_grad_norm:
             self._recover(f"pseudo-gradient norm {norm:.3g} over the recipe's bound")
             return None
-        snapshot = self._flat_local() if r.outer.overlap else None
+        snapshot = self.diloco.flat_local() if r.outer.overlap else None
         return Contribution(self.diloco.round, pseudo_gradient, self.tokens_in_round, self.diloco.digest(),
                             snapshot)
 
@@ -465,27 +452,20 @@ class Peer:
 
     def _moved_on(self, round_no: int) -> bool:
         """Whether the swarm finished this round without us and nobody is left to average it with."""
-        return self._swarm_reference()[0] > round_no and not self._others_still_in(round_no)
+        return self.announcer.swarm_reference()[0] > round_no and not self._others_still_in(round_no)
 
     def _others_still_in(self, round_no: int) -> bool:
-        """Whether this round can still be averaged here although some group already finished it: the swarm
-        averages in several groups (more live peers than a group holds) and enough peers are still at this round
-        to form one. A lone straggler of a single-group swarm re-syncs instead. Peers that just failed to deliver
-        in this round do not count: a member SIGKILLed mid-round keeps a fresh-looking record for a few seconds,
-        and its partner would wait a whole matchmaking timeout for it instead of re-syncing at once."""
         r = self.recipe.averaging
         failed = self._unresponsive | self._excluded if self._excluded_round == round_no else set()
-        live = [p for p in self.announcer.live() if p.round >= round_no and p.peer_id not in failed]
-        return len(live) + 1 > r.target_group_size and \
-            sum(p.takes_part_in(round_no) for p in live) + 1 >= max(r.min_group_size, 2)
+        return self.announcer.others_still_in(round_no, failed, r.min_group_size, r.target_group_size)
 
     def _apply(self, contribution: Contribution, result: AllReduceResult, group: Group, started: float) -> None:
         r = self.recipe
         round_no, n = contribution.round_no, self.diloco.numel
         average, mixed_state = result.average[:n], result.average[n:] if group.mix else None
         self.error_feedback.update(contribution.pseudo_gradient, result.delivered[:n])
-        global_before = self._flat_global() if self.settings.trace_dir else None
-        progress_since = None if contribution.snapshot is None else self._flat_local() - contribution.snapshot
+        global_before = self.diloco.flat_global() if self.settings.trace_dir else None
+        progress_since = None if contribution.snapshot is None else self.diloco.flat_local() - contribution.snapshot
         if mixed_state is not None:
             self.diloco.load_flat_state(mixed_state)
             self.metrics.mixing_rounds.inc()
@@ -545,14 +525,6 @@ class Peer:
         self.error_feedback.reset()
         self.tokens_in_round = self.steps_in_round = 0
 
-    def _flat_local(self) -> torch.Tensor:
-        with torch.no_grad():
-            return torch.cat([p.detach().to("cpu", torch.float32).view(-1) for p in self.diloco.local_params])
-
-    def _flat_global(self) -> torch.Tensor:
-        with self.diloco.lock:
-            return torch.cat([p.view(-1) for p in self.diloco.global_params]).clone()
-
     def _trace(self, round_no, group, pseudo_gradient, weight, result, global_before, average, mixed_state) -> None:
         import json
 
@@ -561,7 +533,7 @@ class Peer:
         directory = Path(self.settings.trace_dir)
         directory.mkdir(parents=True, exist_ok=True)
         tensors = {"pseudo_gradient": pseudo_gradient.contiguous(), "average": average.contiguous(),
-                   "global_before": global_before, "global_after": self._flat_global()}
+                   "global_before": global_before, "global_after": self.diloco.flat_global()}
         if mixed_state is not None:
             tensors["mixed_state"] = mixed_state.contiguous()  # the group's average of params and momentum
         save_file(tensors, str(directory / f"round-{round_no:06d}.safetensors"))
