@@ -79,6 +79,44 @@ def test_the_replay_log_keeps_the_latest_unbroken_steps_within_a_states_bytes():
     assert not diloco.replay_log, "after a mixing group's state, the log starts again"
 
 
+def test_a_refused_replay_leaves_global_and_local_params_as_they_were():
+    from swarm.compression import get_codec
+    from swarm.peer.diloco import OuterStep
+
+    ahead, behind = DiLoCo(_model(), OuterRecipe()), DiLoCo(_model(), OuterRecipe())
+    n = ahead.numel
+    for step in range(2):
+        ahead.outer_step(torch.full((n,), 0.25 * (step + 1)), tokens=10)
+    behind.outer_step(torch.full((n,), 0.25), tokens=10)
+    with torch.no_grad():
+        for p in behind.local_params:
+            p.add_(1.0)  # a round of local training in progress
+    local = [p.detach().clone() for p in behind.local_params]
+    state = {k: v.clone() for k, v in behind.state_tensors().items()}
+    steps = behind_steps = ahead.steps_since(1, behind.digest())
+    assert len(behind_steps) == 1
+
+    def refused(bad):
+        with pytest.raises(ValueError):
+            behind.replay(bad)
+        assert behind.round == 1 and behind.tokens_seen == 10
+        assert all(torch.equal(state[k], v) for k, v in behind.state_tensors().items())
+        assert all(torch.equal(a, b) for a, b in zip(local, behind.local_params)), "local progress is kept"
+
+    step = steps[0]
+    refused([OuterStep(step.round, step.digest, "elsewhere", step.tokens, step.average)])  # ends elsewhere
+    refused([OuterStep(step.round, "other", step.after, step.tokens, step.average)])  # not from our state
+    short = get_codec("fp16").encode(torch.ones(1))
+    refused([OuterStep(step.round, step.digest, step.after, step.tokens, wire=((0, n, short),))])  # too short
+    zeros = bytes(get_codec("none").encode(torch.zeros(n)))
+    nan = zeros[:-4 * n] + torch.full((n,), float("nan")).numpy().tobytes()
+    refused([OuterStep(step.round, step.digest, step.after, step.tokens, wire=((0, n, nan),))])  # not finite
+    behind.replay(steps)
+    assert behind.digest() == ahead.digest() and behind.round == 2 and behind.tokens_seen == 20
+    assert all(torch.equal(v, ahead.state_tensors()[k]) for k, v in behind.state_tensors().items())
+    assert list(behind.replay_log)[-1] == step, "it can pass the step on"
+
+
 def test_learning_rate_warmup_then_cosine():
     inner = InnerRecipe(lr=1e-3, warmup_tokens=1000, min_lr_ratio=0.1)
     assert learning_rate(inner, 500, 10_000) == pytest.approx(5e-4)

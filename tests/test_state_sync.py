@@ -33,11 +33,11 @@ def _trained(seed: int) -> DiLoCo:
     return diloco
 
 
-def _step(diloco: DiLoCo, rounds: int, codec: str | None = None) -> None:
+def _step(diloco: DiLoCo, rounds: int, codec: str | None = None, seed: int = 0) -> None:
     """Outer steps with seeded averages: fp32, or as an all-reduce with `codec` delivers them (three chunks, each
     encoded on its own, as three reducers would)."""
     for _ in range(rounds):
-        average = torch.randn(diloco.numel, generator=torch.Generator().manual_seed(diloco.round)) * 1e-2
+        average = torch.randn(diloco.numel, generator=torch.Generator().manual_seed(seed + diloco.round)) * 1e-2
         wire = None
         if codec is not None:
             bounds = [0, diloco.numel // 3, 2 * diloco.numel // 3, diloco.numel]
@@ -95,6 +95,24 @@ class SteppingServer(StateServer):
         self.left -= 1
         if self.left == 0:
             _step(self.diloco, self.rounds)
+
+
+class MisleadingServer(StateServer):
+    """Holds the swarm's state, but answers a replay request with steps of its own making whose digests chain
+    from the asker's state to params of its choosing (it ran them on a copy of the asker's state)."""
+
+    def __init__(self, diloco: DiLoCo, asker: DiLoCo):
+        super().__init__(diloco)
+        self.fake = _copy(asker, seed=7)
+        _step(self.fake, 2, codec="int8", seed=1000)  # other averages than the swarm's
+
+    async def _send_steps(self, remote, request, writer):
+        real, self.diloco = self.diloco, self.fake
+        try:
+            request = {**request, "to": self.fake.digest()}  # where it wants the asker to end
+            await super()._send_steps(remote, request, writer)
+        finally:
+            self.diloco = real
 
 
 class ForgingServer(StateServer):
@@ -225,18 +243,22 @@ def test_holders_that_moved_on_are_told_apart_from_holders_that_failed(network):
     assert not failed.value.moved_on
 
 
-def test_a_download_overtaken_by_a_round_ends_in_the_swarms_newest_state(network):
-    """A holder that takes two rounds while a joiner downloads keeps serving the snapshot the joiner started on;
-    the joiner then replays the two outer steps it missed and ends bit-identical to the holder. Before, the holder
-    served only its newest state, and a download longer than a round never finished."""
+def test_a_download_overtaken_by_a_round_finishes_and_the_rounds_missed_are_replayed(network):
+    """A holder that takes two rounds while a joiner downloads keeps serving the snapshot the joiner started on, so
+    the download finishes (before, a holder served only its newest state, and a download longer than a round never
+    did); the joiner, now two rounds behind, asks again and replays the two outer steps, ending bit-identical to
+    the holder."""
     loop, add = network
     source = _trained(0)
     started_at = source.digest()
+    joiner, holder = add(), add(SteppingServer(source, ranges=4, rounds=2))
     joiner_state = _diloco(2)
-    synced = _sync(loop, add(), [add(SteppingServer(source, ranges=4, rounds=2))], joiner_state, started_at)
-    assert synced.downloaded is not None and synced.downloaded.header["digest"] == started_at
-    assert synced.downloaded.header["round"] == 2 and source.round == 4, "the download was overtaken"
-    assert synced.replayed is not None and synced.replayed.steps == 2
+    synced = _sync(loop, joiner, [holder], joiner_state, started_at)
+    assert synced.downloaded is not None and synced.replayed is None
+    assert joiner_state.round == 2 and joiner_state.digest() == started_at and source.round == 4, \
+        "the download was overtaken, and finished"
+    synced = _sync(loop, joiner, [holder], joiner_state, source.digest())
+    assert synced.downloaded is None and synced.replayed.steps == 2
     assert synced.replayed.bytes == 2 * 4 * source.numel, "two fp32 averages"
     assert _same_state(joiner_state, source) and joiner_state.digest() == source.digest()
 
@@ -271,10 +293,25 @@ def test_forged_outer_steps_are_not_applied_and_the_state_is_downloaded_instead(
     holder = add(forger)
     joiner = add()
     from swarm.peer.state_sync import replay_steps
-    assert loop.run(replay_steps(joiner, [holder.peer_id], RUN, behind, stall=20), timeout=60) is None
+    assert loop.run(replay_steps(joiner, [holder.peer_id], RUN, behind, source.digest(), stall=20),
+                    timeout=60) is None
     assert behind.round == 2 and all(torch.equal(before[k], v) for k, v in behind.state_tensors().items())
     synced = _sync(loop, joiner, [holder], behind, source.digest())
     assert synced.downloaded is not None and _same_state(behind, source)
+
+
+def test_steps_that_lead_elsewhere_than_the_swarms_params_are_refused(network):
+    """Each step of a replay is checked against the digests its holder names; a holder could name a chain of its
+    own that ends at params of its choosing. The joiner asks for the steps to the swarm's digest and refuses any
+    others, so it downloads the swarm's state instead of being led there."""
+    loop, add = network
+    source = _trained(0)
+    behind = _copy(source)
+    _step(source, 2, codec="int8")
+    misleading = MisleadingServer(source, behind)
+    synced = _sync(loop, add(), [add(misleading)], behind, source.digest())
+    assert synced.downloaded is not None and _same_state(behind, source)
+    assert misleading.fake.digest() != source.digest()
 
 
 def test_a_download_overtaken_by_a_round_says_the_holders_moved_on(network):

@@ -48,11 +48,24 @@ class OuterStep:
         for start, end, payload in self.wire:
             if start != at or not start < end <= numel:
                 raise ValueError(f"outer step of round {self.round}: chunks do not cover its {numel} values")
-            out[start:end] = decode(payload, max_numel=end - start)
+            part = decode(payload, max_numel=end - start)
+            if part.numel() != end - start or not torch.isfinite(part).all():
+                raise ValueError(f"outer step of round {self.round}: a chunk of the wrong size or not finite")
+            out[start:end] = part
             at = end
         if at != numel:
             raise ValueError(f"outer step of round {self.round}: chunks do not cover its {numel} values")
         return out
+
+
+def _outer_update(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, average: torch.Tensor) -> None:
+    """One outer optimizer step on `params` along the flat averaged pseudo-gradient."""
+    offset = 0
+    for param in params:
+        param.grad = average[offset:offset + param.numel()].view_as(param).to(torch.float32).clone()
+        offset += param.numel()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 class DiLoCo:
@@ -81,28 +94,27 @@ class DiLoCo:
                               for g, l in zip(self.global_params, self.local_params)])
 
     def outer_step(self, average: torch.Tensor, tokens: int,
-                   wire: Optional[list[tuple[int, int, bytes]]] = None) -> None:
+                   wire: Optional[list[tuple[int, int, bytes]]] = None, log: bool = True) -> None:
         """Apply the averaged pseudo-gradient with the outer optimizer, advance the round, reset local params.
-        `wire`: the encoded chunks `average` was decoded from (AllReduceResult.wire), kept for replaying."""
+        `wire`: the encoded chunks `average` was decoded from (AllReduceResult.wire), kept for replaying; `log`
+        False for a step nobody could replay (from a mixing group's state, which only its members held)."""
         if average.numel() != self.numel:
             raise ValueError(f"averaged pseudo-gradient has {average.numel()} elements, expected {self.numel}")
         with self.lock, torch.no_grad():
-            before, round_before = self.digest(), self.round
-            offset = 0
-            for param in self.global_params:
-                param.grad = average[offset:offset + param.numel()].view_as(param).to(torch.float32).clone()
-                offset += param.numel()
-            self.outer_optimizer.step()
-            self.outer_optimizer.zero_grad(set_to_none=True)
+            before, round_before = self.digest() if log else "", self.round
+            _outer_update(self.global_params, self.outer_optimizer, average)
             self.round += 1
             self.tokens_seen += int(tokens)
             self._digest = None
-            self.replay_log.append(OuterStep(round_before, before, self.digest(), int(tokens),
-                                             None if wire else average.to(torch.float32).clone(),
-                                             tuple(wire) if wire else None))
-            while sum(step.nbytes for step in self.replay_log) > 8 * self.numel:
-                self.replay_log.popleft()
+            if log:
+                self._log(OuterStep(round_before, before, self.digest(), int(tokens),
+                                    None if wire else average.to(torch.float32).clone(), tuple(wire) if wire else None))
         self.reset_local()
+
+    def _log(self, step: OuterStep) -> None:
+        self.replay_log.append(step)
+        while sum(s.nbytes for s in self.replay_log) > 8 * self.numel:
+            self.replay_log.popleft()
 
     def steps_since(self, round_no: int, digest: str) -> list[OuterStep]:
         """The logged outer steps that take the state of `round_no` with params `digest` to ours (empty if the
@@ -115,21 +127,42 @@ class DiLoCo:
         return []
 
     def replay(self, steps: list[OuterStep]) -> None:
-        """Redo another peer's outer steps from our state, checking the params digest before and after each.
-        Raises ValueError, with our state as it was, if one does not apply to our state or ends elsewhere."""
+        """Redo another peer's outer steps from our state, checking the params digest before and after each, then
+        take the result. They run on a copy, so the lock (which the heartbeat needs) stays free meanwhile and a
+        refused step leaves everything, local params included, as it was: ValueError if one does not apply to our
+        state or ends elsewhere, or if our state changed in the meantime."""
         with self.lock:
-            saved, log = (self.state_tensors(), self.round, self.tokens_seen), list(self.replay_log)
-            try:
-                for step in steps:
-                    if step.round != self.round or step.digest != self.digest():
-                        raise ValueError(f"the outer step of round {step.round} is not from our state")
-                    self.outer_step(step.vector(self.numel), step.tokens, step.wire)
-                    if self.digest() != step.after:
-                        raise ValueError(f"the outer step of round {step.round} ends at other params")
-            except Exception:
-                self.load_state_tensors(*saved)
-                self.replay_log.extend(log)
-                raise
+            start = (self.round, self.digest())
+            tokens_seen = self.tokens_seen
+            params = [p.clone() for p in self.global_params]
+            buffers = [self.outer_optimizer.state.get(p, {}).get("momentum_buffer") for p in self.global_params]
+            optimizer = torch.optim.SGD(params, **self.outer_optimizer.defaults)
+            for param, buffer in zip(params, buffers):
+                if buffer is not None:
+                    optimizer.state[param]["momentum_buffer"] = buffer.clone()
+        round_no, digest = start
+        with torch.no_grad():
+            for step in steps:
+                if step.round != round_no or step.digest != digest:
+                    raise ValueError(f"the outer step of round {step.round} is not from our state")
+                _outer_update(params, optimizer, step.vector(self.numel))
+                round_no, digest, tokens_seen = round_no + 1, params_digest(params), tokens_seen + step.tokens
+                if digest != step.after:
+                    raise ValueError(f"the outer step of round {step.round} ends at other params")
+        with self.lock, torch.no_grad():
+            if (self.round, self.digest()) != start:
+                raise ValueError("our state changed while replaying")
+            for mine, new in zip(self.global_params, params):
+                mine.copy_(new)
+                buffer = optimizer.state.get(new, {}).get("momentum_buffer")
+                if buffer is not None:
+                    self.outer_optimizer.state[mine]["momentum_buffer"] = buffer
+                else:
+                    self.outer_optimizer.state.pop(mine, None)
+            self.round, self.tokens_seen, self._digest = round_no, tokens_seen, digest
+            for step in steps:
+                self._log(step)  # so we can pass them on
+        self.reset_local()
 
     def flat_local(self) -> torch.Tensor:
         """Local params, flat fp32 on the CPU (parameter order)."""

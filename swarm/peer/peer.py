@@ -149,6 +149,7 @@ class Peer:
         self._unresponsive: set[str] = set()  # did not deliver in the last attempt: not waited for in the next
         self._excluded_round = -1
         self.val_loss: Optional[float] = None
+        self.resync_after = 0.0  # monotonic time before which we do not try another state download (or replay)
         self._initial_state()
 
     def _initial_state(self) -> None:
@@ -162,7 +163,12 @@ class Peer:
         """Our checkpoint (else a fresh seeded init), then the swarm's state if it is newer: replayed from ours
         where a live peer still logs the rounds since, else downloaded."""
         if checkpoint is not None:
-            self.diloco.load_state_tensors(checkpoint.tensors, checkpoint.round, checkpoint.tokens_seen)
+            try:
+                self.diloco.load_state_tensors(checkpoint.tensors, checkpoint.round, checkpoint.tokens_seen)
+            except ValueError as e:
+                logger.warning("checkpoint %s does not fit this run's model (%s); not using it", checkpoint.path, e)
+                checkpoint = None
+        if checkpoint is not None:
             residual = {key.split(".", 1)[1]: value for key, value in checkpoint.tensors.items()
                         if key.startswith("error_feedback.")}
             if residual and residual.get("residual", torch.empty(0)).numel() == self.diloco.numel:
@@ -237,7 +243,6 @@ class Peer:
         self.rounds_done, self.next_attempt = 0, 0
         tokens_per_step = r.data.batch_size * r.data.seq_len
         self.retry_after_tokens = 0
-        self.resync_after = 0.0  # monotonic time before which we do not try another state download
         window_start, window_tokens = time.monotonic(), 0
         run_started, compute_seconds = time.monotonic(), 0.0
         self.round_started = time.monotonic()
@@ -471,7 +476,7 @@ class Peer:
             self.metrics.mixing_rounds.inc()
         # With several groups, each sees only its own tokens: count the swarm's (its estimate) in the schedule.
         tokens = result.total_weight * group.swarm_size / max(result.group_size, 1)
-        self.diloco.outer_step(average, int(round(tokens)), None if group.mix else result.wire)
+        self.diloco.outer_step(average, int(round(tokens)), None if group.mix else result.wire, log=not group.mix)
         self.in_flight_tokens = None  # our tokens since count toward the round we are now in
         self.last_group_size = max(result.group_size, group.swarm_size)
         self.metrics.round_peers.set(group.swarm_size)

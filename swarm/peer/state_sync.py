@@ -41,6 +41,7 @@ SNAPSHOT_SECONDS = 300.0  # a served snapshot is kept this long after its last r
 KEPT_SNAPSHOTS = 2  # older snapshots still being downloaded (each asked for in the last STALL_SECONDS)
 MAX_REPLAY_STEPS = 64
 REPLAY_HOLDERS = 3  # asked in turn for the outer steps since our state, before downloading it
+REPLAY_STALL = 10.0  # s to wait for a holder's answer to that (a dead one must not hold up the download long)
 
 
 class StateSyncError(RuntimeError):
@@ -87,11 +88,12 @@ class StateServer:
             cached.last_used = time.monotonic()
             return cached
 
-    def _keep(self, old: Snapshot) -> None:
+    def _keep(self, old: Optional[Snapshot] = None) -> None:
         """Keep the snapshot we stop serving as current while joiners still download it (bounded: the most
-        recently asked-for KEPT_SNAPSHOTS, each dropped a stall's time after its last request)."""
+        recently used KEPT_SNAPSHOTS, each dropped a stall's time after its last range went out)."""
         now = time.monotonic()
-        self._kept[old.header["sha256"]] = old
+        if old is not None:
+            self._kept[old.header["sha256"]] = old
         fresh = sorted((s for s in self._kept.values() if now - s.last_used < STALL_SECONDS),
                        key=lambda s: s.last_used)[-KEPT_SNAPSHOTS:]
         self._kept = {s.header["sha256"]: s for s in fresh}
@@ -100,6 +102,7 @@ class StateServer:
         """The snapshot with `sha256` while we keep it (a joiner goes on with a download our round overtook),
         else the current one."""
         async with self._lock:
+            self._keep()  # drop those nobody downloads any more
             for snapshot in [self._snapshot, *self._kept.values()]:
                 if sha256 is not None and snapshot is not None and snapshot.header["sha256"] == sha256:
                     snapshot.last_used = time.monotonic()
@@ -125,28 +128,38 @@ class StateServer:
         for start in range(offset, end, FRAME_BYTES):
             await send_frame(writer, view[start:min(start + FRAME_BYTES, end)])
         self.bytes_served += max(end - offset, 0)
+        snapshot.last_used = time.monotonic()  # a range can take long on a slow link: count its end as use
         if end == len(snapshot.payload) and end > offset:
             logger.info("served the last range of the state of round %d (%.1f MB) to %s", snapshot.header["round"],
                         len(snapshot.payload) / 1e6, remote[-8:])
 
     async def _send_steps(self, remote: str, request: dict, writer: asyncio.StreamWriter) -> None:
-        """Our logged outer steps from the asker's state on: a header listing them, then each one's bytes (its
-        average's encoded chunks, or its fp32 values)."""
-        round_no, digest = request.get("replay_from"), request.get("digest")
-        if not isinstance(round_no, int) or isinstance(round_no, bool) or not isinstance(digest, str):
+        """Our logged outer steps from the asker's state to the one that ends at the params it asks for (none if
+        our log does not hold both): a header listing them (with each chunk's size), then their bytes."""
+        round_no, digest, target = request.get("replay_from"), request.get("digest"), request.get("to")
+        if not isinstance(round_no, int) or isinstance(round_no, bool) or not isinstance(digest, str) or \
+                not isinstance(target, str):
             raise ValueError(f"malformed replay request from {remote}: {request!r}")
-        steps = self.diloco.steps_since(round_no, digest)[:MAX_REPLAY_STEPS]
-        bodies = [msgpack.packb([list(chunk) for chunk in s.wire]) if s.wire is not None else
-                  s.average.to(torch.float32).numpy().tobytes() for s in steps]
+        steps = _up_to(self.diloco.steps_since(round_no, digest)[:MAX_REPLAY_STEPS], target)
         await send_frame(writer, msgpack.packb({"round": self.diloco.round, "steps": [
             {"round": s.round, "digest": s.digest, "after": s.after, "tokens": s.tokens,
-             "form": "wire" if s.wire is not None else "float32", "size": len(body)}
-            for s, body in zip(steps, bodies)]}))
-        for body in bodies:
-            view = memoryview(body)
-            for start in range(0, len(view), FRAME_BYTES):
-                await send_frame(writer, view[start:start + FRAME_BYTES])
-            self.bytes_served += len(view)
+             "chunks": [[a, b, len(payload)] for a, b, payload in s.wire] if s.wire is not None else None}
+            for s in steps]}))
+        for step in steps:
+            for body in [payload for _, _, payload in step.wire] if step.wire is not None else \
+                    [memoryview(step.average.numpy()).cast("B")]:
+                view = memoryview(body)
+                for start in range(0, len(view), FRAME_BYTES):
+                    await send_frame(writer, view[start:start + FRAME_BYTES])
+                self.bytes_served += len(view)
+
+
+def _up_to(steps: list[OuterStep], target: str) -> list[OuterStep]:
+    """`steps` up to the first that ends at the params `target`; none if no step does."""
+    for i, step in enumerate(steps):
+        if step.after == target:
+            return steps[:i + 1]
+    return []
 
 
 def _serialise(diloco: DiLoCo) -> tuple[dict, bytes]:
@@ -179,8 +192,7 @@ class Replayed:
 
 @dataclass
 class Synced:
-    """How `sync_state` brought a peer to the swarm's state: a download (None if replaying sufficed), then the
-    outer steps replayed on top of it."""
+    """How `sync_state` brought a peer to the swarm's state: by replaying outer steps, or by a download."""
 
     downloaded: Optional[Downloaded]
     replayed: Optional[Replayed]
@@ -203,26 +215,26 @@ class Synced:
 async def sync_state(node: SwarmNode, holders: list[str], run_id: str, diloco: DiLoCo, digest: str,
                      stall: float = STALL_SECONDS, range_bytes: int = RANGE_BYTES) -> Synced:
     """Bring `diloco` to the swarm's state, the params `digest` that `holders` announced: by replaying the outer
-    steps we missed where a holder still logs them from our state, else by downloading the state and replaying
-    the rounds the holders took meanwhile. Raises StateSyncError, leaving `diloco` as it was, if neither works."""
+    steps we missed where a holder still logs them from our state to `digest`, else by downloading the state.
+    A download the swarm overtook (holders keep serving the snapshot it started on) ends in that older state: the
+    caller, still behind, asks again, and then replays. Raises StateSyncError, leaving `diloco` as it was, if
+    neither works."""
     started = time.monotonic()
-    replayed = await replay_steps(node, holders, run_id, diloco, stall)
-    if replayed is not None:  # we are where the holder is now: at `digest`, or past it if it took a round since
+    replayed = await replay_steps(node, holders, run_id, diloco, digest, stall)
+    if replayed is not None:
         return Synced(None, replayed, time.monotonic() - started)
     downloaded = await download_state(node, holders, run_id, diloco, digest, stall, range_bytes)
-    # The swarm may have taken rounds while we downloaded (the holders kept serving our snapshot): replay them.
-    # If that fails we still hold an exact state of the swarm's, only older, and the caller asks again.
-    replayed = await replay_steps(node, list(downloaded.bytes_by_holder), run_id, diloco, stall)
-    return Synced(downloaded, replayed, time.monotonic() - started)
+    return Synced(downloaded, None, time.monotonic() - started)
 
 
-async def replay_steps(node: SwarmNode, holders: list[str], run_id: str, diloco: DiLoCo,
+async def replay_steps(node: SwarmNode, holders: list[str], run_id: str, diloco: DiLoCo, digest: str,
                        stall: float = STALL_SECONDS) -> Optional[Replayed]:
-    """Ask up to REPLAY_HOLDERS holders in turn for the outer steps they logged since our state, and replay the
-    first holder's that has any (DiLoCo.replay checks every step's params digest). None if none took us forward."""
+    """Ask up to REPLAY_HOLDERS holders in turn for the outer steps they logged from our state to the params
+    `digest`, and replay the first holder's that has them (DiLoCo.replay checks every step's params digest, and
+    the last must end at `digest`: a holder cannot lead us anywhere else). None if none took us there."""
     for holder in holders[:REPLAY_HOLDERS]:
         try:
-            steps, size = await _request_steps(node, holder, run_id, diloco, stall)
+            steps, size = await _request_steps(node, holder, run_id, diloco, digest, min(stall, REPLAY_STALL))
             if not steps:
                 continue
             await asyncio.get_running_loop().run_in_executor(None, diloco.replay, steps)
@@ -232,43 +244,61 @@ async def replay_steps(node: SwarmNode, holders: list[str], run_id: str, diloco:
     return None
 
 
-async def _request_steps(node: SwarmNode, holder: str, run_id: str, diloco: DiLoCo,
+async def _request_steps(node: SwarmNode, holder: str, run_id: str, diloco: DiLoCo, digest: str,
                          stall: float) -> tuple[list[OuterStep], int]:
+    n = diloco.numel
     reader, writer = await asyncio.wait_for(node.open_stream(holder, protocol(run_id)), stall)
     try:
-        await send_frame(writer, msgpack.packb({"replay_from": diloco.round, "digest": diloco.digest()}))
-        header = msgpack.unpackb(await asyncio.wait_for(recv_frame(reader, 64 << 10), stall))
+        await send_frame(writer, msgpack.packb({"replay_from": diloco.round, "digest": diloco.digest(),
+                                                "to": digest}))
+        header = msgpack.unpackb(await asyncio.wait_for(recv_frame(reader, 1 << 20), stall))
         listed = header.get("steps") if isinstance(header, dict) else None
-        if not isinstance(listed, list) or len(listed) > MAX_REPLAY_STEPS:
+        if not isinstance(listed, list) or len(listed) > MAX_REPLAY_STEPS or not all(
+                isinstance(m, dict) and all(isinstance(m.get(k), int) and m[k] >= 0 for k in ("round", "tokens"))
+                and all(isinstance(m.get(k), str) for k in ("digest", "after")) and _sizes(m.get("chunks"), n)
+                for m in listed):
             raise ValueError("malformed replay header")
-        steps, total = [], 0
+        if not listed:
+            return [], 0
+        if listed[-1]["after"] != digest or any(m["after"] == digest for m in listed[:-1]):
+            raise ValueError(f"its steps do not end at the swarm's params {digest}")
+        total = sum(sum(_sizes(m["chunks"], n)) for m in listed)
+        if total > 8 * n + (1 << 20):  # an honest log holds at most a state's bytes
+            raise ValueError(f"it offers {total / 1e6:.1f} MB of outer steps, more than a state")
+        steps = []
         for meta in listed:
-            if not isinstance(meta, dict) or meta.get("form") not in ("wire", "float32") or \
-                    not all(isinstance(meta.get(k), int) and meta[k] >= 0 for k in ("round", "tokens", "size")) or \
-                    not all(isinstance(meta.get(k), str) for k in ("digest", "after")) or \
-                    meta["size"] > 4 * diloco.numel + (1 << 20) or \
-                    (meta["form"] == "float32" and meta["size"] != 4 * diloco.numel):
-                raise ValueError("malformed replay header")
-            data = bytearray()
-            while len(data) < meta["size"]:
-                frame = await asyncio.wait_for(recv_frame(reader, FRAME_BYTES), stall)
-                if not frame or len(data) + len(frame) > meta["size"]:
-                    raise ValueError("outer step of the wrong length")
-                data += frame
-            total += len(data)
+            bodies = [await _receive(reader, size, stall) for size in _sizes(meta["chunks"], n)]
             fields = (meta["round"], meta["digest"], meta["after"], meta["tokens"])
-            if meta["form"] == "float32":
-                steps.append(OuterStep(*fields, average=torch.frombuffer(data, dtype=torch.float32)))
+            if meta["chunks"] is None:
+                steps.append(OuterStep(*fields, average=torch.frombuffer(bodies[0], dtype=torch.float32)))
             else:
-                chunks = msgpack.unpackb(bytes(data))
-                if not isinstance(chunks, list) or not all(
-                        isinstance(c, list) and len(c) == 3 and all(isinstance(x, int) for x in c[:2]) and
-                        isinstance(c[2], bytes) for c in chunks):
-                    raise ValueError("malformed outer step")
-                steps.append(OuterStep(*fields, wire=tuple((a, b, payload) for a, b, payload in chunks)))
+                steps.append(OuterStep(*fields, wire=tuple((a, b, bytes(body)) for (a, b, _), body
+                                                           in zip(meta["chunks"], bodies))))
         return steps, total
     finally:
         writer.close()
+
+
+def _sizes(chunks, numel: int) -> list[int]:
+    """The byte sizes of a logged step's bodies: its chunks' (each at most fp32 plus a header), or one fp32
+    vector; empty if `chunks` is malformed."""
+    if chunks is None:
+        return [4 * numel]
+    if not isinstance(chunks, list) or not chunks or not all(
+            isinstance(c, list) and len(c) == 3 and all(isinstance(x, int) and x >= 0 for x in c) and
+            c[0] < c[1] <= numel and 0 < c[2] <= 4 * (c[1] - c[0]) + (64 << 10) for c in chunks):
+        return []
+    return [c[2] for c in chunks]
+
+
+async def _receive(reader: asyncio.StreamReader, size: int, stall: float) -> bytearray:
+    data = bytearray()
+    while len(data) < size:
+        frame = await asyncio.wait_for(recv_frame(reader, FRAME_BYTES), stall)
+        if not frame or len(data) + len(frame) > size:
+            raise ValueError("outer step of the wrong length")
+        data += frame
+    return data
 
 
 async def _request(node: SwarmNode, holder: str, run_id: str, offset: int, length: int,
