@@ -7,10 +7,10 @@ goes back to the queue and is fetched from another holder: a holder that leaves 
 range in flight. Nothing is loaded before the bytes match the sha256 and the tensors match the digest, so a bad
 or hostile holder can waste time but never corrupt the model.
 
-A holder that takes a round while a joiner downloads keeps serving the snapshot the joiner started on, and it
-keeps its last outer steps (DiLoCo.replay_log): the joiner then replays the rounds it missed, each a fraction of
-the state's size, so a download that takes longer than a round still ends in the swarm's current state. A peer
-that fell a few rounds behind replays them the same way without downloading the state at all.
+A peer behind the swarm first asks a holder for the outer steps it logged (DiLoCo.replay_log) from the peer's
+state to the swarm's, and replays them: each costs what its average cost on the wire, a fraction of the state.
+A holder that takes a round while a joiner downloads keeps serving the snapshot the joiner started on, so a
+download longer than a round finishes; the joiner, then behind, replays the rounds it missed.
 """
 
 from __future__ import annotations
@@ -83,17 +83,16 @@ class StateServer:
                     time.monotonic() - cached.last_used > SNAPSHOT_SECONDS:
                 header, payload = await asyncio.get_running_loop().run_in_executor(None, _serialise, self.diloco)
                 if cached is not None:
-                    self._keep(cached)
+                    self._kept[cached.header["sha256"]] = cached  # joiners may still be downloading it
+                    self._prune()
                 cached = self._snapshot = Snapshot(header, payload, time.monotonic())
             cached.last_used = time.monotonic()
             return cached
 
-    def _keep(self, old: Optional[Snapshot] = None) -> None:
-        """Keep the snapshot we stop serving as current while joiners still download it (bounded: the most
-        recently used KEPT_SNAPSHOTS, each dropped a stall's time after its last range went out)."""
+    def _prune(self) -> None:
+        """Keep past snapshots only while joiners download them: the most recently used KEPT_SNAPSHOTS, each
+        until a stall's time after its last range went out."""
         now = time.monotonic()
-        if old is not None:
-            self._kept[old.header["sha256"]] = old
         fresh = sorted((s for s in self._kept.values() if now - s.last_used < STALL_SECONDS),
                        key=lambda s: s.last_used)[-KEPT_SNAPSHOTS:]
         self._kept = {s.header["sha256"]: s for s in fresh}
@@ -102,7 +101,7 @@ class StateServer:
         """The snapshot with `sha256` while we keep it (a joiner goes on with a download our round overtook),
         else the current one."""
         async with self._lock:
-            self._keep()  # drop those nobody downloads any more
+            self._prune()
             for snapshot in [self._snapshot, *self._kept.values()]:
                 if sha256 is not None and snapshot is not None and snapshot.header["sha256"] == sha256:
                     snapshot.last_used = time.monotonic()
@@ -141,7 +140,7 @@ class StateServer:
                 not isinstance(target, str):
             raise ValueError(f"malformed replay request from {remote}: {request!r}")
         steps = _up_to(self.diloco.steps_since(round_no, digest)[:MAX_REPLAY_STEPS], target)
-        await send_frame(writer, msgpack.packb({"round": self.diloco.round, "steps": [
+        await send_frame(writer, msgpack.packb({"steps": [
             {"round": s.round, "digest": s.digest, "after": s.after, "tokens": s.tokens,
              "chunks": [[a, b, len(payload)] for a, b, payload in s.wire] if s.wire is not None else None}
             for s in steps]}))
@@ -267,7 +266,7 @@ async def _request_steps(node: SwarmNode, holder: str, run_id: str, diloco: DiLo
             raise ValueError(f"it offers {total / 1e6:.1f} MB of outer steps, more than a state")
         steps = []
         for meta in listed:
-            bodies = [await _receive(reader, size, stall) for size in _sizes(meta["chunks"], n)]
+            bodies = [await _receive(reader, size, stall, "outer step") for size in _sizes(meta["chunks"], n)]
             fields = (meta["round"], meta["digest"], meta["after"], meta["tokens"])
             if meta["chunks"] is None:
                 steps.append(OuterStep(*fields, average=torch.frombuffer(bodies[0], dtype=torch.float32)))
@@ -291,12 +290,13 @@ def _sizes(chunks, numel: int) -> list[int]:
     return [c[2] for c in chunks]
 
 
-async def _receive(reader: asyncio.StreamReader, size: int, stall: float) -> bytearray:
+async def _receive(reader: asyncio.StreamReader, size: int, stall: float, what: str) -> bytearray:
+    """`size` bytes sent as frames; ValueError if the frames add up to anything else."""
     data = bytearray()
     while len(data) < size:
         frame = await asyncio.wait_for(recv_frame(reader, FRAME_BYTES), stall)
         if not frame or len(data) + len(frame) > size:
-            raise ValueError("outer step of the wrong length")
+            raise ValueError(f"{what} of the wrong length")
         data += frame
     return data
 
@@ -315,15 +315,8 @@ async def _request(node: SwarmNode, holder: str, run_id: str, offset: int, lengt
             raise ValueError("malformed state header")
         if length == 0 or (sha256 is not None and header["sha256"] != sha256):
             return header, b""
-        want = max(min(offset + length, header["size"]) - offset, 0)
-        chunks, received = [], 0
-        while received < want:
-            frame = await asyncio.wait_for(recv_frame(reader, FRAME_BYTES), stall)
-            if not frame or received + len(frame) > want:
-                raise ValueError("state range of the wrong length")
-            chunks.append(frame)
-            received += len(frame)
-        return header, b"".join(chunks)
+        return header, bytes(await _receive(reader, max(min(offset + length, header["size"]) - offset, 0), stall,
+                                            "state range"))
     finally:
         writer.close()
 
