@@ -12,8 +12,7 @@ downloads it by range from all of them at once, verifies it and loads it. Prints
 With --behind K the holders took K more rounds (their averages encoded by --codec, as an all-reduce delivers
 them) and the joiner holds the state of K rounds ago: it catches up by replaying the holders' logged outer steps
 (state_sync.sync_state) rather than downloading the state. "Link" is the rate the transfer cannot beat:
-min(joiner's rate, sum of the holders' rates) for a download, min(joiner's rate, the first holder's rate) for a
-replay (it takes every step from one holder).
+min(joiner's rate, sum of the holders' rates).
 """
 
 from __future__ import annotations
@@ -102,7 +101,8 @@ def joiner(args: argparse.Namespace) -> None:
         row = {"how": "download", "bytes": done.downloaded.header["size"],
                "holders_used": sum(1 for n in done.downloaded.bytes_by_holder.values() if n)}
     else:
-        row = {"how": f"replay {done.replayed.steps}", "bytes": done.replayed.bytes, "holders_used": 1}
+        row = {"how": f"replay {done.replayed.steps}", "bytes": done.replayed.bytes,
+               "holders_used": sum(1 for n in done.replayed.bytes_by_holder.values() if n)}
     print(json.dumps({"seconds": done.seconds, **row}), flush=True)
     node.shutdown()
     loop.close()
@@ -139,8 +139,7 @@ def run_case(holder_mbits: list[float], joiner_mbit: float, size_mb: float, behi
             row = rows[-1]
         finally:
             kill_sessions(processes)
-    # A download takes ranges from every holder at once; a replay takes the steps from the first holder that has them.
-    link = min(joiner_mbit, sum(holder_mbits) if row["how"] == "download" else holder_mbits[0]) * 1e6 / 8
+    link = min(joiner_mbit, sum(holder_mbits)) * 1e6 / 8
     achieved = row["bytes"] / row["seconds"]
     return {"holders_mbit": holder_mbits, "joiner_mbit": joiner_mbit, "how": row["how"], "mb": row["bytes"] / 1e6,
             "seconds": row["seconds"], "mb_per_s": achieved / 1e6, "link_mb_per_s": link / 1e6,

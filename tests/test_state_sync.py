@@ -281,6 +281,24 @@ def test_a_peer_some_rounds_behind_replays_them_without_a_download(network):
     assert [s.wire is not None for s in behind.replay_log][-2:] == [True, True], "it can pass them on as cheaply"
 
 
+def test_a_replay_takes_its_steps_from_every_holder_at_once_and_survives_one_dropping(network):
+    """Holders of the same chain serve its steps in parallel, one step a request (a replay is not capped by one
+    holder's uplink); a holder that drops mid-replay costs only the step in flight, which another serves."""
+    loop, add = network
+    first = _trained(0)
+    behind, second = _copy(first), _copy(first, seed=6)
+    for holder in (first, second):  # the same averages: the same chain of digests
+        _step(holder, 4, codec="int8")
+    assert first.digest() == second.digest()
+    steady, dropping = add(StateServer(first)), add(DroppingServer(second, ranges=2))  # its listing, one step
+    synced = _sync(loop, add(), [dropping, steady], behind, first.digest())
+    assert synced.downloaded is None and synced.replayed.steps == 4 and _same_state(behind, first)
+    served = {peer[-8:]: n for peer, n in synced.replayed.bytes_by_holder.items()}
+    assert served[dropping.peer_id[-8:]] > 0 and served[steady.peer_id[-8:]] > served[dropping.peer_id[-8:]], \
+        f"both served steps, the one that stayed the rest: {served}"
+    assert sum(served.values()) == synced.replayed.bytes, "every step fetched once"
+
+
 def test_forged_outer_steps_are_not_applied_and_the_state_is_downloaded_instead(network):
     """A holder whose logged steps do not lead where they say cannot move a peer anywhere: the replay is undone
     (bit for bit) and the peer downloads the state, verified against the digest, instead."""

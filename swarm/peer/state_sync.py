@@ -134,7 +134,8 @@ class StateServer:
 
     async def _send_steps(self, remote: str, request: dict, writer: asyncio.StreamWriter) -> None:
         """Our logged outer steps from the asker's state to the one that ends at the params it asks for (none if
-        our log does not hold both): a header listing them (with each chunk's size), then their bytes."""
+        our log does not hold both): a header listing them (with each chunk's size), then their bytes unless it
+        asked for the listing only."""
         round_no, digest, target = request.get("replay_from"), request.get("digest"), request.get("to")
         if not isinstance(round_no, int) or isinstance(round_no, bool) or not isinstance(digest, str) or \
                 not isinstance(target, str):
@@ -144,7 +145,7 @@ class StateServer:
             {"round": s.round, "digest": s.digest, "after": s.after, "tokens": s.tokens,
              "chunks": [[a, b, len(payload)] for a, b, payload in s.wire] if s.wire is not None else None}
             for s in steps]}))
-        for step in steps:
+        for step in steps if request.get("bodies", True) else []:
             for body in [payload for _, _, payload in step.wire] if step.wire is not None else \
                     [memoryview(step.average.numpy()).cast("B")]:
                 view = memoryview(body)
@@ -186,7 +187,7 @@ class Downloaded:
 class Replayed:
     steps: int
     bytes: int
-    holder: str
+    bytes_by_holder: Counter
 
 
 @dataclass
@@ -206,7 +207,8 @@ class Synced:
                          f"{size / 1e6:.1f} MB in {d.seconds:.1f} s, {size / 1e6 / max(d.seconds, 1e-9):.1f} MB/s")
         if self.replayed is not None:
             r = self.replayed
-            parts.append(f"replayed {r.steps} outer step(s) from {r.holder[-8:]} ({r.bytes / 1e6:.1f} MB)")
+            parts.append(f"replayed {r.steps} outer step(s) from {len(r.bytes_by_holder)} peer(s): "
+                         f"{r.bytes / 1e6:.1f} MB")
         return f"synced state of round {diloco.round}, digest {diloco.digest()} ({'; '.join(parts)}) in " \
                f"{self.seconds:.1f} s"
 
@@ -228,28 +230,57 @@ async def sync_state(node: SwarmNode, holders: list[str], run_id: str, diloco: D
 
 async def replay_steps(node: SwarmNode, holders: list[str], run_id: str, diloco: DiLoCo, digest: str,
                        stall: float = STALL_SECONDS) -> Optional[Replayed]:
-    """Ask up to REPLAY_HOLDERS holders in turn for the outer steps they logged from our state to the params
-    `digest`, and replay the first holder's that has them (DiLoCo.replay checks every step's params digest, and
-    the last must end at `digest`: a holder cannot lead us anywhere else). None if none took us there."""
-    for holder in holders[:REPLAY_HOLDERS]:
+    """Replay the outer steps the holders logged from our state to the params `digest` (DiLoCo.replay checks every
+    step's params digest, and the chain must end at `digest`: a holder cannot lead us anywhere else). Up to
+    REPLAY_HOLDERS holders are asked at once for their listing of the chain; its steps then come from all holders
+    that list the same chain, in parallel, one step a request, so a replay is not capped by one holder's uplink.
+    None if no holder could take us there."""
+    asked, stall, n = holders[:REPLAY_HOLDERS], min(stall, REPLAY_STALL), diloco.numel
+    start = (diloco.round, diloco.digest())
+
+    async def chain_of(holder: str) -> list[dict]:
         try:
-            steps, size = await _request_steps(node, holder, run_id, diloco, digest, min(stall, REPLAY_STALL))
-            if not steps:
-                continue
-            await asyncio.get_running_loop().run_in_executor(None, diloco.replay, steps)
-            return Replayed(len(steps), size, holder)
-        except Exception as e:  # noqa: BLE001 - unreachable, broken or lying holder: ask the next
-            logger.info("replaying outer steps from %s failed: %s", holder[-8:], _reason(e))
-    return None
+            return (await _ask_steps(node, holder, run_id, n, start, digest, stall, bodies=False))[0]
+        except Exception as e:  # noqa: BLE001 - unreachable, broken or lying holder: the others may have it
+            logger.info("state holder %s listed no outer steps: %s", holder[-8:], _reason(e))
+            return []
+
+    chains = await asyncio.gather(*(chain_of(h) for h in asked))
+    chain = next((c for c in chains if c), None)
+    if chain is None:
+        return None
+    sources = [h for h, c in zip(asked, chains) if c == chain]
+
+    async def fetch(holder: str, k: int) -> tuple[OuterStep, int]:
+        meta = chain[k]
+        metas, steps = await _ask_steps(node, holder, run_id, n, (meta["round"], meta["digest"]), meta["after"],
+                                        stall, bodies=True)
+        if metas != [meta]:
+            raise ValueError("it sent another step than it listed")
+        return steps[0], sum(_sizes(meta["chunks"], n))
+
+    steps, served, _ = await _spread(sources, list(range(len(chain))), fetch, "replay")
+    if len(steps) < len(chain):
+        logger.info("replay failed: every holder dropped, %d of %d outer steps missing", len(chain) - len(steps),
+                    len(chain))
+        return None
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, diloco.replay, [steps[k] for k in range(len(chain))])
+    except ValueError as e:
+        logger.info("replaying outer steps from %s failed: %s", ", ".join(h[-8:] for h in served), e)
+        return None
+    return Replayed(len(chain), sum(served.values()), served)
 
 
-async def _request_steps(node: SwarmNode, holder: str, run_id: str, diloco: DiLoCo, digest: str,
-                         stall: float) -> tuple[list[OuterStep], int]:
-    n = diloco.numel
+async def _ask_steps(node: SwarmNode, holder: str, run_id: str, numel: int, start: tuple[int, str], digest: str,
+                     stall: float, bodies: bool) -> tuple[list[dict], list[OuterStep]]:
+    """`holder`'s listing of its logged outer steps from the state `start` (round, params digest) to the params
+    `digest`, validated, and (`bodies`) the steps themselves."""
+    n = numel
     reader, writer = await asyncio.wait_for(node.open_stream(holder, protocol(run_id)), stall)
     try:
-        await send_frame(writer, msgpack.packb({"replay_from": diloco.round, "digest": diloco.digest(),
-                                                "to": digest}))
+        await send_frame(writer, msgpack.packb({"replay_from": start[0], "digest": start[1], "to": digest,
+                                                "bodies": bodies}))
         header = msgpack.unpackb(await asyncio.wait_for(recv_frame(reader, 1 << 20), stall))
         listed = header.get("steps") if isinstance(header, dict) else None
         if not isinstance(listed, list) or len(listed) > MAX_REPLAY_STEPS or not all(
@@ -258,22 +289,22 @@ async def _request_steps(node: SwarmNode, holder: str, run_id: str, diloco: DiLo
                 for m in listed):
             raise ValueError("malformed replay header")
         if not listed:
-            return [], 0
+            return [], []
         if listed[-1]["after"] != digest or any(m["after"] == digest for m in listed[:-1]):
             raise ValueError(f"its steps do not end at the swarm's params {digest}")
         total = sum(sum(_sizes(m["chunks"], n)) for m in listed)
         if total > 8 * n + (1 << 20):  # an honest log holds at most a state's bytes
             raise ValueError(f"it offers {total / 1e6:.1f} MB of outer steps, more than a state")
         steps = []
-        for meta in listed:
-            bodies = [await _receive(reader, size, stall, "outer step") for size in _sizes(meta["chunks"], n)]
+        for meta in listed if bodies else []:
+            received = [await _receive(reader, size, stall, "outer step") for size in _sizes(meta["chunks"], n)]
             fields = (meta["round"], meta["digest"], meta["after"], meta["tokens"])
             if meta["chunks"] is None:
-                steps.append(OuterStep(*fields, average=torch.frombuffer(bodies[0], dtype=torch.float32)))
+                steps.append(OuterStep(*fields, average=torch.frombuffer(received[0], dtype=torch.float32)))
             else:
                 steps.append(OuterStep(*fields, wire=tuple((a, b, bytes(body)) for (a, b, _), body
-                                                           in zip(meta["chunks"], bodies))))
-        return steps, total
+                                                           in zip(meta["chunks"], received))))
+        return listed, steps
     finally:
         writer.close()
 
@@ -364,47 +395,65 @@ async def download_state(node: SwarmNode, holders: list[str], run_id: str, diloc
     return Downloaded(header, time.monotonic() - started, served)
 
 
-async def _fetch(node: SwarmNode, sources: list[str], run_id: str, size: int, sha256: str, stall: float,
-                 range_bytes: int) -> tuple[bytes, Counter]:
-    """The `size` bytes of the state with `sha256`, by range from all `sources` at once; a range that fails is
-    fetched again from another source. Returns (payload, bytes fetched from each source)."""
-    pieces: dict[int, bytes] = {}
+class _MovedOn(ValueError):
+    """A holder no longer serves what we fetch from it: its swarm took a round."""
+
+
+async def _spread(sources: list[str], keys: list, fetch, what: str) -> tuple[dict, Counter, int]:
+    """`await fetch(holder, key)` -> (value, bytes) for every key, from all `sources` at once (REQUESTS_PER_HOLDER
+    in flight each); a key whose fetch fails goes back for another source, and that source is dropped. Returns
+    the values by key (some missing if every source dropped), the bytes from each source, and how many sources
+    dropped because they moved on (_MovedOn)."""
+    values: dict = {}
     todo: asyncio.Queue = asyncio.Queue()
-    for offset in range(0, size, range_bytes):
-        todo.put_nowait(offset)
+    for key in keys:
+        todo.put_nowait(key)
     served: Counter = Counter()
-    alive = set(sources)
-    moved_on: set[str] = set()  # holders that dropped because their state changed: the swarm took a round
+    alive, moved_on = set(sources), set()
 
     async def fetch_from(holder: str) -> None:
         while holder in alive:
             try:
-                offset = todo.get_nowait()
+                key = todo.get_nowait()
             except asyncio.QueueEmpty:
                 return
             try:
-                theirs, data = await _request(node, holder, run_id, offset, range_bytes, sha256, stall)
-                if theirs["sha256"] != sha256:
+                value, size = await fetch(holder, key)
+            except Exception as e:  # noqa: BLE001 - the key goes back for another holder
+                todo.put_nowait(key)
+                if isinstance(e, _MovedOn):
                     moved_on.add(holder)
-                    raise ValueError("its state changed")
-                if len(data) != min(range_bytes, size - offset):
-                    raise ValueError("state range of the wrong length")
-            except Exception as e:  # noqa: BLE001 - the range goes back for another holder
-                todo.put_nowait(offset)
                 if holder in alive:
                     alive.discard(holder)
-                    logger.info("state holder %s dropped mid-download (%s); %d left", holder[-8:], _reason(e),
+                    logger.info("state holder %s dropped mid-%s (%s); %d left", holder[-8:], what, _reason(e),
                                 len(alive))
                 return
-            pieces[offset] = data
-            served[holder] += len(data)
+            values[key] = value
+            served[holder] += size
 
-    while todo.qsize() and alive:
-        await asyncio.gather(*(fetch_from(h) for h in list(alive) for _ in range(REQUESTS_PER_HOLDER)))
-    if todo.qsize():
-        raise StateSyncError(f"state download failed: every holder dropped, {todo.qsize()} of "
-                             f"{-(-size // range_bytes)} ranges missing"
-                             + (f" ({len(moved_on)} moved on to newer params)" if moved_on else ""),
+    while todo.qsize() and alive:  # one key to each source before a second to any: few keys spread too
+        await asyncio.gather(*(fetch_from(h) for _ in range(REQUESTS_PER_HOLDER) for h in sorted(alive)))
+    return values, served, len(moved_on)
+
+
+async def _fetch(node: SwarmNode, sources: list[str], run_id: str, size: int, sha256: str, stall: float,
+                 range_bytes: int) -> tuple[bytes, Counter]:
+    """The `size` bytes of the state with `sha256`, by range from all `sources` at once; a range that fails is
+    fetched again from another source. Returns (payload, bytes fetched from each source)."""
+    async def fetch(holder: str, offset: int) -> tuple[bytes, int]:
+        theirs, data = await _request(node, holder, run_id, offset, range_bytes, sha256, stall)
+        if theirs["sha256"] != sha256:
+            raise _MovedOn("its state changed")
+        if len(data) != min(range_bytes, size - offset):
+            raise ValueError("state range of the wrong length")
+        return data, len(data)
+
+    offsets = list(range(0, size, range_bytes))
+    pieces, served, moved_on = await _spread(sources, offsets, fetch, "download")
+    if len(pieces) < len(offsets):
+        raise StateSyncError(f"state download failed: every holder dropped, {len(offsets) - len(pieces)} of "
+                             f"{len(offsets)} ranges missing"
+                             + (f" ({moved_on} moved on to newer params)" if moved_on else ""),
                              moved_on=bool(moved_on))
     return b"".join(pieces[offset] for offset in sorted(pieces)), served
 
