@@ -41,7 +41,7 @@ SNAPSHOT_SECONDS = 300.0  # a served snapshot is kept this long after its last r
 KEPT_SNAPSHOTS = 2  # older snapshots still being downloaded (each asked for in the last STALL_SECONDS)
 MAX_REPLAY_STEPS = 64
 REPLAY_HOLDERS = 3  # asked in turn for the outer steps since our state, before downloading it
-REPLAY_STALL = 10.0  # s to wait for a holder's answer to that (a dead one must not hold up the download long)
+REPLAY_STALL = 10.0  # s to wait for a holder's listing of them
 
 
 class StateSyncError(RuntimeError):
@@ -235,12 +235,13 @@ async def replay_steps(node: SwarmNode, holders: list[str], run_id: str, diloco:
     REPLAY_HOLDERS holders are asked at once for their listing of the chain; its steps then come from all holders
     that list the same chain, in parallel, one step a request, so a replay is not capped by one holder's uplink.
     None if no holder could take us there."""
-    asked, stall, n = holders[:REPLAY_HOLDERS], min(stall, REPLAY_STALL), diloco.numel
+    asked, n = holders[:REPLAY_HOLDERS], diloco.numel
     start = (diloco.round, diloco.digest())
 
     async def chain_of(holder: str) -> list[dict]:
-        try:
-            return (await _ask_steps(node, holder, run_id, n, start, digest, stall, bodies=False))[0]
+        try:  # a short wait: a dead holder must not hold up the download long (the steps get the full stall)
+            return (await _ask_steps(node, holder, run_id, n, start, digest, min(stall, REPLAY_STALL),
+                                     bodies=False))[0]
         except Exception as e:  # noqa: BLE001 - unreachable, broken or lying holder: the others may have it
             logger.info("state holder %s listed no outer steps: %s", holder[-8:], _reason(e))
             return []
