@@ -24,11 +24,14 @@ class LoopThread:
         # and forgotten (a heartbeat), awaiting a future that nothing else holds, is otherwise garbage-collected
         # mid-way ("Task was destroyed but it is pending"), and the heartbeat silently stops.
         self._pending: set[concurrent.futures.Future] = set()
+        self._running = threading.Event()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
+        self._running.wait()  # so a close() right after this (a failed start-up) finds the loop running
 
     def _main(self) -> None:
         asyncio.set_event_loop(self.loop)
+        self.loop.call_soon(self._running.set)
         self.loop.run_forever()
 
     def submit(self, coro: Awaitable[T]) -> concurrent.futures.Future:
@@ -47,7 +50,12 @@ class LoopThread:
             raise TimeoutError(f"timed out after {timeout} s") from None
 
     def close(self) -> None:
+        """Cancel what runs on the loop, stop it and close it. Left unclosed, the loop was closed by the garbage
+        collector at interpreter exit, sometimes after its self-pipe's socket, and the process printed a
+        traceback ("Invalid file descriptor: -1") after a clean one-line error."""
         if not self.loop.is_running():
+            if not self.loop.is_closed() and not self._thread.is_alive():
+                self.loop.close()
             return
 
         async def _cancel_all() -> None:
@@ -62,6 +70,8 @@ class LoopThread:
             pass
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
+        if not self._thread.is_alive():
+            self.loop.close()
 
 
 def install_stop_handlers(on_stop: Callable[[int], None]) -> None:

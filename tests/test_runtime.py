@@ -37,3 +37,18 @@ def test_a_submitted_and_forgotten_coroutine_survives_garbage_collection():
         assert finished.wait(10), "the forgotten coroutine was garbage-collected while it waited"
     finally:
         loop.close()
+
+
+def test_close_right_after_start_stops_and_closes_the_loop():
+    """A peer whose start-up fails at once (a bad --initial-peers) closes its loop thread a moment after creating
+    it. The loop must end closed: a loop left to the garbage collector at interpreter exit was sometimes closed
+    after its self-pipe's socket, and the process printed a traceback after its one-line error (seen in CI)."""
+    for _ in range(20):
+        loop = LoopThread()
+        loop.close()
+        assert loop.loop.is_closed() and not loop._thread.is_alive()
+        loop.close()  # twice is harmless
+    used = LoopThread()
+    assert used.run(asyncio.sleep(0, result=7), timeout=5) == 7
+    used.close()
+    assert used.loop.is_closed()
