@@ -476,7 +476,7 @@ class Peer:
             self.metrics.mixing_rounds.inc()
         # With several groups, each sees only its own tokens: count the swarm's (its estimate) in the schedule.
         tokens = result.total_weight * group.swarm_size / max(result.group_size, 1)
-        self.diloco.outer_step(average, int(round(tokens)), None if group.mix else result.wire, log=not group.mix)
+        self.diloco.outer_step(average, int(round(tokens)), result.wire, log=not group.mix)
         self.in_flight_tokens = None  # our tokens since count toward the round we are now in
         self.last_group_size = max(result.group_size, group.swarm_size)
         self.metrics.round_peers.set(group.swarm_size)

@@ -199,18 +199,14 @@ class Synced:
     seconds: float
 
     def describe(self, diloco: DiLoCo) -> str:
-        parts = []
         if self.downloaded is not None:
-            d = self.downloaded
-            size = d.header["size"]
-            parts.append(f"downloaded the state of round {d.header['round']} from {len(d.bytes_by_holder)} peer(s): "
-                         f"{size / 1e6:.1f} MB in {d.seconds:.1f} s, {size / 1e6 / max(d.seconds, 1e-9):.1f} MB/s")
-        if self.replayed is not None:
+            d, size = self.downloaded, self.downloaded.header["size"]
+            how = (f"downloaded the state of round {d.header['round']} from {len(d.bytes_by_holder)} peer(s): "
+                   f"{size / 1e6:.1f} MB in {d.seconds:.1f} s, {size / 1e6 / max(d.seconds, 1e-9):.1f} MB/s")
+        else:
             r = self.replayed
-            parts.append(f"replayed {r.steps} outer step(s) from {len(r.bytes_by_holder)} peer(s): "
-                         f"{r.bytes / 1e6:.1f} MB")
-        return f"synced state of round {diloco.round}, digest {diloco.digest()} ({'; '.join(parts)}) in " \
-               f"{self.seconds:.1f} s"
+            how = f"replayed {r.steps} outer step(s) from {len(r.bytes_by_holder)} peer(s): {r.bytes / 1e6:.1f} MB"
+        return f"synced state of round {diloco.round}, digest {diloco.digest()} ({how}) in {self.seconds:.1f} s"
 
 
 async def sync_state(node: SwarmNode, holders: list[str], run_id: str, diloco: DiLoCo, digest: str,
@@ -277,7 +273,6 @@ async def _ask_steps(node: SwarmNode, holder: str, run_id: str, numel: int, star
                      stall: float, bodies: bool) -> tuple[list[dict], list[OuterStep]]:
     """`holder`'s listing of its logged outer steps from the state `start` (round, params digest) to the params
     `digest`, validated, and (`bodies`) the steps themselves."""
-    n = numel
     reader, writer = await asyncio.wait_for(node.open_stream(holder, protocol(run_id)), stall)
     try:
         await send_frame(writer, msgpack.packb({"replay_from": start[0], "digest": start[1], "to": digest,
@@ -286,19 +281,19 @@ async def _ask_steps(node: SwarmNode, holder: str, run_id: str, numel: int, star
         listed = header.get("steps") if isinstance(header, dict) else None
         if not isinstance(listed, list) or len(listed) > MAX_REPLAY_STEPS or not all(
                 isinstance(m, dict) and all(isinstance(m.get(k), int) and m[k] >= 0 for k in ("round", "tokens"))
-                and all(isinstance(m.get(k), str) for k in ("digest", "after")) and _sizes(m.get("chunks"), n)
+                and all(isinstance(m.get(k), str) for k in ("digest", "after")) and _sizes(m.get("chunks"), numel)
                 for m in listed):
             raise ValueError("malformed replay header")
         if not listed:
             return [], []
         if listed[-1]["after"] != digest or any(m["after"] == digest for m in listed[:-1]):
             raise ValueError(f"its steps do not end at the swarm's params {digest}")
-        total = sum(sum(_sizes(m["chunks"], n)) for m in listed)
-        if total > 8 * n + (1 << 20):  # an honest log holds at most a state's bytes
+        total = sum(sum(_sizes(m["chunks"], numel)) for m in listed)
+        if total > 8 * numel + (1 << 20):  # an honest log holds at most a state's bytes
             raise ValueError(f"it offers {total / 1e6:.1f} MB of outer steps, more than a state")
         steps = []
         for meta in listed if bodies else []:
-            received = [await _receive(reader, size, stall, "outer step") for size in _sizes(meta["chunks"], n)]
+            received = [await _receive(reader, size, stall, "outer step") for size in _sizes(meta["chunks"], numel)]
             fields = (meta["round"], meta["digest"], meta["after"], meta["tokens"])
             if meta["chunks"] is None:
                 steps.append(OuterStep(*fields, average=torch.frombuffer(received[0], dtype=torch.float32)))
