@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Read the swarm's announcements from the DHT and print each peer (state, "
                                         "blocks, device, tokens/s, bandwidth, round, loss, last seen) and the "
                                         "totals: peers, compute, peers per block, blocks hosted by nobody, "
-                                        "whether training peers agree on the params digest.")
+                                        "whether training peers agree on the state digest.")
     status.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR",
                         help="multiaddr(s) of any peer of the swarm")
     status.add_argument("--json", action="store_true", help="print JSON for scripts")

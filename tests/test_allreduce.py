@@ -134,7 +134,7 @@ def test_partition_by_shares_is_exact():
 
 def test_choose_members_takes_every_lineage_and_leaves_out_the_accused():
     c = {"a": Candidate("d1", 1.0, False), "b": Candidate("d1", 1.0, False), "c": Candidate("d2", 1.0, False)}
-    assert choose_members(c, 16) == ["a", "b", "c"], "other params digests are mixed in, not left to re-sync"
+    assert choose_members(c, 16) == ["a", "b", "c"], "other state digests are mixed in, not left to re-sync"
     assert choose_members(c, 1) == ["a"]
     # An honest peer that caught "b" sending bad data is never grouped with it, whoever computes the group.
     accused = {**c, "a": Candidate("d1", 1.0, False, ("b",))}

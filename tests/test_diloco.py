@@ -45,6 +45,23 @@ def test_outer_nesterov_step_matches_hand_computation():
     assert diloco.round == 2 and diloco.tokens_seen == 150
 
 
+def test_the_digest_covers_the_outer_momentum():
+    a = DiLoCo(_model(), OuterRecipe())
+    b = DiLoCo(torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)), OuterRecipe())
+    b.load_state_tensors(a.state_tensors(), 0, 0)
+    assert a.digest() == b.digest()
+    for param in b.global_params:  # explicit zero buffers take the same next step as none: same digest
+        b.outer_optimizer.state[param]["momentum_buffer"] = torch.zeros_like(param)
+    b._digest = None
+    assert a.digest() == b.digest()
+    a.outer_step(torch.ones(a.numel), tokens=10)
+    tensors = a.state_tensors()
+    tensors = {k: v * 2 if k.startswith("momentum.") else v for k, v in tensors.items()}
+    b.load_state_tensors(tensors, a.round, a.tokens_seen)
+    assert all(torch.equal(x, y) for x, y in zip(a.global_params, b.global_params))
+    assert a.digest() != b.digest(), "same params, other momentum: another state"
+
+
 def test_state_round_trip_restores_params_and_momentum():
     a, b = DiLoCo(_model(), OuterRecipe()), DiLoCo(torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)),
                                                    OuterRecipe())

@@ -43,7 +43,7 @@ def test_whole_swarm_restarts_from_newest_checkpoint(swarm):
 def test_a_peer_back_a_few_rounds_behind_replays_them_instead_of_downloading_the_state(swarm):
     """A peer leaves at round 2 (its checkpoint holds that state); the other two go on; restarted, it asks them
     for the outer steps they took since its state and replays them (int8 averages: a byte a param, against the
-    eight of params and momentum), checking the params digest after each, and then averages with them again."""
+    eight of params and momentum), checking the state digest after each, and then averages with them again."""
     _, maddr = swarm.bootstrap(recipe=Path(__file__).parent / "recipes" / "replay.yaml")
     rounds, checkpoints = 8, swarm.workdir / "ckpt"
     others = [swarm.peer(maddr, "--until-round", str(rounds), name=f"stays{i}") for i in range(2)]

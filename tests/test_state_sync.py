@@ -1,7 +1,7 @@
 """State download for late joiners, over real p2p streams (each node has its own p2pd daemon on 127.0.0.1): the
 bytes come by range from every holder at once, a holder that drops mid-download costs only its range in flight,
 holders of other params are ignored, a holder that serves bytes other than it announced cannot corrupt the
-joiner, and nothing is loaded unless it matches the swarm's params digest."""
+joiner, and nothing is loaded unless it matches the swarm's state digest (params and outer momentum)."""
 
 from __future__ import annotations
 
@@ -139,6 +139,32 @@ class LyingServer(StateServer):
         return Snapshot(snapshot.header, flipped, snapshot.last_used)
 
 
+class OtherMomentumServer(StateServer):
+    """Holds the swarm's params with momentum of its own, and announces the swarm's digest for them (with the
+    sha256 of the bytes it serves, so they pass that check)."""
+
+    def __init__(self, diloco: DiLoCo):
+        super().__init__(_copy(diloco, seed=9))
+        self.claimed = diloco.digest()
+        for param in self.diloco.global_params:
+            self.diloco.outer_optimizer.state[param]["momentum_buffer"].mul_(2)
+        self.diloco._digest = None
+
+    async def current(self) -> Snapshot:
+        snapshot = await super().current()
+        snapshot.header["digest"] = self.claimed
+        return snapshot
+
+
+class OtherRoundServer(StateServer):
+    """Serves the swarm's state, bytes and digest as they are, but claims another round for it."""
+
+    async def current(self) -> Snapshot:
+        snapshot = await super().current()
+        snapshot.header["round"] = self.diloco.round + 1
+        return snapshot
+
+
 @pytest.fixture
 def network():
     loop = LoopThread()
@@ -209,6 +235,27 @@ def test_nothing_is_loaded_when_no_holder_has_the_swarms_digest(network):
         _download(loop, add(), holders, joiner_state, _trained(0).digest())
     assert joiner_state.round == 0
     assert all(torch.equal(before[k], v) for k, v in joiner_state.state_tensors().items()), "left untouched"
+
+
+def test_the_swarms_params_with_other_momentum_or_round_are_refused(network):
+    """The digest the swarm announces covers the outer momentum and the round too: a holder that serves the right
+    params with other momentum (which would make the joiner's next outer steps differ from everyone's), or claims
+    another round for them, is not loaded from; one honest holder among liars is enough."""
+    loop, add = network
+    source = _trained(0)
+    liar = OtherMomentumServer(source)
+    assert [torch.equal(a, b) for a, b in zip(liar.diloco.global_params, source.global_params)] == \
+        [True] * len(source.global_params) and liar.diloco.digest() != source.digest()
+    joiner_state = _diloco(2)
+    before = {k: v.clone() for k, v in joiner_state.state_tensors().items()}
+    with pytest.raises(StateSyncError, match="does not match"):
+        _download(loop, add(), [add(liar)], joiner_state, source.digest())
+    assert joiner_state.round == 0 and all(torch.equal(before[k], v) for k, v in joiner_state.state_tensors().items())
+    _download(loop, add(), [add(OtherMomentumServer(source)), add(StateServer(source))], joiner_state,
+              source.digest())
+    assert _same_state(joiner_state, source), "the honest holder's state, momentum included, is what is loaded"
+    with pytest.raises(StateSyncError, match="does not match"):  # the digest covers the round too
+        _download(loop, add(), [add(OtherRoundServer(_copy(source)))], _diloco(2), source.digest())
 
 
 def test_malformed_requests_do_not_break_the_server(network):

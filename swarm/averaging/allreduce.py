@@ -434,7 +434,7 @@ class GroupAllReduce:
 
         # Phase 3: commit only once every member holds every part. We apply iff every other member's commit
         # reached us; whether our own commits were acknowledged does not matter for our decision (a lost
-        # acknowledgement is not a lost commit; the rare peer left behind re-syncs through the params digest).
+        # acknowledgement is not a lost commit; the rare peer left behind re-syncs through the state digest).
         self.faults.maybe_die("commit", group.round)
         await asyncio.gather(*(send(peer, {**base, "phase": "commit", "chunks": 0}, no_chunks())
                                for peer in servers))

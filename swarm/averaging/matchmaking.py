@@ -1,5 +1,5 @@
 """Group formation for one averaging attempt of an outer round: peers that reached the averaging point announce
-themselves (params digest, measured bandwidth, whether they accept connections) under the attempt's key, wait for
+themselves (state digest, measured bandwidth, whether they accept connections) under the attempt's key, wait for
 the peers they expect, and adopt the member list and reduction shares published by their group's leader (its
 smallest peer id). Every member checks the same group id in the all-reduce, so a peer whose view differed fails
 that attempt cleanly instead of averaging with the wrong set.
@@ -93,7 +93,7 @@ def group_timeout(candidates: Sequence[Candidate]) -> Optional[float]:
 def choose_members(candidates: dict[str, Candidate], target_size: int) -> list[str]:
     """One group: the candidates sorted by peer id, capped at `target_size`, leaving out every peer that some
     candidate caught sending bad data this round (so an honest peer that refuses a bad one is never put in a
-    group with it). Members of different params digests (lineages of earlier multi-group rounds, or a peer whose
+    group with it). Members of different state digests (lineages of earlier multi-group rounds, or a peer whose
     last commit went astray) are all welcome: their group mixes params, and leaves them identical. A pure
     function: every peer with the same view picks the same members."""
     accused = {peer for c in candidates.values() for peer in c.excluded}

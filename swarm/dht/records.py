@@ -1,5 +1,5 @@
 """What peers write into the DHT: the run recipe (written by the bootstrap) and each peer's announcement
-(state, round, progress, params digest, hosted blocks, device, throughput, bandwidth). Both sit under owned,
+(state, round, progress, state digest, hosted blocks, device, throughput, bandwidth). Both sit under owned,
 signed subkeys (see validation.py); readers validate every record and skip, and count, malformed ones; unknown
 fields are ignored so peers of different versions can share a swarm.
 """

@@ -28,7 +28,7 @@ class SwarmSummary:
     round: int
     loss_mean: Optional[float]
     loss_spread: Optional[float]
-    digests_agree: bool  # training peers of the top round hold one params digest
+    digests_agree: bool  # training peers of the top round hold one state digest
     majority_digest: str
     n_blocks: int  # the model's blocks (from the recipe, else the highest block any peer announces)
     block_coverage: list[int]  # online peers hosting each block
@@ -88,7 +88,7 @@ class SwarmExporter:
                                   registry=registry)
         self.round = Gauge("swarm_swarm_round", "Highest outer round of training peers", registry=registry)
         self.loss = Gauge("swarm_swarm_loss_mean", "Mean of live peers' last training loss", registry=registry)
-        self.divergent = Gauge("swarm_swarm_divergent_peers", "Training peers whose params digest is not the "
+        self.divergent = Gauge("swarm_swarm_divergent_peers", "Training peers whose state digest is not the "
                                "majority's", registry=registry)
         self.invalid = Gauge("swarm_swarm_invalid_records", "Malformed peer records in the last read",
                              registry=registry)
@@ -127,7 +127,7 @@ def render_status(summary: SwarmSummary, run_id: str, recipe_digest: str) -> str
              f"peer{'' if s.peers_online == 1 else 's'} online"
              + (f" ({states})" if states else "") + f", {s.by_state.get('offline', 0)} offline"
              + (f", {s.invalid_records} invalid records" if s.invalid_records else "")]
-    lines.append(f"compute: {s.tokens_per_s:.0f} tokens/s; params digests: "
+    lines.append(f"compute: {s.tokens_per_s:.0f} tokens/s; state digests: "
                  + ("none yet" if not s.majority_digest else
                     f"agree ({s.majority_digest})" if s.digests_agree else f"DIFFER (majority {s.majority_digest})"))
     coverage = ", ".join(f"[{start}, {end}) {count}" for start, end, count in coverage_runs(s.block_coverage))

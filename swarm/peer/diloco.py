@@ -15,13 +15,13 @@ import torch
 
 from swarm.compression import decode
 from swarm.config import OuterRecipe
-from swarm.peer.model import params_digest
+from swarm.peer.model import state_digest
 
 
 @dataclass(frozen=True)
 class OuterStep:
     """One applied outer step, enough to redo it: the averaged pseudo-gradient and tokens that took the state of
-    round `round` with params digest `digest` to the params digest `after`. The average is kept as the encoded
+    round `round` with state digest `digest` (params and outer momentum) to the state digest `after`. The average is kept as the encoded
     chunks every member of the group decoded (`wire`: (start, end, bytes), in order), so it costs what it cost on
     the wire (int8: about a byte a param), or in fp32 where it never travelled encoded (the ring's)."""
 
@@ -56,6 +56,10 @@ class OuterStep:
         if at != numel:
             raise ValueError(f"outer step of round {self.round}: chunks do not cover its {numel} values")
         return out
+
+
+def _momenta(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> list[Optional[torch.Tensor]]:
+    return [optimizer.state.get(p, {}).get("momentum_buffer") for p in params]
 
 
 def _outer_update(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, average: torch.Tensor) -> None:
@@ -127,7 +131,7 @@ class DiLoCo:
         return []
 
     def replay(self, steps: list[OuterStep]) -> None:
-        """Redo another peer's outer steps from our state, checking the params digest before and after each, then
+        """Redo another peer's outer steps from our state, checking the state digest before and after each, then
         take the result. They run on a copy, so the lock (which the heartbeat needs) stays free meanwhile and a
         refused step leaves everything, local params included, as it was: ValueError if one does not apply to our
         state or ends elsewhere, or if our state changed in the meantime."""
@@ -135,7 +139,7 @@ class DiLoCo:
             start = (self.round, self.digest())
             tokens_seen = self.tokens_seen
             params = [p.clone() for p in self.global_params]
-            buffers = [self.outer_optimizer.state.get(p, {}).get("momentum_buffer") for p in self.global_params]
+            buffers = _momenta(self.global_params, self.outer_optimizer)
             optimizer = torch.optim.SGD(params, **self.outer_optimizer.defaults)
             for param, buffer in zip(params, buffers):
                 if buffer is not None:
@@ -146,9 +150,10 @@ class DiLoCo:
                 if step.round != round_no or step.digest != digest:
                     raise ValueError(f"the outer step of round {step.round} is not from our state")
                 _outer_update(params, optimizer, step.vector(self.numel))
-                round_no, digest, tokens_seen = round_no + 1, params_digest(params), tokens_seen + step.tokens
+                round_no, tokens_seen = round_no + 1, tokens_seen + step.tokens
+                digest = state_digest(params, _momenta(params, optimizer), round_no)
                 if digest != step.after:
-                    raise ValueError(f"the outer step of round {step.round} ends at other params")
+                    raise ValueError(f"the outer step of round {step.round} ends at another state")
         with self.lock, torch.no_grad():
             if (self.round, self.digest()) != start:
                 raise ValueError("our state changed while replaying")
@@ -178,7 +183,7 @@ class DiLoCo:
         """Global params then outer momentum (zeros before the first outer step, which torch's SGD treats the
         same), flat fp32: what a mixing group averages besides the pseudo-gradients."""
         with self.lock:
-            momentum = [self.outer_optimizer.state.get(p, {}).get("momentum_buffer") for p in self.global_params]
+            momentum = _momenta(self.global_params, self.outer_optimizer)
             return torch.cat([p.view(-1) for p in self.global_params] +
                              [(torch.zeros_like(p) if m is None else m).view(-1)
                               for p, m in zip(self.global_params, momentum)])
@@ -214,9 +219,11 @@ class DiLoCo:
                 offset += local.numel()
 
     def digest(self) -> str:
+        """The state digest (round, global params and outer momentum) the swarm compares and announces."""
         with self.lock:
             if self._digest is None:
-                self._digest = params_digest(self.global_params)
+                self._digest = state_digest(self.global_params, _momenta(self.global_params, self.outer_optimizer),
+                                            self.round)
             return self._digest
 
     def state_tensors(self) -> dict[str, torch.Tensor]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Optional
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PretrainedConfig
@@ -60,9 +61,17 @@ def n_blocks(model: torch.nn.Module) -> int:
     return len(blocks(model))
 
 
-def params_digest(tensors: list[torch.Tensor]) -> str:
-    """sha256 (first 16 hex digits) of the raw bytes of `tensors`, in order: equal iff bit-identical."""
-    digest = hashlib.sha256()
-    for tensor in tensors:
-        digest.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+def state_digest(params: list[torch.Tensor], momenta: list[Optional[torch.Tensor]], round_no: int) -> str:
+    """sha256 (first 16 hex digits) of the outer round, the raw bytes of `params`, then those of their outer
+    momentum buffers (None, no buffer yet, counts as zeros: torch's SGD treats the two the same): equal iff the two
+    states are of the same round and bit-identical, and so take the same next outer step."""
+    digest = hashlib.sha256(int(round_no).to_bytes(8, "little"))
+    for tensor in params:
+        digest.update(_raw(tensor))
+    for param, momentum in zip(params, momenta, strict=True):
+        digest.update(bytes(param.numel() * param.element_size()) if momentum is None else _raw(momentum))
     return digest.hexdigest()[:16]
+
+
+def _raw(tensor: torch.Tensor) -> bytes:
+    return tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()

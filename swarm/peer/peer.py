@@ -194,7 +194,7 @@ class Peer:
         self.announcer.refresh_soon(self.loop)
 
     def _resync(self, holders: list[str], digest: str, reason: str) -> bool:
-        """Bring our state to the swarm's (params digest `digest`, held by `holders`; see sync_state); False
+        """Bring our state to the swarm's (state digest `digest`, held by `holders`; see sync_state); False
         (keeping our own state) if no holder could, and then no other try before `resync_after`."""
         self.state = "syncing"
         try:

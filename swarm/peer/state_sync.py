@@ -1,6 +1,6 @@
 """Serve this peer's global state (params + outer momentum) to late joiners, and download it from live peers.
 
-A download asks every holder for the state's header (round, tokens seen, params digest, size, sha256 of the
+A download asks every holder for the state's header (round, tokens seen, state digest, size, sha256 of the
 serialised bytes), keeps the holders whose digest is the one the swarm announces, and fetches the bytes in
 ranges from all of them at once, so a joiner's downlink is not capped by one holder's uplink. A range that fails
 goes back to the queue and is fetched from another holder: a holder that leaves mid-download costs only its
@@ -30,7 +30,7 @@ from safetensors.torch import save as save_tensors
 
 from swarm.dht.node import SwarmNode, recv_frame, send_frame
 from swarm.peer.diloco import DiLoCo, OuterStep
-from swarm.peer.model import params_digest
+from swarm.peer.model import state_digest
 
 logger = logging.getLogger(__name__)
 RANGE_BYTES = 8 << 20  # bytes per request
@@ -45,7 +45,7 @@ REPLAY_STALL = 10.0  # s to wait for a holder's listing of them
 
 
 class StateSyncError(RuntimeError):
-    """No holder could provide the state asked for. `moved_on`: holders answered, serving other params (the swarm
+    """No holder could provide the state asked for. `moved_on`: holders answered, serving another state (the swarm
     moved on while we looked: ask again for the newest at once rather than back off)."""
 
     def __init__(self, message: str, moved_on: bool = False):
@@ -211,7 +211,7 @@ class Synced:
 
 async def sync_state(node: SwarmNode, holders: list[str], run_id: str, diloco: DiLoCo, digest: str,
                      stall: float = STALL_SECONDS, range_bytes: int = RANGE_BYTES) -> Synced:
-    """Bring `diloco` to the swarm's state, the params `digest` that `holders` announced: by replaying the outer
+    """Bring `diloco` to the swarm's state, the state `digest` that `holders` announced: by replaying the outer
     steps we missed where a holder still logs them from our state to `digest`, else by downloading the state.
     A download the swarm overtook (holders keep serving the snapshot it started on) ends in that older state: the
     caller, still behind, asks again, and then replays. Raises StateSyncError, leaving `diloco` as it was, if
@@ -226,8 +226,8 @@ async def sync_state(node: SwarmNode, holders: list[str], run_id: str, diloco: D
 
 async def replay_steps(node: SwarmNode, holders: list[str], run_id: str, diloco: DiLoCo, digest: str,
                        stall: float = STALL_SECONDS) -> Optional[Replayed]:
-    """Replay the outer steps the holders logged from our state to the params `digest` (DiLoCo.replay checks every
-    step's params digest, and the chain must end at `digest`: a holder cannot lead us anywhere else). Up to
+    """Replay the outer steps the holders logged from our state to the state `digest` (DiLoCo.replay checks every
+    step's state digest, and the chain must end at `digest`: a holder cannot lead us anywhere else). Up to
     REPLAY_HOLDERS holders are asked at once for their listing of the chain; its steps then come from all holders
     that list the same chain, in parallel, one step a request, so a replay is not capped by one holder's uplink.
     None if no holder could take us there."""
@@ -271,7 +271,7 @@ async def replay_steps(node: SwarmNode, holders: list[str], run_id: str, diloco:
 
 async def _ask_steps(node: SwarmNode, holder: str, run_id: str, numel: int, start: tuple[int, str], digest: str,
                      stall: float, bodies: bool) -> tuple[list[dict], list[OuterStep]]:
-    """`holder`'s listing of its logged outer steps from the state `start` (round, params digest) to the params
+    """`holder`'s listing of its logged outer steps from the state `start` (round, state digest) to the state
     `digest`, validated, and (`bodies`) the steps themselves."""
     reader, writer = await asyncio.wait_for(node.open_stream(holder, protocol(run_id)), stall)
     try:
@@ -350,7 +350,7 @@ async def _request(node: SwarmNode, holder: str, run_id: str, offset: int, lengt
 
 async def download_state(node: SwarmNode, holders: list[str], run_id: str, diloco: DiLoCo, digest: str,
                          stall: float = STALL_SECONDS, range_bytes: int = RANGE_BYTES) -> Downloaded:
-    """Fetch the state whose params digest is `digest` from `holders` (in parallel, by range), verify it and
+    """Fetch the state whose state digest is `digest` from `holders` (in parallel, by range), verify it and
     load it into `diloco`. Raises StateSyncError, leaving `diloco` untouched, if no holder can provide it."""
     started = time.monotonic()
     max_bytes = 2 * 4 * diloco.numel + (64 << 20)  # params + momentum, plus safetensors' own header
@@ -370,23 +370,38 @@ async def download_state(node: SwarmNode, holders: list[str], run_id: str, diloc
         served = sorted({x["digest"] for x in headers.values() if x is not None and x["digest"] != digest})
         raise StateSyncError(f"none of {len(holders)} peers serves state with digest {digest}"
                              + (f" (they serve {', '.join(served)})" if served else ""), moved_on=bool(served))
-    # Holders of the same params serialise the same bytes; follow the sha256 most of them announce.
-    sha256 = Counter(x["sha256"] for x in fitting.values()).most_common(1)[0][0]
-    sources = [h for h, x in fitting.items() if x["sha256"] == sha256]
-    header = fitting[sources[0]]
-    payload, served = await _fetch(node, sources, run_id, header["size"], sha256, stall, range_bytes)
-    tensors = _verified(payload, sha256, digest, diloco)
-    if tensors is None and len(served) > 1:
-        # Some holder sent bytes other than it announced; we cannot tell which, so try each alone.
-        for holder in served:
-            payload, alone = await _fetch(node, [holder], run_id, header["size"], sha256, stall, range_bytes)
-            tensors = _verified(payload, sha256, digest, diloco)
-            if tensors is not None:
-                served = alone
-                break
+    # Holders of the same state serialise the same bytes: follow the sha256 (and tokens seen, which no digest
+    # covers) most of them announce, and if its bytes do not match the digest, the next, so one honest holder is
+    # enough whatever the others serve.
+    tensors, tried, failed = None, [], None
+    for (sha256, tokens_seen), _ in Counter((x["sha256"], x["tokens_seen"]) for x in fitting.values()).most_common():
+        sources = [h for h, x in fitting.items() if (x["sha256"], x["tokens_seen"]) == (sha256, tokens_seen)]
+        header = fitting[sources[0]]
+        try:
+            payload, served = await _fetch(node, sources, run_id, header["size"], sha256, stall, range_bytes)
+        except StateSyncError as e:  # all of them dropped or moved on: the next bytes may still come
+            failed = e
+            continue
+        tensors = _verified(payload, sha256, header["round"], digest, diloco)
+        if tensors is None and len(served) > 1:
+            # Some holder sent bytes other than it announced; we cannot tell which, so try each alone.
+            for holder in served:
+                try:
+                    payload, alone = await _fetch(node, [holder], run_id, header["size"], sha256, stall, range_bytes)
+                except StateSyncError:
+                    continue
+                tensors = _verified(payload, sha256, header["round"], digest, diloco)
+                if tensors is not None:
+                    served = alone
+                    break
+        if tensors is not None:
+            break
+        tried += served
+    if tensors is None and not tried:
+        raise failed
     if tensors is None:
-        raise StateSyncError(f"state from {', '.join(h[-8:] for h in served)} does not match its sha256 or the "
-                             f"params digest {digest}")
+        raise StateSyncError(f"state from {', '.join(h[-8:] for h in tried)} does not match its sha256 or the "
+                             f"state digest {digest}", moved_on=failed is not None and failed.moved_on)
     diloco.load_state_tensors(tensors, header["round"], header["tokens_seen"])
     return Downloaded(header, time.monotonic() - started, served)
 
@@ -454,15 +469,17 @@ async def _fetch(node: SwarmNode, sources: list[str], run_id: str, size: int, sh
     return b"".join(pieces[offset] for offset in sorted(pieces)), served
 
 
-def _verified(payload: bytes, sha256: str, digest: str, diloco: DiLoCo) -> Optional[dict]:
-    """The state's tensors if `payload` has the announced sha256 and its params the swarm's digest."""
+def _verified(payload: bytes, sha256: str, round_no: int, digest: str, diloco: DiLoCo) -> Optional[dict]:
+    """The state's tensors if `payload` has the announced sha256, and they and `round_no` the swarm's digest."""
     if hashlib.sha256(payload).hexdigest() != sha256:
         return None
     try:
         tensors = load_tensors(payload)
         params = [tensors[f"params.{name}"] for name in diloco.names]
-        if any(p.shape != mine.shape for p, mine in zip(params, diloco.global_params)) or \
-                params_digest(params) != digest:
+        momenta = [tensors.get(f"momentum.{name}") for name in diloco.names]
+        if any(p.shape != mine.shape or (m is not None and (m.shape != p.shape or m.dtype != torch.float32))
+               for p, m, mine in zip(params, momenta, diloco.global_params)) or \
+                state_digest(params, momenta, round_no) != digest:
             return None
     except Exception:  # noqa: BLE001 - malformed tensors are as bad as wrong bytes
         return None
