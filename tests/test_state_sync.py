@@ -365,6 +365,21 @@ def test_forged_outer_steps_are_not_applied_and_the_state_is_downloaded_instead(
     assert synced.downloaded is not None and _same_state(behind, source)
 
 
+def test_a_forger_among_the_holders_of_a_chain_does_not_cost_the_replay(network):
+    """Steps come from every holder listing the chain, so one forger among them fails the replay of the steps put
+    together; the joiner then takes them from each holder alone, and the honest one's steps still save the
+    download."""
+    loop, add = network
+    source = _trained(0)
+    behind, twin = _copy(source), _copy(source, seed=6)
+    for holder in (source, twin):
+        _step(holder, 2)
+    forger, honest = add(ForgingServer(twin)), add(StateServer(source))
+    synced = _sync(loop, add(), [forger, honest], behind, source.digest())
+    assert synced.downloaded is None and synced.replayed.steps == 2 and _same_state(behind, source)
+    assert list(synced.replayed.bytes_by_holder) == [honest.peer_id], "the honest holder's steps, alone"
+
+
 def test_steps_that_lead_elsewhere_than_the_swarms_params_are_refused(network):
     """Each step of a replay is checked against the digests its holder names; a holder could name a chain of its
     own that ends at params of its choosing. The joiner asks for the steps to the swarm's digest and refuses any

@@ -256,17 +256,30 @@ async def replay_steps(node: SwarmNode, holders: list[str], run_id: str, diloco:
             raise ValueError("it sent another step than it listed")
         return steps[0], sum(_sizes(meta["chunks"], n))
 
-    steps, served, _ = await _spread(sources, list(range(len(chain))), fetch, "replay")
-    if len(steps) < len(chain):
-        logger.info("replay failed: every holder dropped, %d of %d outer steps missing", len(chain) - len(steps),
-                    len(chain))
-        return None
-    try:
-        await asyncio.get_running_loop().run_in_executor(None, diloco.replay, [steps[k] for k in range(len(chain))])
-    except ValueError as e:
-        logger.info("replaying outer steps from %s failed: %s", ", ".join(h[-8:] for h in served), e)
-        return None
-    return Replayed(len(chain), sum(served.values()), served)
+    async def replay_from(chosen: list[str]) -> tuple[Optional[Replayed], bool]:
+        """The replay with the steps from `chosen`, and whether they all came (so a failure was a bad step)."""
+        steps, served, _ = await _spread(chosen, list(range(len(chain))), fetch, "replay")
+        if len(steps) < len(chain):
+            logger.info("replay failed: every holder dropped, %d of %d outer steps missing",
+                        len(chain) - len(steps), len(chain))
+            return None, False
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, diloco.replay,
+                                                             [steps[k] for k in range(len(chain))])
+        except ValueError as e:
+            logger.info("replaying outer steps from %s failed: %s", ", ".join(h[-8:] for h in served), e)
+            return None, True
+        return Replayed(len(chain), sum(served.values()), served), True
+
+    replayed, complete = await replay_from(sources)
+    if replayed is None and complete and len(sources) > 1:
+        # Some holder sent a step other than the one that got there; we cannot tell which, so try each alone:
+        # the steps cost a fraction of the state, and the download is what they save.
+        for holder in sources:
+            replayed, _ = await replay_from([holder])
+            if replayed is not None:
+                break
+    return replayed
 
 
 async def _ask_steps(node: SwarmNode, holder: str, run_id: str, numel: int, start: tuple[int, str], digest: str,
