@@ -198,6 +198,11 @@ class Synced:
     replayed: Optional[Replayed]
     seconds: float
 
+    @property
+    def bytes(self) -> int:
+        """What the replay's steps or the download's state took in bytes (not counting failed tries)."""
+        return sum((self.downloaded or self.replayed).bytes_by_holder.values())
+
     def describe(self, diloco: DiLoCo) -> str:
         if self.downloaded is not None:
             d, size = self.downloaded, self.downloaded.header["size"]
@@ -383,30 +388,19 @@ async def download_state(node: SwarmNode, holders: list[str], run_id: str, diloc
         served = sorted({x["digest"] for x in headers.values() if x is not None and x["digest"] != digest})
         raise StateSyncError(f"none of {len(holders)} peers serves state with digest {digest}"
                              + (f" (they serve {', '.join(served)})" if served else ""), moved_on=bool(served))
-    # Holders of the same state serialise the same bytes: follow the sha256 (and tokens seen, which no digest
-    # covers) most of them announce, and if its bytes do not match the digest, the next, so one honest holder is
-    # enough whatever the others serve.
+    # Holders of the same state serialise the same bytes: follow the header (sha256, round, and tokens seen, which
+    # no digest covers) most of them announce, and if its bytes do not match the digest, the next, so one honest
+    # holder is enough whatever the others serve.
     tensors, tried, failed = None, [], None
-    for (sha256, tokens_seen), _ in Counter((x["sha256"], x["tokens_seen"]) for x in fitting.values()).most_common():
-        sources = [h for h, x in fitting.items() if (x["sha256"], x["tokens_seen"]) == (sha256, tokens_seen)]
+    claims = Counter((x["sha256"], x["round"], x["tokens_seen"]) for x in fitting.values())
+    for claim, _ in claims.most_common():
+        sources = [h for h, x in fitting.items() if (x["sha256"], x["round"], x["tokens_seen"]) == claim]
         header = fitting[sources[0]]
         try:
-            payload, served = await _fetch(node, sources, run_id, header["size"], sha256, stall, range_bytes)
-        except StateSyncError as e:  # all of them dropped or moved on: the next bytes may still come
+            tensors, served = await _fetch_verified(node, sources, run_id, header, digest, diloco, stall, range_bytes)
+        except StateSyncError as e:  # all of them dropped or moved on: the next claim's holders may still serve
             failed = e
             continue
-        tensors = _verified(payload, sha256, header["round"], digest, diloco)
-        if tensors is None and len(served) > 1:
-            # Some holder sent bytes other than it announced; we cannot tell which, so try each alone.
-            for holder in served:
-                try:
-                    payload, alone = await _fetch(node, [holder], run_id, header["size"], sha256, stall, range_bytes)
-                except StateSyncError:
-                    continue
-                tensors = _verified(payload, sha256, header["round"], digest, diloco)
-                if tensors is not None:
-                    served = alone
-                    break
         if tensors is not None:
             break
         tried += served
@@ -417,6 +411,26 @@ async def download_state(node: SwarmNode, holders: list[str], run_id: str, diloc
                              f"state digest {digest}", moved_on=failed is not None and failed.moved_on)
     diloco.load_state_tensors(tensors, header["round"], header["tokens_seen"])
     return Downloaded(header, time.monotonic() - started, served)
+
+
+async def _fetch_verified(node: SwarmNode, sources: list[str], run_id: str, header: dict, digest: str,
+                          diloco: DiLoCo, stall: float, range_bytes: int) -> tuple[Optional[dict], Counter]:
+    """The tensors of the state `header` describes, from all `sources` at once, verified against its sha256 and
+    the swarm's `digest`, with the bytes from each source; (None, ...) if they do not verify, from all together
+    nor from any alone (some source sent bytes other than it announced, and we cannot tell which)."""
+    size, sha256, round_no = header["size"], header["sha256"], header["round"]
+    payload, served = await _fetch(node, sources, run_id, size, sha256, stall, range_bytes)
+    tensors = _verified(payload, sha256, round_no, digest, diloco)
+    if tensors is None and len(served) > 1:
+        for holder in served:
+            try:
+                payload, alone = await _fetch(node, [holder], run_id, size, sha256, stall, range_bytes)
+            except StateSyncError:
+                continue
+            tensors = _verified(payload, sha256, round_no, digest, diloco)
+            if tensors is not None:
+                return tensors, alone
+    return tensors, served
 
 
 class _MovedOn(ValueError):
