@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import re
 import signal
+import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from swarm.dht.validation import Identity
 from swarm.peer.checkpoint import load_latest
@@ -51,10 +53,17 @@ def test_a_peer_back_a_few_rounds_behind_replays_them_instead_of_downloading_the
     assert leaving.wait(180) == 0, leaving.output()[-3000:]
     assert load_latest(checkpoints).round == 2
     others[0].wait_for(r"round 2: averaged with 2 peers", 120)  # the swarm went on without it
-    back = swarm.peer(maddr, "--until-round", str(rounds), "--checkpoint-dir", str(checkpoints), name="back")
+    back = swarm.peer(maddr, "--until-round", str(rounds), "--checkpoint-dir", str(checkpoints), "--metrics-port",
+                      "0", name="back")
+    port = back.wait_for(r"metrics at http://127\.0\.0\.1:(\d+)/metrics", 60).group(1)
     back.wait_for(r"resumed from checkpoint .*\(round 2,", 120)
     synced = back.wait_for(r"synced state of round (\d+), digest \S+ \(replayed (\d+) outer step", 120)
     assert int(synced.group(1)) >= 3 and int(synced.group(2)) == int(synced.group(1)) - 2, synced.group(0)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        metrics = {(s.name, s.labels.get("how")): s.value for family in
+                   text_string_to_metric_families(response.read().decode()) for s in family.samples}
+    assert metrics[("swarm_resyncs_total", "replay")] == 1 and metrics[("swarm_resyncs_total", "download")] == 0
+    assert 0 < metrics[("swarm_resync_bytes_total", "replay")] < 1.3e6, "a fraction of the 1.3 MB state"
     for peer in [*others, back]:
         assert peer.wait(180) == 0, peer.output()[-3000:]
     assert "downloaded the state" not in back.output()

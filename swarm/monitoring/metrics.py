@@ -62,7 +62,13 @@ class PeerMetrics:
                                   "averaging round (0: none yet)", registry=r)
         self.averaging_failures = Counter("swarm_averaging_failures_total", "Rounds not averaged, by reason",
                                           ["reason"], registry=r)
-        self.resyncs = Counter("swarm_resyncs_total", "State downloads from other peers", registry=r)
+        self.resyncs = Counter("swarm_resyncs_total", "Catch-ups to the swarm's state, by how: replaying the outer "
+                               "steps missed, or downloading the whole state", ["how"], registry=r)
+        self.resync_bytes = Counter("swarm_resync_bytes_total", "Bytes of the outer steps replayed or the state "
+                                    "downloaded to catch up to the swarm's state (failed tries not counted), by how", ["how"], registry=r)
+        for how in ("replay", "download"):  # both series exist from the start, at 0
+            self.resyncs.labels(how=how)
+            self.resync_bytes.labels(how=how)
         self.mixing_rounds = Counter("swarm_mixing_rounds_total", "Rounds whose group also averaged global params "
                                      "and outer momentum (members came from groups that had diverged)", registry=r)
         self.round_peers = Gauge("swarm_round_peers", "Peers the last round's groups were formed from (above the "

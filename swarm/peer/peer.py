@@ -206,7 +206,9 @@ class Peer:
             self.resync_after = time.monotonic() + (RESYNC_RETRY if e.moved_on else RESYNC_BACKOFF)
             logger.warning("%s; continuing with my own state", e)
             return False
-        self.metrics.resyncs.inc()
+        how = "replay" if synced.replayed is not None else "download"
+        self.metrics.resyncs.labels(how=how).inc()
+        self.metrics.resync_bytes.labels(how=how).inc(synced.bytes)
         self.tokens_in_round = self.steps_in_round = 0
         self.error_feedback.reset()  # our local progress is gone, and with it what we owed the swarm
         self.inner_optimizer = make_inner_optimizer(self.model, self.recipe.inner)
