@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--checkpoint-series", type=int, default=100, metavar="N",
                       help="also keep a series of intermediate checkpoints, as Pythia publishes them: rounds 1, 2, "
                            "4, 8, ... and every N-th round (default 100; 0 keeps only the recent ones)")
+    join.add_argument("--replay-log-mb", type=float, metavar="MB",
+                      help="memory for the latest outer steps, which peers a few rounds behind replay instead of "
+                           "downloading the state (default: one state's size, 8 bytes a param; 0 keeps none)")
     join.add_argument("--max-rounds", type=int, metavar="N", help="stop after averaging this many outer rounds")
     join.add_argument("--until-round", type=int, metavar="N",
                       help="stop once the global round reaches N (all peers of a swarm stop at the same round)")
@@ -182,6 +185,7 @@ def _join(args: argparse.Namespace) -> int:
             initial_peers=tuple(args.initial_peers), device=args.device, num_threads=args.num_threads,
             metrics_port=args.metrics_port, metrics_host=args.metrics_host, checkpoint_dir=args.checkpoint_dir,
             keep_checkpoints=args.keep_checkpoints, checkpoint_series=args.checkpoint_series,
+            replay_log_mb=args.replay_log_mb,
             max_rounds=args.max_rounds,
             until_round=args.until_round, recipe_file=args.recipe,
             data_shard=args.data_shard, trace_dir=args.trace_dir, host_maddrs=tuple(args.host_maddrs),

@@ -202,6 +202,9 @@ class PeerSettings(BaseModel):
     checkpoint_dir: Optional[str] = None
     keep_checkpoints: int = Field(3, ge=1)
     checkpoint_series: int = Field(100, ge=0)  # keep rounds 1, 2, 4, ... and every N-th (0: only the recent ones)
+    replay_log_mb: Optional[float] = Field(None, ge=0, allow_inf_nan=False,
+                                           description="memory for the outer steps kept for peers to replay (default: "
+                                                       "one state's size; 0 keeps none)")
     max_rounds: Optional[int] = Field(None, gt=0, description="stop after averaging this many outer rounds")
     until_round: Optional[int] = Field(None, gt=0, description="stop once the swarm's global round reaches this")
     recipe_file: Optional[str] = Field(None, description="local recipe that must equal the swarm's")

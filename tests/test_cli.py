@@ -68,3 +68,6 @@ def test_bad_recipe_file_is_one_clear_line(tmp_path):
 def test_bad_flag_values_are_rejected():
     result = _run("join", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/x", "--max-rounds", "0")
     assert result.returncode != 0 and "--max-rounds must be a positive integer" in result.stdout + result.stderr
+    result = _run("join", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/x", "--replay-log-mb", "-1")
+    assert result.returncode == 2 and "Traceback" not in result.stdout + result.stderr
+    assert "bad flag --replay-log-mb: Input should be greater than or equal to 0" in result.stdout, result.stdout

@@ -94,6 +94,11 @@ def test_the_replay_log_keeps_the_latest_unbroken_steps_within_a_states_bytes():
     assert diloco.steps_since(4, "other params") == [] and diloco.steps_since(1, diloco.digest()) == []
     diloco.load_flat_state(diloco.flat_state())
     assert not diloco.replay_log, "after a mixing group's state, the log starts again"
+    small, none = DiLoCo(_model(), OuterRecipe(), log_bytes=3 * n), DiLoCo(_model(), OuterRecipe(), log_bytes=0)
+    for step in range(5):  # --replay-log-mb: 3 bytes a param hold 3 steps of a byte a param; 0 holds none
+        for d in (small, none):
+            d.outer_step(torch.full((n,), 0.1), tokens=10, wire=wire)
+    assert [s.round for s in small.replay_log] == [2, 3, 4] and not none.replay_log
 
 
 def test_a_refused_replay_leaves_global_and_local_params_as_they_were():

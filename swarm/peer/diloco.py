@@ -75,7 +75,7 @@ def _outer_update(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, 
 class DiLoCo:
     """Global params + outer optimizer of one peer. Thread-safe snapshots for serving state to other peers."""
 
-    def __init__(self, model: torch.nn.Module, outer: OuterRecipe):
+    def __init__(self, model: torch.nn.Module, outer: OuterRecipe, log_bytes: Optional[int] = None):
         self.model = model
         self.names = [name for name, _ in model.named_parameters()]
         self.local_params = [param for _, param in model.named_parameters()]
@@ -88,8 +88,10 @@ class DiLoCo:
         self.lock = threading.RLock()  # guards global params and optimizer state against concurrent readers
         self._digest: Optional[str] = None
         # The latest outer steps, in order and unbroken (a state loaded from elsewhere starts a new log), holding
-        # at most the bytes of one state: about 8 rounds of an int8 all-reduce, 4 of an fp16 one, 2 of an fp32 one.
+        # at most `log_bytes`, by default the bytes of one state: about 8 rounds of an int8 all-reduce, 4 of an
+        # fp16 one, 2 of an fp32 one.
         self.replay_log: deque[OuterStep] = deque()
+        self.log_bytes = 8 * self.numel if log_bytes is None else log_bytes
 
     def pseudo_gradient(self) -> torch.Tensor:
         """Flat fp32 vector of global minus local params, in parameter order."""
@@ -117,7 +119,7 @@ class DiLoCo:
 
     def _log(self, step: OuterStep) -> None:
         self.replay_log.append(step)
-        while sum(s.nbytes for s in self.replay_log) > 8 * self.numel:
+        while sum(s.nbytes for s in self.replay_log) > self.log_bytes:
             self.replay_log.popleft()
 
     def steps_since(self, round_no: int, digest: str) -> list[OuterStep]:
