@@ -37,6 +37,14 @@ CASES = [  # (holder Mbit/s list, joiner Mbit/s)
 ]
 
 
+def _model(size_mb: float):
+    """A bias-free linear layer whose params and momentum (fp32) take about `size_mb` MB."""
+    import torch
+
+    width = 1024
+    return torch.nn.Linear(width, max(int(size_mb * 1e6 / 8 / width), 1), bias=False)
+
+
 def _state(size_mb: float, behind: int = 0, codec: str = "int8"):
     """A seeded DiLoCo state of about `size_mb` MB on the wire (params and momentum, fp32), `behind` rounds on
     (their averages as 4 reducers' `codec` chunks)."""
@@ -46,10 +54,8 @@ def _state(size_mb: float, behind: int = 0, codec: str = "int8"):
     from swarm.config import OuterRecipe
     from swarm.peer.diloco import DiLoCo
 
-    width = 1024
-    rows = max(int(size_mb * 1e6 / 8 / width), 1)
     torch.manual_seed(0)
-    diloco = DiLoCo(torch.nn.Linear(width, rows, bias=False), OuterRecipe())
+    diloco = DiLoCo(_model(size_mb), OuterRecipe())
     diloco.outer_step(torch.randn(diloco.numel, generator=torch.Generator().manual_seed(1)), 1)
     bounds = [diloco.numel * i // 4 for i in range(5)]
     for step in range(behind):
@@ -80,30 +86,21 @@ def joiner(args: argparse.Namespace) -> None:
     from swarm.peer.state_sync import sync_state
     from swarm.runtime import LoopThread
 
-    import torch
-
     from swarm.config import OuterRecipe
     from swarm.peer.diloco import DiLoCo
 
-    if args.behind:
-        mine = _state(args.size_mb)  # the holders' state of `behind` rounds ago
-    else:
-        reference = _state(args.size_mb)  # only for its shapes; the download must reproduce its digest
-        mine = DiLoCo(torch.nn.Linear(reference.global_params[0].shape[1], reference.global_params[0].shape[0],
-                                      bias=False), OuterRecipe())
+    # Behind: the holders' state of `behind` rounds ago. Else a fresh one, of the shapes the download fills in.
+    mine = _state(args.size_mb) if args.behind else DiLoCo(_model(args.size_mb), OuterRecipe())
     loop = LoopThread()
     maddrs = args.holders.split(",")
     node = SwarmNode(maddrs, NetworkOptions(host_maddrs=(args.host_maddr,)))
     ids = [maddr.rsplit("/p2p/", 1)[1] for maddr in maddrs]
     done = loop.run(sync_state(node, ids, RUN, mine, args.digest))
     assert mine.digest() == args.digest
-    if done.downloaded is not None:
-        row = {"how": "download", "bytes": done.downloaded.header["size"],
-               "holders_used": sum(1 for n in done.downloaded.bytes_by_holder.values() if n)}
-    else:
-        row = {"how": f"replay {done.replayed.steps}", "bytes": done.replayed.bytes,
-               "holders_used": sum(1 for n in done.replayed.bytes_by_holder.values() if n)}
-    print(json.dumps({"seconds": done.seconds, **row}), flush=True)
+    served = (done.downloaded or done.replayed).bytes_by_holder
+    how = "download" if done.downloaded is not None else f"replay {done.replayed.steps}"
+    print(json.dumps({"seconds": done.seconds, "how": how, "bytes": done.bytes,
+                      "holders_used": sum(1 for n in served.values() if n)}), flush=True)
     node.shutdown()
     loop.close()
 
