@@ -110,8 +110,8 @@ class Peer:
         model = build_model(r.model, data.vocab_size)
         self.model = model.to(self.device)
         self.n_blocks = n_blocks(model)
-        self.diloco = DiLoCo(self.model, r.outer, log_bytes=None if settings.replay_log_mb is None else
-                             int(settings.replay_log_mb * 1e6))
+        self.diloco = DiLoCo(self.model, r.outer, log_bytes=None if s.replay_log_mb is None else
+                             int(s.replay_log_mb * 1e6))
         self.error_feedback = ErrorFeedback()
         self.inner_optimizer = make_inner_optimizer(self.model, r.inner)
         logger.info("model: %.2fM parameters, %d blocks, on %s", self.diloco.numel / 1e6, self.n_blocks,
