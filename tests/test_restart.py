@@ -54,7 +54,8 @@ def test_a_peer_back_a_few_rounds_behind_replays_them_instead_of_downloading_the
     assert load_latest(checkpoints).round == 2
     others[0].wait_for(r"round 2: averaged with 2 peers", 120)  # the swarm went on without it
     back = swarm.peer(maddr, "--until-round", str(rounds), "--checkpoint-dir", str(checkpoints), "--metrics-port",
-                      "0", name="back")
+                      "0", "--replay-log-mb", "0.5", name="back")
+    back.wait_for(r"replay log up to 0\.50 MB", 60)
     port = back.wait_for(r"metrics at http://127\.0\.0\.1:(\d+)/metrics", 60).group(1)
     back.wait_for(r"resumed from checkpoint .*\(round 2,", 120)
     synced = back.wait_for(r"synced state of round (\d+), digest \S+ \(replayed (\d+) outer step", 120)

@@ -114,8 +114,8 @@ class Peer:
                              int(s.replay_log_mb * 1e6))
         self.error_feedback = ErrorFeedback()
         self.inner_optimizer = make_inner_optimizer(self.model, r.inner)
-        logger.info("model: %.2fM parameters, %d blocks, on %s", self.diloco.numel / 1e6, self.n_blocks,
-                    self.device)
+        logger.info("model: %.2fM parameters, %d blocks, on %s; replay log up to %.2f MB", self.diloco.numel / 1e6,
+                    self.n_blocks, self.device, self.diloco.log_bytes / 1e6)
 
         self.allreduce = GroupAllReduce(  # a mixing group averages pseudo-gradient, params and momentum: 3 x numel
             self.node, r.run_id, r.averaging.codec, 3 * self.diloco.numel,
