@@ -65,7 +65,8 @@ class PeerMetrics:
         self.resyncs = Counter("swarm_resyncs_total", "Catch-ups to the swarm's state, by how: replaying the outer "
                                "steps missed, or downloading the whole state", ["how"], registry=r)
         self.resync_bytes = Counter("swarm_resync_bytes_total", "Bytes of the outer steps replayed or the state "
-                                    "downloaded to catch up to the swarm's state (failed tries not counted), by how", ["how"], registry=r)
+                                    "downloaded to catch up to the swarm's state (failed tries not counted), by how",
+                                    ["how"], registry=r)
         for how in ("replay", "download"):  # both series exist from the start, at 0
             self.resyncs.labels(how=how)
             self.resync_bytes.labels(how=how)

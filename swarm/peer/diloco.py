@@ -21,9 +21,10 @@ from swarm.peer.model import state_digest
 @dataclass(frozen=True)
 class OuterStep:
     """One applied outer step, enough to redo it: the averaged pseudo-gradient and tokens that took the state of
-    round `round` with state digest `digest` (params and outer momentum) to the state digest `after`. The average is kept as the encoded
-    chunks every member of the group decoded (`wire`: (start, end, bytes), in order), so it costs what it cost on
-    the wire (int8: about a byte a param), or in fp32 where it never travelled encoded (the ring's)."""
+    round `round` with state digest `digest` (round, params and outer momentum) to the state digest `after`. The
+    average is kept as the encoded chunks every member of the group decoded (`wire`: (start, end, bytes), in
+    order), so it costs what it cost on the wire (int8: about a byte a param), or in fp32 where it never travelled
+    encoded (the ring's)."""
 
     round: int
     digest: str
