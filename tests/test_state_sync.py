@@ -144,11 +144,11 @@ class OtherMomentumServer(StateServer):
     sha256 of the bytes it serves, so they pass that check)."""
 
     def __init__(self, diloco: DiLoCo):
-        super().__init__(_copy(diloco, seed=9))
+        other = _diloco(9)
+        tensors = {k: v * 2 if k.startswith("momentum.") else v for k, v in diloco.state_tensors().items()}
+        other.load_state_tensors(tensors, diloco.round, diloco.tokens_seen)
+        super().__init__(other)
         self.claimed = diloco.digest()
-        for param in self.diloco.global_params:
-            self.diloco.outer_optimizer.state[param]["momentum_buffer"].mul_(2)
-        self.diloco._digest = None
 
     async def current(self) -> Snapshot:
         snapshot = await super().current()
