@@ -79,9 +79,10 @@ def test_a_peer_whose_average_is_in_flight_takes_part_in_the_next_round():
 
 
 def test_the_swarms_reference_is_the_majority_digest_of_the_top_round_among_live_peers():
-    def at(peer_id, round_no, digest, updated=99.0, state="training"):
+    def at(peer_id, round_no, digest, updated=99.0, state="training", client=False):
         return PeerRecord(peer_id=peer_id, state=state, version="0", run_id="run", round=round_no,
-                          tokens_in_round=0, block_start=0, block_end=2, digest=digest, updated=updated)
+                          tokens_in_round=0, block_start=0, block_end=2, digest=digest, updated=updated,
+                          client=client)
 
     assert announcer([]).swarm_reference() == (0, "", [])
     view = [at("a", 5, "x"), at("b", 5, "y"), at("c", 5, "y"), at("d", 4, "y"), at("e", 4, "z"),
@@ -90,6 +91,8 @@ def test_the_swarms_reference_is_the_majority_digest_of_the_top_round_among_live
     assert announcer(view).swarm_reference() == (5, "y", ["b", "c"])
     tie = [at("a", 2, "q"), at("b", 2, "p")]
     assert announcer(tie).swarm_reference() == (2, "p", ["b"]), "a tie goes to the smaller digest, in every view"
+    clients = [at("a", 3, "x"), at("b", 3, "y", client=True), at("c", 3, "y", client=True), at("d", 3, "y")]
+    assert announcer(clients).swarm_reference() == (3, "y", ["d"]), "clients vote, but serve no state"
 
 
 def test_a_round_can_be_averaged_after_some_group_finished_it_only_with_enough_peers_left_in_it():

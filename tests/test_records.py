@@ -61,11 +61,11 @@ def test_record_round_trips_and_ignores_unknown_fields():
 def test_old_records_without_new_fields_still_parse():
     wire = record("QmPeer").to_wire()
     for name in ("device_name", "device_memory", "bandwidth_up", "bandwidth_down", "in_flight_tokens", "data_shard",
-                 "data_start"):
+                 "data_start", "client"):
         del wire[name]
     parsed = PeerRecord.from_wire("QmPeer", wire)
     assert (parsed.device_name, parsed.device_memory, parsed.bandwidth_up, parsed.bandwidth_down) == ("", 0, 0, 0)
-    assert parsed.data_shard is None and parsed.data_start is None
+    assert parsed.data_shard is None and parsed.data_start is None and parsed.client is False
     assert parsed.counting_round == parsed.round
 
 
@@ -77,7 +77,7 @@ def test_old_records_without_new_fields_still_parse():
     ("device_memory", 1 << 60), ("device_memory", 1.0), ("loss", math.nan), ("loss", "low"), ("updated", -1.0),
     ("digest", "x" * 10_000), ("device_name", ["a"]), ("run_id", None), ("in_flight_tokens", -1),
     ("in_flight_tokens", "4"), ("data_shard", -3), ("data_shard", 2.0), ("data_shard", True),
-    ("data_start", -1), ("data_start", "0"),
+    ("data_start", -1), ("data_start", "0"), ("client", 1), ("client", "yes"),
 ])
 def test_malformed_fields_are_rejected(field, value):
     wire = {**record().to_wire(), field: value}

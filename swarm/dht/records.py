@@ -77,6 +77,7 @@ class PeerRecord:
     # shard (identical batches) part.
     data_shard: Optional[int] = None
     data_start: Optional[int] = None
+    client: bool = False  # --client-mode: accepts no inbound streams, so it serves no state to joiners
     updated: float = 0.0
 
     @property
@@ -134,6 +135,8 @@ class PeerRecord:
             value = getattr(self, name)
             if value is not None and (not _is_number(value) or not math.isfinite(value)):
                 raise InvalidRecord(f"{name} must be a finite number or null, got {value!r}")
+        if not isinstance(self.client, bool):
+            raise InvalidRecord(f"client must be true or false, got {self.client!r}")
 
 
 def _is_number(value: Any) -> bool:

@@ -131,8 +131,9 @@ class Announcer:
                 and p.state in states]
 
     def swarm_reference(self) -> tuple[int, str, list[str]]:
-        """(highest round of live peers, the digest most of them hold, the peers holding it). A peer whose
-        heartbeat stopped (its record lingers until it expires) is not live: it can serve nothing."""
+        """(highest round of live peers, the digest most of them hold, the peers holding it that serve it). A peer
+        whose heartbeat stopped (its record lingers until it expires) is not live: it can serve nothing. A client
+        peer (it accepts no streams) counts toward the majority but is no holder to ask."""
         live = [p for p in self.live() if p.digest]
         if not live:
             return 0, "", []
@@ -140,7 +141,7 @@ class Announcer:
         at_top = [p for p in live if p.round == top]
         counts = Counter(p.digest for p in at_top)
         digest = min(counts, key=lambda d: (-counts[d], d))
-        return top, digest, [p.peer_id for p in at_top if p.digest == digest]
+        return top, digest, [p.peer_id for p in at_top if p.digest == digest and not p.client]
 
     def others_still_in(self, round_no: int, failed: set[str], min_group_size: int, target_group_size: int) -> bool:
         """Whether `round_no` can still be averaged here although some group already finished it: the swarm

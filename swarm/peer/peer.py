@@ -225,8 +225,8 @@ class Peer:
             device_name=self.device_info.name, device_memory=self.device_info.memory_bytes,  # issue #3
             tokens_per_s=self.tokens_per_s, bandwidth_up=self.bandwidth_up, bandwidth_down=self.bandwidth_down,
             loss=self.loss, val_loss=self.val_loss, attempt=self.attempt, updated=self.node.now(),
-            in_flight_tokens=self.in_flight_tokens, data_shard=self.stream.reading(),
-            data_start=self.stream.start)
+            in_flight_tokens=self.in_flight_tokens, data_shard=self.stream.reading(), data_start=self.stream.start,
+            client=self.settings.client_mode)
 
     def _counting_round(self) -> int:
         """The round our tokens_in_round count toward: with overlap, the next one as soon as this round's
