@@ -52,9 +52,13 @@ def main() -> None:
                         help="inner lr warm-up as a fraction of the run's tokens (recipe inner.warmup_tokens)")
     parser.add_argument("--min-lr-ratio", type=float, default=0.1,
                         help="cosine floor as a fraction of the peak lr (recipe inner.min_lr_ratio; 1: constant)")
+    parser.add_argument("--beta1", type=float, default=0.9, help="inner AdamW beta1 (recipe inner.beta1)")
+    parser.add_argument("--beta2", type=float, default=0.95, help="inner AdamW beta2 (recipe inner.beta2)")
     parser.add_argument("--dp-lr", type=float, help="AdamW lr of (a) only (default: --lr), to tune the baseline too")
     parser.add_argument("--dp-warmup-frac", type=float, help="warm-up fraction of (a) only (default: --warmup-frac)")
     parser.add_argument("--dp-min-lr-ratio", type=float, help="cosine floor of (a) only (default: --min-lr-ratio)")
+    parser.add_argument("--dp-beta1", type=float, help="AdamW beta1 of (a) only (default: --beta1)")
+    parser.add_argument("--dp-beta2", type=float, help="AdamW beta2 of (a) only (default: --beta2)")
     parser.add_argument("--outer-lr-single", type=float, default=0.7,
                         help="outer lr for the M=1 run (a single worker's pseudo-gradient is not averaged down, "
                              "so it may need a smaller one)")
@@ -79,11 +83,11 @@ def main() -> None:
                   "num_layers": args.layers, "num_heads": 4, "max_seq_len": args.seq_len},
         "data": {"source": args.data_source, "seq_len": args.seq_len, "batch_size": args.batch, "vocab_size": 4096},
         "inner": {"lr": args.lr, "warmup_tokens": int(total_tokens * args.warmup_frac),
-                  "min_lr_ratio": args.min_lr_ratio},
+                  "min_lr_ratio": args.min_lr_ratio, "beta1": args.beta1, "beta2": args.beta2},
         "outer": {"lr": args.outer_lr, "momentum": args.outer_momentum},
         "total_tokens": total_tokens,
     }
-    dp_only = {"lr": args.dp_lr, "min_lr_ratio": args.dp_min_lr_ratio,
+    dp_only = {"lr": args.dp_lr, "min_lr_ratio": args.dp_min_lr_ratio, "beta1": args.dp_beta1, "beta2": args.dp_beta2,
                "warmup_tokens": None if args.dp_warmup_frac is None else int(total_tokens * args.dp_warmup_frac)}
     dp_inner = {**fields["inner"], **{key: value for key, value in dp_only.items() if value is not None}}
     try:
