@@ -186,8 +186,11 @@ class Downloaded:
 @dataclass
 class Replayed:
     steps: int
-    bytes: int
     bytes_by_holder: Counter
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.bytes_by_holder.values())
 
 
 @dataclass
@@ -274,7 +277,7 @@ async def replay_steps(node: SwarmNode, holders: list[str], run_id: str, diloco:
         except ValueError as e:
             logger.info("replaying outer steps from %s failed: %s", ", ".join(h[-8:] for h in served), e)
             return None, True
-        return Replayed(len(chain), sum(served.values()), served), True
+        return Replayed(len(chain), served), True
 
     replayed, complete = await replay_from(sources)
     if replayed is None and complete and len(sources) > 1:
@@ -305,7 +308,7 @@ async def _ask_steps(node: SwarmNode, holder: str, run_id: str, numel: int, star
         if not listed:
             return [], []
         if listed[-1]["after"] != digest or any(m["after"] == digest for m in listed[:-1]):
-            raise ValueError(f"its steps do not end at the swarm's params {digest}")
+            raise ValueError(f"its steps do not end at the swarm's state {digest}")
         total = sum(sum(_sizes(m["chunks"], numel)) for m in listed)
         if total > 8 * numel + (1 << 20):  # an honest log holds at most a state's bytes
             raise ValueError(f"it offers {total / 1e6:.1f} MB of outer steps, more than a state")
