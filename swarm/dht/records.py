@@ -14,7 +14,11 @@ from swarm.config import Recipe, RecipeError, recipe_from_json
 from swarm.dht.validation import KeyRule, subkey_owner
 
 RECIPE_KEY = "swarm.recipe"
-PEER_STATES = ("joining", "syncing", "training", "averaging", "offline")
+# Peer states, grouped once by what a reader counts on a peer for (see swarm/dht/view.py).
+ONLINE_STATES = ("joining", "syncing", "training", "averaging")  # every state but offline: the peer is up
+ROUND_STATES = ("syncing", "training", "averaging")  # takes part in rounds (a syncing peer joins the next one)
+TRAINING_STATES = ("training", "averaging")  # holds the swarm's state: counts toward progress, rounds, digests
+PEER_STATES = ONLINE_STATES + ("offline",)
 MAX_STRING = 256
 MAX_FIELDS = 64  # a record with more keys than this is padding, not a newer version
 # Bounds far above any real device or link, so only broken or hostile values fail them.

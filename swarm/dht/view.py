@@ -1,0 +1,195 @@
+"""The swarm as the peers' announcements show it: pure readings of a list of PeerRecords at a DHT time `now` (live
+peers, progress toward a round, the swarm's reference state, block throughputs, a summary for operators). The
+announcer, the status command, the bootstrap's exporter and the progress line all read the swarm through these."""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from dataclasses import asdict, dataclass
+from typing import NamedTuple, Optional, Sequence
+
+from swarm.dht.records import ONLINE_STATES, PEER_STATES, ROUND_STATES, TRAINING_STATES, PeerRecord
+
+HEARTBEAT_SECONDS = 1.0  # how often a peer re-announces itself: progress is read from the view, so it must stay fresh
+EXTRAPOLATE_SECONDS = 3 * HEARTBEAT_SECONDS  # how far ahead of its last announcement a peer's progress is estimated
+FRESH_SECONDS = 5 * HEARTBEAT_SECONDS  # a record older than this is from a peer whose heartbeat stopped
+
+Records = Sequence[PeerRecord]
+
+
+class Reference(NamedTuple):
+    """The state a peer should hold: the highest round of live peers, the digest most of them hold at it, and the
+    peers holding that digest who serve it."""
+
+    round: int
+    digest: str
+    holders: list[str]
+
+
+# ---- who is there ---------------------------------------------------------------------------------------------
+def others(records: Records, me: str) -> list[PeerRecord]:
+    """Every record but `me`'s: a peer reads its own numbers live, not as it last announced them."""
+    return [p for p in records if p.peer_id != me]
+
+
+def online(records: Records) -> list[PeerRecord]:
+    """Records of peers that are up (any state but offline), however old their heartbeat."""
+    return [p for p in records if p.state in ONLINE_STATES]
+
+
+def live(records: Records, now: float, states: tuple[str, ...] = TRAINING_STATES) -> list[PeerRecord]:
+    """Records in one of `states` whose heartbeat is fresh at `now` (a crashed peer's record lingers until it
+    expires; a few missed heartbeats are enough to stop counting on it)."""
+    fresh_after = now - FRESH_SECONDS
+    return [p for p in records if p.updated >= fresh_after and p.state in states]
+
+
+def at_round(records: Records, round_no: int) -> list[PeerRecord]:
+    """Records of training (or averaging) peers whose announced round is `round_no`, however old."""
+    return [p for p in records if p.state in TRAINING_STATES and p.round == round_no]
+
+
+def top_round(records: Records) -> tuple[int, list[PeerRecord]]:
+    """The highest round among `records` (0 when there are none) and the records at it."""
+    top = max((p.round for p in records), default=0)
+    return top, [p for p in records if p.round == top]
+
+
+def in_round(records: Records, round_no: int, now: float) -> list[PeerRecord]:
+    """Live peers that take part in `round_no`: at that round, or (with overlap) training toward it while their
+    contribution of the round before is in flight. Matchmaking waits for these; a peer with an average in flight
+    enters the next round's matchmaking only once that average landed, and counting it out (by its record's round
+    alone) let groups form without it: at 20 Mbit/s, two peers of four sat out a round and re-synced, at 65%
+    utilisation instead of 95%."""
+    return [p for p in live(records, now, ROUND_STATES) if p.takes_part_in(round_no)]
+
+
+def attempts(records: Records, round_no: int) -> list[int]:
+    """The averaging attempts of `round_no` that training peers announce: peers that failed together retry
+    together, at the highest attempt among them."""
+    return [p.attempt for p in at_round(records, round_no)]
+
+
+# ---- progress toward a round ----------------------------------------------------------------------------------
+def swarm_progress(records: Records, round_no: int, my_tokens: int, now: float) -> int:
+    """Tokens the swarm processed toward the contributions of round `round_no`: `my_tokens` (ours, live) plus the
+    other peers' in `records`, each extrapolated from its last announcement at its announced speed while it is
+    training (at most EXTRAPOLATE_SECONDS ahead). With overlap, a peer whose contribution of `round_no` is in
+    flight counts with the tokens it handed in, and its tokens since count toward the round after.
+
+    Announcements are up to a heartbeat or two old: read as they are, a swarm of fast peers reaches the round's
+    tokens in one peer's view seconds before another's, and the first peer then waits that long in matchmaking
+    for the last."""
+    total = 0.0
+    for p in records:
+        if p.state not in TRAINING_STATES:
+            continue
+        if p.in_flight_tokens is not None and p.round == round_no:
+            total += p.in_flight_tokens
+            continue
+        if p.counting_round != round_no:
+            continue
+        total += p.tokens_in_round
+        if p.state == "training":  # an averaging peer's tokens are all handed in: nothing to extrapolate
+            total += p.tokens_per_s * min(max(now - p.updated, 0.0), EXTRAPOLATE_SECONDS)
+    return my_tokens + int(total)
+
+
+def handed_in(records: Records, round_no: int, now: float) -> bool:
+    """Whether a live peer already handed in its contribution of `round_no` (it is averaging it, or with overlap
+    has it in flight): its view of the swarm reached the round's tokens, so the round is due here too. Without
+    this, each peer kept training until its own view (read once a heartbeat) caught up, and rounds without
+    overlap carried 10-16% more tokens than the target."""
+    return any(p.round == round_no and (p.state == "averaging" or p.in_flight_tokens is not None)
+               for p in live(records, now))
+
+
+def others_still_in(records: Records, round_no: int, now: float, failed: set[str], min_group_size: int,
+                    target_group_size: int) -> bool:
+    """Whether `round_no` can still be averaged although some group already finished it: the swarm averages in
+    several groups (more live peers than a group holds, counting the reader) and enough peers are still at this
+    round to form one. A lone straggler of a single-group swarm re-syncs instead. Peers in `failed` (they just
+    failed to deliver in this round) do not count: a member SIGKILLed mid-round keeps a fresh-looking record for
+    a few seconds, and its partner would wait a whole matchmaking timeout for it instead of re-syncing at once."""
+    ahead = [p for p in live(records, now) if p.round >= round_no and p.peer_id not in failed]
+    return len(ahead) + 1 > target_group_size and \
+        sum(p.takes_part_in(round_no) for p in ahead) + 1 >= max(min_group_size, 2)
+
+
+# ---- the swarm's state ----------------------------------------------------------------------------------------
+def majority_digest(records: Records) -> str:
+    """The state digest most of `records` announce, ties going to the smallest so that every reader of the same
+    records picks the same; "" when there are no records."""
+    counts = Counter(p.digest for p in records)
+    return min(counts, key=lambda digest: (-counts[digest], digest), default="")
+
+
+def reference(records: Records, now: float) -> Reference:
+    """The swarm's round, digest and holders among the live training peers that announce a digest. A peer whose
+    heartbeat stopped (its record lingers until it expires) is not live: it can serve nothing. A client peer (it
+    accepts no streams) counts toward the majority but is no holder to ask."""
+    top, at_top = top_round([p for p in live(records, now) if p.digest])
+    if not at_top:
+        return Reference(0, "", [])
+    digest = majority_digest(at_top)
+    return Reference(top, digest, [p.peer_id for p in at_top if p.digest == digest and not p.client])
+
+
+def block_throughputs(records: Records, n_blocks: int) -> list[float]:
+    """Tokens/s hosted on each block: the sum over online peers of the throughput of each peer hosting it.
+
+    Peers are summed in peer-id order, so the float result does not depend on the order of the records."""
+    throughputs = [0.0] * n_blocks
+    for peer in sorted(online(records), key=lambda p: p.peer_id):
+        for block in range(max(peer.block_start, 0), min(peer.block_end, n_blocks)):
+            throughputs[block] += peer.tokens_per_s
+    return throughputs
+
+
+# ---- a summary for operators ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SwarmSummary:
+    peers: list[PeerRecord]  # every valid record, offline ones included, sorted by peer id
+    invalid_records: int
+    by_state: dict[str, int]
+    peers_online: int  # peers in a live state (not offline)
+    tokens_per_s: float  # compute of the online peers
+    round: int
+    loss_mean: Optional[float]
+    loss_spread: Optional[float]
+    digests_agree: bool  # training peers of the top round hold one state digest
+    majority_digest: str
+    n_blocks: int  # the model's blocks (from the recipe, else the highest block any peer announces)
+    block_coverage: list[int]  # online peers hosting each block
+    uncovered_blocks: list[int]  # blocks no online peer hosts
+    block_tokens_per_s: list[float]  # compute hosted on each block
+    read_at: float  # DHT time of the read: a peer was last seen `read_at - updated` seconds before it
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["peers"] = [{**asdict(p), "last_seen_s": round(max(self.read_at - p.updated, 0.0), 3)}
+                        for p in self.peers]
+        return out
+
+
+def summarize(peers: list[PeerRecord], invalid: int, n_blocks: Optional[int] = None,
+              read_at: float = 0.0) -> SwarmSummary:
+    """Peers by state, compute, losses, digest agreement at the top round and block coverage of every valid
+    record read at `read_at` (its heartbeat's age is not judged: the operator sees the records as they are)."""
+    up = online(peers)
+    top, at_top = top_round([p for p in up if p.state in TRAINING_STATES])
+    losses = [p.loss for p in up if p.loss is not None]
+    if n_blocks is None:
+        n_blocks = max((p.block_end for p in peers), default=0)
+    coverage = [sum(p.block_start <= block < p.block_end for p in up) for block in range(n_blocks)]
+    return SwarmSummary(
+        peers=peers, invalid_records=invalid,
+        by_state={state: sum(p.state == state for p in peers) for state in PEER_STATES},
+        peers_online=len(up), tokens_per_s=sum(p.tokens_per_s for p in up), round=top,
+        loss_mean=statistics.fmean(losses) if losses else None,
+        loss_spread=statistics.pstdev(losses) if len(losses) > 1 else (0.0 if losses else None),
+        digests_agree=len({p.digest for p in at_top}) <= 1, majority_digest=majority_digest(at_top),
+        n_blocks=n_blocks, block_coverage=coverage,
+        uncovered_blocks=[block for block, count in enumerate(coverage) if count == 0],
+        block_tokens_per_s=block_throughputs(up, n_blocks), read_at=read_at)

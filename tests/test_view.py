@@ -1,0 +1,143 @@
+"""The swarm's readings of the peers' announcements (swarm/dht/view.py): pure functions of records and a time, so
+no network. `records` are the other peers' (the announcer leaves its own out, see test_announcer.py)."""
+
+from __future__ import annotations
+
+from swarm.dht import view
+from swarm.dht.records import ONLINE_STATES, PEER_STATES, ROUND_STATES, TRAINING_STATES, PeerRecord
+from swarm.dht.view import EXTRAPOLATE_SECONDS, FRESH_SECONDS, Reference
+
+NOW = 100.0
+
+
+def record(peer_id: str, state: str = "training", round_no: int = 3, tokens: int = 0, tokens_per_s: float = 0.0,
+           updated: float = 99.0, **fields) -> PeerRecord:
+    return PeerRecord(peer_id=peer_id, state=state, version="0", run_id="run", round=round_no,
+                      tokens_in_round=tokens, block_start=0, block_end=2, tokens_per_s=tokens_per_s,
+                      updated=updated, **fields)
+
+
+def ids(records) -> set[str]:
+    return {p.peer_id for p in records}
+
+
+def test_state_groups_nest_and_cover_every_state():
+    assert set(TRAINING_STATES) < set(ROUND_STATES) < set(ONLINE_STATES) < set(PEER_STATES)
+    assert set(PEER_STATES) - set(ONLINE_STATES) == {"offline"}
+
+
+def test_live_peers_are_in_the_asked_states_with_a_fresh_heartbeat():
+    records = [record("a"), record("b", "averaging"), record("c", "syncing"), record("d", "offline"),
+               record("edge", updated=NOW - FRESH_SECONDS), record("stale", updated=NOW - FRESH_SECONDS - 0.01)]
+    assert ids(view.live(records, NOW)) == {"a", "b", "edge"}
+    assert ids(view.live(records, NOW, ROUND_STATES)) == {"a", "b", "c", "edge"}
+    assert ids(view.online(records)) == {"a", "b", "c", "edge", "stale"}, "online judges no heartbeat"
+    assert ids(view.others(records, "a")) == {"b", "c", "d", "edge", "stale"}
+
+
+def test_progress_extrapolates_training_peers_from_their_last_announcement():
+    records = [record("a", "training", 3, 1000, 500.0, updated=99.0),   # 1 s old: +500
+               record("b", "averaging", 3, 2000, 500.0, updated=98.0),  # not training: as announced
+               record("c", "training", 2, 9999, 500.0, updated=99.0),   # another round: not counted
+               record("d", "offline", 3, 9999, 500.0, updated=99.0)]    # gone: not counted
+    assert view.swarm_progress(records, 3, 300, NOW) == 300 + 1500 + 2000
+
+
+def test_extrapolation_is_bounded_and_never_negative():
+    stale = record("a", "training", 0, 1000, 100.0, updated=0.0)  # 100 s old (a stopped heartbeat)
+    future = record("b", "training", 0, 1000, 100.0, updated=200.0)  # a clock ahead of ours
+    assert view.swarm_progress([stale], 0, 0, NOW) == 1000 + int(100.0 * EXTRAPOLATE_SECONDS)
+    assert view.swarm_progress([future], 0, 0, NOW) == 1000
+    assert view.swarm_progress([stale], 0, 0, 0.0) == 1000
+
+
+def test_with_overlap_tokens_handed_in_count_toward_their_round_and_later_ones_toward_the_next():
+    """Peer a handed in round 3 (7000 tokens, its average in flight) and trained 1000 tokens since; b applied round
+    3 already; c still collects round 3. A peer still collecting round 3 counts a's 7000 (not 0: it would wait
+    for tokens that will never come), a peer past it counts a's 1000 toward round 4 and not its 7000 again."""
+    records = [record("a", "training", 3, 1000, updated=NOW, in_flight_tokens=7000),
+               record("b", "training", 4, 2000, updated=NOW),
+               record("c", "training", 3, 50000, updated=NOW)]
+    assert view.swarm_progress(records, 4, 10, NOW) == 10 + 1000 + 2000
+    assert view.swarm_progress(records, 3, 10, NOW) == 10 + 7000 + 50000
+
+
+def test_a_round_is_due_once_another_live_peer_handed_it_in():
+    """Averaging round 3 (or, with overlap, having it in flight) means that peer's view reached the round's
+    tokens: round 3 is due for everyone. Not for another round, not from a peer whose heartbeat stopped."""
+    averaging = record("a", "averaging", 3, 1000)
+    in_flight = record("b", "training", 3, 10, in_flight_tokens=900)
+    assert view.handed_in([averaging], 3, NOW) and view.handed_in([in_flight], 3, NOW)
+    assert not view.handed_in([averaging, in_flight], 4, NOW)
+    assert not view.handed_in([record("a", "training", 3, 1000)], 3, NOW)
+    assert not view.handed_in([record("a", "averaging", 3, 1000, updated=90.0)], 3, NOW)
+
+
+def test_a_peer_whose_average_is_in_flight_takes_part_in_the_next_round():
+    """With overlap, a peer's record says round 3 until its round-3 average lands, while it trains round 4: the
+    others' matchmaking for round 4 must wait for it (it comes once the average landed), not form groups without
+    it. It still counts in round 3, whose group it is in; a stale or offline peer counts in neither."""
+    records = [record("a", "training", 3, 10, in_flight_tokens=900),
+               record("b", "training", 4, 10),
+               record("c", "syncing", 4, 0),
+               record("d", "training", 4, 10, updated=90.0),
+               record("e", "offline", 4, 10)]
+    assert ids(view.in_round(records, 4, NOW)) == {"a", "b", "c"}
+    assert ids(view.in_round(records, 3, NOW)) == {"a"}
+    assert view.in_round(records, 5, NOW) == []
+
+
+def test_the_swarms_reference_is_the_majority_digest_of_the_top_round_among_live_peers():
+    def at(peer_id, round_no, digest, updated=99.0, state="training", client=False):
+        return record(peer_id, state, round_no, updated=updated, digest=digest, client=client)
+
+    assert view.reference([], NOW) == Reference(0, "", []) == (0, "", [])
+    records = [at("a", 5, "x"), at("b", 5, "y"), at("c", 5, "y"), at("d", 4, "y"), at("e", 4, "z"),
+               at("stale", 6, "w", updated=50.0),  # its heartbeat stopped: its round does not count
+               at("gone", 6, "w", state="offline"), at("nodigest", 7, "")]
+    reference = view.reference(records, NOW)
+    assert (reference.round, reference.digest, reference.holders) == (5, "y", ["b", "c"])
+    assert reference == (5, "y", ["b", "c"]), "read by index as well as by name"
+    tie = [at("a", 2, "q"), at("b", 2, "p")]
+    assert view.reference(tie, NOW) == (2, "p", ["b"]), "a tie goes to the smaller digest, in every view"
+    clients = [at("a", 3, "x"), at("b", 3, "y", client=True), at("c", 3, "y", client=True), at("d", 3, "y")]
+    assert view.reference(clients, NOW) == (3, "y", ["d"]), "clients vote, but serve no state"
+
+
+def test_majority_digest_and_top_round():
+    records = [record("a", digest="q"), record("b", digest="p"), record("c", digest="q", round_no=5)]
+    assert view.majority_digest(records) == "q"
+    assert view.majority_digest(records[:2]) == view.majority_digest(records[1::-1]) == "p", "ties: smallest"
+    assert view.majority_digest([]) == ""
+    assert view.top_round(records) == (5, [records[2]])
+    assert view.top_round([]) == (0, [])
+
+
+def test_a_round_can_be_averaged_after_some_group_finished_it_only_with_enough_peers_left_in_it():
+    def at(peer_id, round_no):
+        return record(peer_id, "training", round_no)
+
+    # Five live peers besides us, groups of 2: three of them still at round 3 with us.
+    records = [at("a", 4), at("b", 4), at("c", 3), at("d", 3), at("e", 3)]
+    assert view.others_still_in(records, 3, NOW, set(), min_group_size=2, target_group_size=2)
+    # Those at round 3 just failed with us: nobody is left to average it with.
+    assert not view.others_still_in(records, 3, NOW, {"c", "d", "e"}, min_group_size=2, target_group_size=2)
+    # One group holds the whole swarm: a straggler re-syncs rather than averaging apart.
+    assert not view.others_still_in(records, 3, NOW, set(), min_group_size=2, target_group_size=8)
+    # Peers already past the round count toward the swarm's size but cannot average it.
+    assert not view.others_still_in([at("a", 4), at("b", 4), at("c", 4)], 3, NOW, set(), 2, 2)
+    # Peers whose heartbeat stopped count for nothing.
+    stale = [record(p.peer_id, "training", p.round, updated=NOW - FRESH_SECONDS - 1) for p in records]
+    assert not view.others_still_in(stale, 3, NOW, set(), min_group_size=2, target_group_size=2)
+
+
+def test_attempts_of_a_round_come_from_its_training_peers_however_old():
+    records = [record("a", attempt=2), record("b", "averaging", attempt=1, updated=0.0),
+               record("c", "syncing", attempt=7), record("d", round_no=4, attempt=9)]
+    assert sorted(view.attempts(records, 3)) == [1, 2]
+    assert view.attempts(records, 5) == []
+
+
+def test_at_round_counts_training_peers_of_that_round():
+    records = [record("a"), record("b", "averaging"), record("c", "syncing"), record("d", round_no=4)]
+    assert ids(view.at_round(records, 3)) == {"a", "b"}
