@@ -13,11 +13,11 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 
 from swarm.config import Recipe, load_recipe
 from swarm.dht.node import NetworkOptions, NodeError, SwarmNode
+from swarm.dht.recipes import publish_recipe
 from swarm.monitoring.http import MonitoringServer
 from swarm.monitoring.metrics import SwarmGauges
 from swarm.monitoring.status_page import REFRESH_SECONDS, StatusBoard
-from swarm.monitoring.swarm_view import SwarmExporter, read_swarm, recipe_blocks
-from swarm.peer.announcer import publish_recipe
+from swarm.monitoring.swarm_status import SwarmExporter, read_swarm, recipe_blocks
 from swarm.runtime import LoopThread, install_stop_handlers
 
 logger = logging.getLogger("swarm.bootstrap")

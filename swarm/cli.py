@@ -218,8 +218,8 @@ def _join(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     from swarm.dht.node import NetworkOptions, NodeError, SwarmNode
-    from swarm.monitoring.swarm_view import read_swarm, recipe_blocks, render_status
-    from swarm.peer.announcer import fetch_recipe
+    from swarm.dht.recipes import fetch_recipe
+    from swarm.monitoring.swarm_status import read_swarm, recipe_blocks, render_status
     from swarm.runtime import LoopThread
 
     if args.json:  # scripts parse stdout: keep log lines off it

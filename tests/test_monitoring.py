@@ -33,11 +33,11 @@ from swarm.bootstrap import _stop_on_signals
 from swarm.compression import get_codec
 from swarm.config import Recipe
 from swarm.dht.records import PeerRecord
+from swarm.dht.view import summarize
 from swarm.monitoring.http import MonitoringServer
 from swarm.monitoring.metrics import PeerMetrics, SwarmGauges
 from swarm.monitoring.progress import CLEAR_LINE, ProgressLine, format_progress, seconds_to_average
 from swarm.monitoring.status_page import StatusBoard, SwarmHistory, render_page
-from swarm.monitoring.swarm_view import summarize
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "artifacts"

@@ -25,8 +25,9 @@ from swarm.dht.records import (PEER_RECORD_RULE, RECIPE_KEY, RECIPE_RULE, PeerRe
                                recipe_value)
 from swarm.dht.validation import (Identity, IdentityError, SwarmValidator, make_validators, owned_subkey,
                                   peer_id_of, subkey_owner)
-from swarm.monitoring.swarm_view import coverage_runs, render_status, summarize
-from swarm.peer.block_selection import block_throughputs, choose_block_range
+from swarm.dht.view import block_throughputs, summarize
+from swarm.monitoring.swarm_status import coverage_runs, render_status
+from swarm.peer.block_selection import choose_block_range
 from swarm.peer.model import build_model
 from swarm.peer.probe import describe_device, measure_tokens_per_s
 

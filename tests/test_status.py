@@ -18,14 +18,13 @@ from hivemind.utils import get_dht_time
 
 from swarm.config import Recipe, load_recipe
 from swarm.dht.node import NetworkOptions, SwarmNode
-from swarm.dht.records import RECIPE_KEY, peers_key, recipe_value
+from swarm.dht.records import ONLINE_STATES, RECIPE_KEY, peers_key, recipe_value
 from swarm.dht.validation import Identity, owned_subkey
 from swarm.peer.announcer import RECORD_TTL
 from swarm.runtime import LoopThread
 
 pytestmark = pytest.mark.slow
 STATUS_RECIPE = Path(__file__).parent / "recipes" / "status.yaml"
-LIVE = ("joining", "syncing", "training", "averaging")
 PEER_ID = r"joined the DHT as (\S+)"
 
 
@@ -73,7 +72,7 @@ def test_hostile_writes_leave_records_and_recipe_intact(swarm):
     victim_key = swarm.workdir / "victim.id"
     victim = swarm.peer(maddr, "--identity-path", str(victim_key), name="victim")
     victim_id = victim.wait_for(PEER_ID, 90).group(1)
-    before = poll_status(swarm, maddr, lambda v: by_id(v).get(victim_id, {}).get("state") in LIVE, 60,
+    before = poll_status(swarm, maddr, lambda v: by_id(v).get(victim_id, {}).get("state") in ONLINE_STATES, 60,
                          "the victim announced")
     genuine = by_id(before)[victim_id]
     victim_subkey = Identity.load_or_create(str(victim_key)).owned_subkey
@@ -118,7 +117,7 @@ def test_hostile_writes_leave_records_and_recipe_intact(swarm):
             assert after["run_id"] == "tiny-test" and after["recipe_digest"] == before["recipe_digest"]
             assert [p["peer_id"] for p in after["peers"]] == [victim_id]
             record = by_id(after)[victim_id]
-            assert record["state"] in LIVE and record["device_name"] == genuine["device_name"] != "HIJACKED"
+            assert record["state"] in ONLINE_STATES and record["device_name"] == genuine["device_name"] != "HIJACKED"
             assert record["round"] < 999
         finally:
             if attacker is not None:

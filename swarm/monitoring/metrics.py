@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 if TYPE_CHECKING:  # imported for annotations only: this module must stay importable without torch
     import torch
 
-    from swarm.monitoring.swarm_view import SwarmSummary
+    from swarm.dht.view import SwarmSummary
 
 logger = logging.getLogger(__name__)
 FP32_BYTES = 4  # pseudo-gradients are fp32 before any codec touches them
@@ -199,6 +199,8 @@ class SwarmGauges:
         self._round: Optional[int] = None
 
     def update(self, summary: "SwarmSummary", now: Optional[float] = None) -> None:
+        from swarm.dht.view import at_round, online  # here, not above: see TYPE_CHECKING
+
         now = time.time() if now is None else now
         for block, (replicas, tokens_per_s) in enumerate(zip(summary.block_coverage, summary.block_tokens_per_s)):
             self.block_replicas.labels(block=str(block)).set(replicas)
@@ -210,13 +212,12 @@ class SwarmGauges:
         self.blocks.set(summary.n_blocks)
         self.peers_online.set(summary.peers_online)
         readers: dict[int, int] = {}  # data shard -> online peers reading it
-        for p in summary.peers:
-            if p.state != "offline" and p.data_shard is not None:
+        for p in online(summary.peers):
+            if p.data_shard is not None:
                 readers[p.data_shard] = readers.get(p.data_shard, 0) + 1
         self.sharing_data.set(sum(n for n in readers.values() if n > 1))
         self.loss_spread.set(math.nan if summary.loss_spread is None else summary.loss_spread)
-        val_losses = [p.val_loss for p in summary.peers if p.state in ("training", "averaging")
-                      and p.round == summary.round and p.val_loss is not None]
+        val_losses = [p.val_loss for p in at_round(summary.peers, summary.round) if p.val_loss is not None]
         self.val_loss.set(sum(val_losses) / len(val_losses) if val_losses else math.nan)
         if summary.round != self._round:
             self._round = summary.round

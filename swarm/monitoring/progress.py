@@ -13,15 +13,9 @@ from typing import Optional, Sequence, TextIO
 
 from swarm.config import Recipe
 from swarm.dht.records import PeerRecord
+from swarm.dht.view import at_round, others
 
-TRAINING_STATES = ("training", "averaging")
 CLEAR_LINE = "\r\x1b[K"  # carriage return, then erase to the end of the line
-
-
-def swarm_tokens_per_s(view: Sequence[PeerRecord], peer_id: str, round_no: int, my_tokens_per_s: float) -> float:
-    """Throughput of the peers training in `round_no`: ours (live) plus what the others announced."""
-    return my_tokens_per_s + sum(p.tokens_per_s for p in view if p.peer_id != peer_id and p.round == round_no
-                                 and p.state in TRAINING_STATES)
 
 
 def seconds_to_average(tokens_per_round: int, swarm_tokens: int, swarm_rate: float) -> Optional[float]:
@@ -97,8 +91,8 @@ class ProgressLine:
         if now - self._last_draw < self.min_interval and state == self._state:
             return
         self._last_draw, self._state = now, state
-        others = [p for p in view if p.peer_id != peer_id and p.round == round_no and p.state in TRAINING_STATES]
-        swarm_rate = swarm_tokens_per_s(view, peer_id, round_no, tokens_per_s)
+        others_in_round = at_round(others(view, peer_id), round_no)
+        swarm_rate = tokens_per_s + sum(p.tokens_per_s for p in others_in_round)  # ours live, theirs announced
         if recipe.inner_steps_per_round:
             tokens_per_step = recipe.data.batch_size * recipe.data.seq_len
             done, target, rate = steps_in_round * tokens_per_step, recipe.inner_steps_per_round * tokens_per_step, \
@@ -106,7 +100,7 @@ class ProgressLine:
         else:
             done, target, rate = swarm_tokens, recipe.tokens_per_round, swarm_rate
         text = format_progress(state, round_no, tokens_per_s, swarm_rate, loss, seconds_to_average(target, done, rate),
-                               done / target, len(others) + 1, last_group_size)
+                               done / target, len(others_in_round) + 1, last_group_size)
         with self._lock:
             self._text = text
             self._draw()

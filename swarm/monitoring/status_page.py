@@ -12,9 +12,9 @@ from collections import OrderedDict
 from importlib import resources
 from typing import Any, Optional
 
-from swarm.monitoring.swarm_view import SwarmSummary
+from swarm.dht.records import TRAINING_STATES
+from swarm.dht.view import SwarmSummary
 
-TRAINING_STATES = ("training", "averaging")
 MAX_HISTORY_ROUNDS = 2000  # ~150 KB of JSON: months of hourly rounds, still quick to send on every refresh
 REFRESH_SECONDS = 5.0  # how often the page re-reads /api/swarm (the bootstrap re-reads the DHT as often)
 

@@ -1,5 +1,5 @@
 """Which contiguous blocks a joining peer hosts: the range where the swarm is weakest, as Petals'
-`block_selection.py` does. Pure functions of the swarm view, so every peer with the same view computes the same.
+`block_selection.py` does. A pure function of the swarm view, so every peer with the same view computes the same.
 """
 
 from __future__ import annotations
@@ -7,19 +7,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from swarm.dht.records import PeerRecord
-
-
-def block_throughputs(view: Sequence[PeerRecord], n_blocks: int) -> list[float]:
-    """Tokens/s hosted on each block: the sum over live peers of the throughput of each peer hosting it.
-
-    Peers are summed in peer-id order, so the float result does not depend on the order of the view."""
-    throughputs = [0.0] * n_blocks
-    for peer in sorted(view, key=lambda p: p.peer_id):
-        if peer.state == "offline":
-            continue
-        for block in range(max(peer.block_start, 0), min(peer.block_end, n_blocks)):
-            throughputs[block] += peer.tokens_per_s
-    return throughputs
+from swarm.dht.view import block_throughputs
 
 
 def choose_block_range(view: Sequence[PeerRecord], n_blocks: int, capacity: int) -> tuple[int, int]:

@@ -1,75 +1,21 @@
-"""The swarm as the DHT shows it: read every peer's announcement of a run and summarise it (peers by state,
-compute, block coverage, params agreement) for the bootstrap's metrics and for `swarm-peer status`."""
+"""The swarm for its operators: read every peer's announcement of a run and summarise it (swarm/dht/view.py),
+then show that summary as the bootstrap's swarm-wide gauges and as the text of `swarm-peer status`."""
 
 from __future__ import annotations
 
-import statistics
-from collections import Counter
-from dataclasses import asdict, dataclass
 from typing import Optional
 
 from prometheus_client import CollectorRegistry, Gauge
 
 from swarm.config import Recipe
 from swarm.dht.node import SwarmNode
-from swarm.dht.records import PEER_STATES, PeerRecord, parse_peer_records, peers_key
-from swarm.peer.block_selection import block_throughputs
-
-LIVE_STATES = ("joining", "syncing", "training", "averaging")
-
-
-@dataclass
-class SwarmSummary:
-    peers: list[PeerRecord]  # every valid record, offline ones included, sorted by peer id
-    invalid_records: int
-    by_state: dict[str, int]
-    peers_online: int  # peers in a live state (not offline)
-    tokens_per_s: float  # compute of the online peers
-    round: int
-    loss_mean: Optional[float]
-    loss_spread: Optional[float]
-    digests_agree: bool  # training peers of the top round hold one state digest
-    majority_digest: str
-    n_blocks: int  # the model's blocks (from the recipe, else the highest block any peer announces)
-    block_coverage: list[int]  # online peers hosting each block
-    uncovered_blocks: list[int]  # blocks no online peer hosts
-    block_tokens_per_s: list[float]  # compute hosted on each block
-    read_at: float  # DHT time of the read: a peer was last seen `read_at - updated` seconds before it
-
-    def to_json(self) -> dict:
-        out = asdict(self)
-        out["peers"] = [{**asdict(p), "last_seen_s": round(max(self.read_at - p.updated, 0.0), 3)}
-                        for p in self.peers]
-        return out
+from swarm.dht.records import parse_peer_records, peers_key
+from swarm.dht.view import SwarmSummary, at_round, summarize
 
 
 def recipe_blocks(recipe: Recipe) -> Optional[int]:
     """How many blocks the recipe's model has, when the recipe says it without its config file."""
     return recipe.model.num_layers if recipe.model.config_file is None else None
-
-
-def summarize(peers: list[PeerRecord], invalid: int, n_blocks: Optional[int] = None,
-              read_at: float = 0.0) -> SwarmSummary:
-    live = [p for p in peers if p.state in LIVE_STATES]
-    training = [p for p in live if p.state in ("training", "averaging")]
-    top = max((p.round for p in training), default=0)
-    at_top = [p for p in training if p.round == top]
-    digests = Counter(p.digest for p in at_top)
-    losses = [p.loss for p in live if p.loss is not None]
-    if n_blocks is None:
-        n_blocks = max((p.block_end for p in peers), default=0)
-    coverage = [sum(p.block_start <= block < p.block_end for p in live) for block in range(n_blocks)]
-    return SwarmSummary(
-        peers=peers, invalid_records=invalid,
-        by_state={state: sum(p.state == state for p in peers) for state in PEER_STATES},
-        peers_online=len(live), tokens_per_s=sum(p.tokens_per_s for p in live), round=top,
-        loss_mean=statistics.fmean(losses) if losses else None,
-        loss_spread=statistics.pstdev(losses) if len(losses) > 1 else (0.0 if losses else None),
-        digests_agree=len(digests) <= 1,
-        majority_digest=min(digests, key=lambda d: (-digests[d], d)) if digests else "",
-        n_blocks=n_blocks, block_coverage=coverage,
-        uncovered_blocks=[block for block, count in enumerate(coverage) if count == 0],
-        block_tokens_per_s=block_throughputs(live, n_blocks), read_at=read_at)
 
 
 async def read_swarm(node: SwarmNode, run_id: str, n_blocks: Optional[int] = None) -> SwarmSummary:
@@ -102,8 +48,8 @@ class SwarmExporter:
         self.round.set(summary.round)
         if summary.loss_mean is not None:
             self.loss.set(summary.loss_mean)
-        self.divergent.set(sum(1 for p in summary.peers if p.state in ("training", "averaging")
-                               and p.round == summary.round and p.digest != summary.majority_digest))
+        self.divergent.set(sum(1 for p in at_round(summary.peers, summary.round)
+                               if p.digest != summary.majority_digest))
         self.invalid.set(summary.invalid_records)
         self.uncovered.set(len(summary.uncovered_blocks))
 
