@@ -13,7 +13,11 @@ from swarm.compression import decode, get_codec
 from swarm.config import OuterRecipe
 from swarm.dht.node import NetworkOptions, SwarmNode
 from swarm.peer.diloco import DiLoCo, OuterStep
-from swarm.peer.state_sync import Snapshot, StateServer, StateSyncError, download_state, protocol, sync_state
+from swarm.peer.state_download import download_state
+from swarm.peer.state_replay import replay_steps
+from swarm.peer.state_serve import Snapshot, StateServer
+from swarm.peer.state_sync import StateSyncError, sync_state
+from swarm.peer.state_wire import protocol
 from swarm.runtime import LoopThread
 
 RUN = "state-test"
@@ -368,7 +372,6 @@ def test_forged_outer_steps_are_not_applied_and_the_state_is_downloaded_instead(
     forger = ForgingServer(source)
     holder = add(forger)
     joiner = add()
-    from swarm.peer.state_sync import replay_steps
     assert loop.run(replay_steps(joiner, [holder.peer_id], RUN, behind, source.digest(), stall=20),
                     timeout=60) is None
     assert behind.round == 2 and all(torch.equal(before[k], v) for k, v in behind.state_tensors().items())

@@ -1,0 +1,112 @@
+"""What the state server and its two clients (replay and download) share: the stream protocol and its framing,
+the error a failed sync raises, and fetching keys from several holders at once, a failed key going to another."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+import msgpack
+
+from swarm.dht.frames import recv_frame, send_frame
+from swarm.dht.node import SwarmNode
+
+logger = logging.getLogger(__name__)
+FRAME_BYTES = 1 << 20  # bytes per frame within a range or a step
+REQUESTS_PER_HOLDER = 2  # in flight, so a holder's link does not idle between two ranges
+STALL_SECONDS = 60.0  # a holder that sends nothing for this long is dropped (slow links are fine, silent ones not)
+MAX_REPLAY_STEPS = 64  # outer steps a holder lists at most in one answer
+
+
+class StateSyncError(RuntimeError):
+    """No holder could provide the state asked for. `moved_on`: holders answered, serving another state (the swarm
+    moved on while we looked: ask again for the newest at once rather than back off)."""
+
+    def __init__(self, message: str, moved_on: bool = False):
+        super().__init__(message)
+        self.moved_on = moved_on
+
+
+class MovedOn(ValueError):
+    """A holder no longer serves what we fetch from it: its swarm took a round."""
+
+
+def protocol(run_id: str) -> str:
+    return f"swarm.{run_id}.state"
+
+
+@asynccontextmanager
+async def request_stream(node: SwarmNode, holder: str, run_id: str, request: dict,
+                         stall: float) -> AsyncIterator[asyncio.StreamReader]:
+    """A stream to `holder`'s state server with `request` sent on it: the reader of its answer, closed on exit."""
+    reader, writer = await asyncio.wait_for(node.open_stream(holder, protocol(run_id)), stall)
+    try:
+        await send_frame(writer, msgpack.packb(request))
+        yield reader
+    finally:
+        writer.close()
+
+
+async def send_bytes(writer: asyncio.StreamWriter, data: bytes | memoryview) -> None:
+    """`data` as frames of FRAME_BYTES, so the receiver can bound each frame it reads."""
+    view = memoryview(data)
+    for start in range(0, len(view), FRAME_BYTES):
+        await send_frame(writer, view[start:start + FRAME_BYTES])
+
+
+async def receive_bytes(reader: asyncio.StreamReader, size: int, stall: float, what: str) -> bytearray:
+    """`size` bytes sent as frames; ValueError if the frames add up to anything else."""
+    data = bytearray()
+    while len(data) < size:
+        frame = await asyncio.wait_for(recv_frame(reader, FRAME_BYTES), stall)
+        if not frame or len(data) + len(frame) > size:
+            raise ValueError(f"{what} of the wrong length")
+        data += frame
+    return data
+
+
+async def spread(sources: list[str], keys: list, fetch, what: str) -> tuple[dict, Counter, int]:
+    """`await fetch(holder, key)` -> (value, bytes) for every key, from all `sources` at once (REQUESTS_PER_HOLDER
+    in flight each); a key whose fetch fails goes back for another source, and that source is dropped. Returns
+    the values by key (some missing if every source dropped), the bytes from each source, and how many sources
+    dropped because they moved on (MovedOn)."""
+    values: dict = {}
+    todo: asyncio.Queue = asyncio.Queue()
+    for key in keys:
+        todo.put_nowait(key)
+    served: Counter = Counter()
+    alive, moved_on = set(sources), set()
+
+    async def fetch_from(holder: str) -> None:
+        while holder in alive:
+            try:
+                key = todo.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            try:
+                value, size = await fetch(holder, key)
+            except Exception as e:  # noqa: BLE001 - the key goes back for another holder
+                todo.put_nowait(key)
+                if isinstance(e, MovedOn):
+                    moved_on.add(holder)
+                if holder in alive:
+                    alive.discard(holder)
+                    logger.info("state holder %s dropped mid-%s (%s); %d left", holder[-8:], what,
+                                failure_reason(e), len(alive))
+                return
+            values[key] = value
+            served[holder] += size
+
+    while todo.qsize() and alive:  # one key to each source before a second to any: few keys spread too
+        await asyncio.gather(*(fetch_from(h) for _ in range(REQUESTS_PER_HOLDER) for h in sorted(alive)))
+    return values, served, len(moved_on)
+
+
+def failure_reason(error: BaseException) -> str:
+    """Why a holder failed us, in a few words for a log line."""
+    if isinstance(error, asyncio.TimeoutError):
+        return "stalled"
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
