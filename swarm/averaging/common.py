@@ -1,5 +1,5 @@
-"""What the group all-reduce's two shapes (the butterfly in allreduce.py, the ring in ring.py) share: how a part is
-cut into chunks, how an attempt ends (AllReduceError, AllReduceResult), where a group's messages wait (Mailbox),
+"""What the group all-reduce's server (allreduce.py) and its runs (run.py, butterfly.py, ring.py) share: how a part
+is cut into chunks, how an attempt ends (AllReduceError, AllReduceResult), where a group's messages wait (Mailbox),
 and how an attempt's concurrent tasks are run."""
 
 from __future__ import annotations
@@ -80,3 +80,8 @@ async def all_or_first_failure(coroutines: list) -> None:
 async def no_chunks():
     return
     yield  # an empty async generator
+
+
+def first_line(error: Exception) -> str:
+    """An error's first line for a log line, or its type when it has no text."""
+    return str(error).splitlines()[0] if str(error) else type(error).__name__

@@ -4,7 +4,7 @@ A stream is a msgpack header, the receiver's one-word answer ("ok", or "conflict
 attempt in another group), then frames that depend on the header's phase: chunks (a meta frame and a payload
 frame each) and the receiver's "done" for "part", "avg" and "commit"; the reducer's averaged chunks for a client
 member's "pull"; "apply" or "abort" for its "decision"; nothing more for "abort" and "ping". A "ring" stream
-carries chunks like "part" (see GroupAllReduce: ring all-reduce).
+carries chunks like "part" (see ring.py). The header and metas are typed in messages.py.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from dataclasses import replace
 from typing import Callable, Iterable
 
 import msgpack
@@ -19,6 +20,7 @@ from hivemind.p2p import P2PDaemonError
 
 from swarm.averaging.faults import FaultPlan
 from swarm.averaging.matchmaking import Group
+from swarm.averaging.messages import Blame, Header
 from swarm.dht.node import SwarmNode, recv_frame, send_frame
 
 logger = logging.getLogger(__name__)
@@ -44,7 +46,7 @@ class StreamClient:
         self.node, self.protocol, self.max_payload, self.faults = node, protocol, max_payload, faults
         self._background: set[asyncio.Task] = set()  # held until done: asyncio holds tasks only weakly
 
-    async def send(self, peer: str, header: dict, chunks, stats: dict, die_after_first=None) -> None:
+    async def send(self, peer: str, header: Header, chunks, stats: dict, die_after_first=None) -> None:
         """Send `header` and then every (meta, payload) that the async iterator `chunks` yields, as they come.
 
         A stream that fails to open, or breaks before the receiver's answer, is opened again (STREAM_RETRIES
@@ -55,7 +57,7 @@ class StreamClient:
             writer = None
             try:
                 reader, writer = await self.node.open_stream(peer, self.protocol)
-                await send_frame(writer, msgpack.packb(header))
+                await send_frame(writer, msgpack.packb(header.to_wire()))
                 answer = await recv_frame(reader, 16)
                 break
             except (ConnectionError, asyncio.IncompleteReadError, P2PDaemonError):
@@ -84,18 +86,18 @@ class StreamClient:
                     # Every chunk was written and the receiver is alive: whether they arrived, the reducers'
                     # contributor lists and its commit tell everyone. A lost confirmation alone fails no round.
                     logger.info("%s did not confirm the %s stream; the round's accounts decide", peer[-8:],
-                                header.get("phase"))
+                                header.phase)
                     return
                 raise ConnectionError(f"{peer[-8:]} did not confirm the stream")
         finally:
             writer.close()
 
-    async def alive(self, peer: str, header: dict, timeout: float = 3.0) -> bool:
+    async def alive(self, peer: str, header: Header, timeout: float = 3.0) -> bool:
         """Whether `peer` still answers a stream about this group (a dead peer's daemon resets it at once)."""
         try:
             reader, writer = await asyncio.wait_for(self.node.open_stream(peer, self.protocol), timeout)
             try:
-                await send_frame(writer, msgpack.packb({**header, "phase": "ping", "chunks": 0}))
+                await send_frame(writer, msgpack.packb(replace(header, phase="ping", chunks=0).to_wire()))
                 return await asyncio.wait_for(recv_frame(reader, 16), timeout) == b"ok"
             finally:
                 writer.close()
@@ -107,8 +109,8 @@ class StreamClient:
         our parts and fail the attempt now rather than at their deadline (they retry without waiting for us).
         `suspects` (did not deliver) and `rejected` (sent bad data) tell a ring's members whom we blame: in a
         ring only a peer's successor sees what it sent."""
-        header = {"group_id": group.group_id, "round": group.round, "attempt": group.attempt, "phase": "abort",
-                  "chunks": 0, "suspects": sorted(suspects), "rejected": sorted(rejected)}
+        header = Header("abort", group.group_id, group.round, group.attempt,
+                        body=Blame(tuple(suspects), tuple(rejected))).to_wire()
         clients = group.clients or (False,) * len(group.members)
 
         async def tell(peer: str) -> None:
@@ -128,11 +130,11 @@ class StreamClient:
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
 
-    async def pull(self, peer: str, header: dict, slot: Callable[[int], asyncio.Future], chunks: int) -> None:
+    async def pull(self, peer: str, header: Header, slot: Callable[[int], asyncio.Future], chunks: int) -> None:
         """As a client member: fetch the averaged chunks of `peer`'s part as it makes them, into `slot(index)`."""
         reader, writer = await self.node.open_stream(peer, self.protocol)
         try:
-            await send_frame(writer, msgpack.packb(header))
+            await send_frame(writer, msgpack.packb(header.to_wire()))
             if await recv_frame(reader, 16) == b"conflict":
                 raise GroupConflict(f"{peer[-8:]} is averaging this round in another group")
             for index in range(chunks):
@@ -142,11 +144,11 @@ class StreamClient:
         finally:
             writer.close()
 
-    async def ask_decision(self, peer: str, header: dict) -> bool:
+    async def ask_decision(self, peer: str, header: Header) -> bool:
         """As a client member: whether `peer` applies the group's average (it does once every member committed)."""
         reader, writer = await self.node.open_stream(peer, self.protocol)
         try:
-            await send_frame(writer, msgpack.packb(header))
+            await send_frame(writer, msgpack.packb(header.to_wire()))
             if await recv_frame(reader, 16) == b"conflict":
                 return False
             return await recv_frame(reader, 16) == b"apply"

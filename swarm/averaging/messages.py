@@ -1,0 +1,158 @@
+"""The group all-reduce's messages as typed records: the header that opens every stream (with the body of its
+phase: a contribution's weight, an abort's blame) and the meta of each chunk (a ring's partial sum, an averaged
+chunk's accounts). `from_wire` validates what a peer sent and raises MessageError naming the bad field; whoever
+reads a message decides what a bad one costs its sender. Unknown fields are ignored, so versions can mix."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+PHASES = ("part", "avg", "commit", "pull", "decision", "abort", "ping", "ring")
+MAX_ROUND = 1 << 40  # bound on round and attempt numbers, far above any real run
+MAX_WEIGHT = 1e18  # bound on one member's weight (tokens processed)
+# Where each field stands in a header on the wire: the order peers have always written them in.
+HEADER_ORDER = ("group_id", "round", "attempt", "phase", "weight", "chunks", "suspects", "rejected")
+
+
+class MessageError(ValueError):
+    """A message that fails validation; the text says which field."""
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """The body of a "part" or "ring" header: the sender's weight (tokens processed)."""
+
+    weight: float
+
+    def to_wire(self) -> dict:
+        return {"weight": float(self.weight)}
+
+    @classmethod
+    def from_wire(cls, value: Any) -> "Contribution":
+        return cls(_weight(_mapping(value, "header").get("weight"), "weight"))
+
+
+@dataclass(frozen=True)
+class Blame:
+    """The body of an "abort" header: whom the member that gave the attempt up blames. `suspects` did not
+    deliver, `rejected` sent bad data. In a ring only a member's successor sees what it sent, so the others
+    learn the culprit from this."""
+
+    suspects: tuple[str, ...] = ()
+    rejected: tuple[str, ...] = ()
+
+    def to_wire(self) -> dict:
+        return {"suspects": sorted(self.suspects), "rejected": sorted(self.rejected)}
+
+    @classmethod
+    def from_wire(cls, value: Any) -> "Blame":
+        value = _mapping(value, "header")
+        return cls(_peers(value.get("suspects", []), "suspects"), _peers(value.get("rejected", []), "rejected"))
+
+
+Body = Union[Contribution, Blame]
+
+
+@dataclass(frozen=True)
+class Header:
+    """The first frame of every all-reduce stream: the group, round and attempt it is about, its phase, how many
+    chunks follow, and the phase's body (Contribution for "part" and "ring", Blame for "abort", else None)."""
+
+    phase: str
+    group_id: str
+    round: int
+    attempt: int
+    chunks: int = 0
+    body: Optional[Body] = None
+
+    def to_wire(self) -> dict:
+        fields = {"group_id": self.group_id, "round": self.round, "attempt": self.attempt, "phase": self.phase,
+                  "chunks": self.chunks, **(self.body.to_wire() if self.body is not None else {})}
+        return {name: fields[name] for name in HEADER_ORDER if name in fields}
+
+    @classmethod
+    def from_wire(cls, value: Any, max_chunks: int) -> "Header":
+        """The envelope of a received header, validated; raises MessageError naming the bad field. The body is
+        not read here (body is None): its reader judges it (see Contribution.from_wire, Blame.from_wire), since
+        a bad weight costs the sender its contribution, not its stream."""
+        value = _mapping(value, "header")
+        phase = value.get("phase")
+        if phase not in PHASES:
+            raise MessageError(f"phase {phase!r} is not one of {', '.join(PHASES)}")
+        group_id = value.get("group_id")
+        if not isinstance(group_id, str):
+            raise MessageError(f"group_id must be a string, got {group_id!r}")
+        chunks = value.get("chunks", 0)
+        if not _is_int(chunks) or not 0 <= chunks <= max_chunks:
+            raise MessageError(f"chunks must be an integer in [0, {max_chunks}], got {chunks!r}")
+        round_no, attempt = value.get("round"), value.get("attempt")
+        for name, number in (("round", round_no), ("attempt", attempt)):
+            if not _is_int(number) or not 0 <= number < MAX_ROUND:
+                raise MessageError(f"{name} must be an integer in [0, {MAX_ROUND}), got {number!r}")
+        return cls(phase, group_id, round_no, attempt, chunks)
+
+
+@dataclass(frozen=True)
+class PartialSum:
+    """The meta of a ring's "sum" chunk: which members' contributions the running sum holds, and their weight."""
+
+    contributors: tuple[str, ...]
+    weight: float
+
+    def to_wire(self) -> dict:
+        return {"contributors": list(self.contributors), "weight": float(self.weight)}
+
+    @classmethod
+    def from_wire(cls, value: Any) -> "PartialSum":
+        value = _mapping(value, "partial sum")
+        contributors = _peers(value.get("contributors"), "contributors")
+        if len(set(contributors)) != len(contributors):
+            raise MessageError("contributors names a member twice")
+        return cls(contributors, _weight(value.get("weight"), "weight"))
+
+
+@dataclass(frozen=True)
+class Averaged:
+    """The meta of an averaged chunk (its reducer's accounts): whose contributions it averages, whose data it
+    refused, and the total weight. Every member reads the same accounts, so all agree on the outcome."""
+
+    contributors: tuple[str, ...]
+    rejected: tuple[str, ...]
+    total_weight: float
+
+    def to_wire(self) -> dict:
+        return {"contributors": sorted(self.contributors), "rejected": sorted(self.rejected),
+                "total_weight": float(self.total_weight)}
+
+    @classmethod
+    def from_wire(cls, value: Any) -> "Averaged":
+        value = _mapping(value, "averaged chunk's meta")
+        total_weight = value.get("total_weight")
+        if not isinstance(total_weight, float) or not math.isfinite(total_weight) or total_weight < 0:
+            raise MessageError(f"total_weight must be a finite float >= 0, got {total_weight!r}")
+        return cls(_peers(value.get("contributors"), "contributors"), _peers(value.get("rejected", []), "rejected"),
+                   total_weight)
+
+
+def _mapping(value: Any, what: str) -> dict:
+    if not isinstance(value, dict):
+        raise MessageError(f"the {what} is a {type(value).__name__}, not a mapping")
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _weight(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < MAX_WEIGHT:
+        raise MessageError(f"{name} must be a number in [0, {MAX_WEIGHT:g}), got {value!r}")
+    return float(value)
+
+
+def _peers(value: Any, name: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(peer, str) for peer in value):
+        raise MessageError(f"{name} must be a list of peer ids, got {value!r:.80}")
+    return tuple(value)
