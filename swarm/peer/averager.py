@@ -1,0 +1,121 @@
+"""The averaging of one contribution: matchmaking and the group all-reduce, retried at once without members that
+failed, and the estimate of our link that matchmaking uses for the reduction shares. It touches no model state,
+so it may run on a background thread; what it decides about attempts and exclusions lives in `Rounds`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from swarm.averaging.allreduce import AllReduceError
+from swarm.averaging.matchmaking import Candidate, form_group
+from swarm.peer.rounds import Averaged, Contribution, NotAveraged, Outcome, Rounds
+
+logger = logging.getLogger("swarm.peer")
+DEFAULT_BANDWIDTH = 12.5e6  # bytes/s (100 Mbit/s) until the first all-reduce measures the real link
+
+
+@dataclass
+class LinkEstimate:
+    """What we tell matchmaking about our link (for the reduction shares), refined by every all-reduce: what it
+    moved per second is a lower bound on the link."""
+
+    bandwidth: float = DEFAULT_BANDWIDTH  # bytes/s, both ways together
+    up: float = 0.0  # bytes/s sent in the last all-reduce (announced)
+    down: float = 0.0
+
+    def update(self, bytes_sent: int, bytes_received: int, seconds: float) -> None:
+        if seconds > 0 and bytes_sent:
+            self.bandwidth = 0.5 * self.bandwidth + 0.5 * (bytes_sent + bytes_received) / seconds
+            self.up, self.down = bytes_sent / seconds, bytes_received / seconds
+
+
+class Averager:
+    """Averages contributions with the swarm: `reduce` is what `Rounds.hand_in` runs.
+
+    `flat_state()` gives our global params and outer momentum, which a mixing group (members of different
+    params) averages too; `matchmaking` is matchmaking.form_group (tests hand in their own)."""
+
+    def __init__(self, *, loop, node, recipe, allreduce, group_push, announcer, rounds: Rounds, faults, metrics,
+                 link: LinkEstimate, client_mode: bool, flat_state: Callable[[], torch.Tensor],
+                 matchmaking=form_group):
+        self.loop, self.node, self.recipe = loop, node, recipe
+        self.allreduce, self.group_push, self.announcer = allreduce, group_push, announcer
+        self.rounds, self.faults, self.metrics, self.link = rounds, faults, metrics, link
+        self.client_mode = client_mode
+        self.flat_state = flat_state
+        self.matchmaking = matchmaking
+
+    def reduce(self, contribution: Contribution, attempt: int) -> Outcome:
+        """Matchmaking and all-reduce of `contribution`, starting at `attempt`; redone at once (a new attempt)
+        without members that failed mid-round, up to rounds.MAX_IMMEDIATE_RETRIES times."""
+        round_no, retries, started = contribution.round_no, 0, time.monotonic()
+        while True:
+            if self.moved_on(round_no):
+                return NotAveraged(contribution, attempt)  # the training thread re-syncs
+            attempt = self.rounds.begin_attempt(round_no, attempt, self.announcer.attempts(round_no))
+            self.announcer.refresh_now(self.loop)
+            self.faults.maybe_die("matchmaking", round_no)
+            group, others_seen = self.match(contribution, attempt)
+            if group is None:
+                # Peers that put us in their group hear at once that we are not coming.
+                self.loop.run(self.allreduce.decide(round_no, attempt, None), timeout=10)
+                self.metrics.averaging_failures.labels(reason="no_group").inc()
+                logger.info("round %d: no group formed (attempt %d); training on", round_no, attempt)
+                return NotAveraged(contribution, attempt, alone=not others_seen)
+            try:
+                return Averaged(contribution, attempt, self.run(group, contribution), group, started)
+            except (AllReduceError, TimeoutError) as e:
+                reason = getattr(e, "reason", "timeout")
+                self.metrics.averaging_failures.labels(reason=reason).inc()
+                logger.warning("round %d: averaging failed (%s): %s", round_no, reason, e)
+                retries += 1
+                if not self.rounds.attempt_failed(round_no, reason, getattr(e, "suspects", set()),
+                                                  getattr(e, "rejected", set()), retries):
+                    return NotAveraged(contribution, attempt)
+                attempt += 1  # a member failed mid-round, or views differed: redo the round at once
+
+    def match(self, contribution: Contribution, attempt: int) -> tuple[Optional[Any], int]:
+        """(the group we average with, or None; how many other peers matchmaking saw).
+
+        We wait for the peers of this round, unless their heartbeat stopped (crashed peers' records linger until
+        they expire; a few missed heartbeats are enough not to wait for them). Peers with other params come too:
+        with more peers than one group holds, groups of different params mix. So do peers still starting up at
+        this round (a new swarm's round 0): left out, they would only re-sync afterwards. While we wait, peers
+        that leave the round are no longer waited for; once the swarm has moved on without us, we stop waiting
+        and re-sync."""
+        r, round_no = self.recipe.averaging, contribution.round_no
+        rejected, unresponsive = self.rounds.excluded(round_no)
+        me_as = Candidate(contribution.digest, self.link.bandwidth, client=self.client_mode,
+                          phase_timeout=self.allreduce.deadlines.measured())
+        try:
+            return self.loop.run(self.matchmaking(
+                self.node, self.recipe.run_id, round_no, attempt, me_as, self.in_round(round_no), r.min_group_size,
+                r.target_group_size, r.matchmaking_timeout, excluded=rejected, not_waiting_for=unresponsive,
+                still_in=lambda: None if self.moved_on(round_no) else self.in_round(round_no),
+                push=self.group_push), timeout=3 * r.matchmaking_timeout + 30)
+        except TimeoutError:
+            return None, 1
+
+    def run(self, group, contribution: Contribution):
+        """The all-reduce itself; a mixing group (members of different global params) also averages the params
+        and outer momentum, losslessly (`exact_from`)."""
+        vector, exact_from = contribution.pseudo_gradient, None
+        if group.mix:
+            vector, exact_from = torch.cat([vector, self.flat_state()]), vector.numel()
+        return self.loop.run(self.allreduce.run(group, vector, contribution.weight, exact_from),
+                             timeout=self.recipe.averaging.allreduce_timeout + 10)
+
+    def in_round(self, round_no: int) -> set[str]:
+        return {p.peer_id for p in self.announcer.in_round(round_no)}
+
+    def moved_on(self, round_no: int) -> bool:
+        """Whether the swarm finished this round without us and nobody is left to average it with."""
+        r = self.recipe.averaging
+        return self.announcer.swarm_reference().round > round_no and not self.announcer.others_still_in(
+            round_no, self.rounds.failed_peers(round_no), r.min_group_size, r.target_group_size)
