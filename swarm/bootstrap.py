@@ -4,14 +4,13 @@ every few seconds, and serves it on --metrics-port as Prometheus metrics (/metri
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import threading
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 
-from swarm.config import Recipe, load_recipe
+from swarm.config import BootstrapSettings, Recipe, load_recipe
 from swarm.dht.node import NetworkOptions, NodeError, SwarmNode
 from swarm.dht.recipes import publish_recipe
 from swarm.monitoring.http import MonitoringServer
@@ -26,16 +25,15 @@ REPUBLISH_SECONDS = 60.0
 VIEW_SECONDS = REFRESH_SECONDS  # the status page re-reads as often as we re-read the DHT
 
 
-def run_bootstrap(args: argparse.Namespace) -> int:
-    recipe = load_recipe(args.recipe) if args.recipe else Recipe()
+def run_bootstrap(settings: BootstrapSettings) -> int:
+    recipe = load_recipe(settings.recipe_file) if settings.recipe_file else Recipe()
+    metrics = settings.metrics
     stop = threading.Event()
     _stop_on_signals(stop)
     loop = LoopThread()
     try:
-        node = SwarmNode([], NetworkOptions(host_maddrs=tuple(args.host_maddrs),
-                                            announce_maddrs=tuple(args.announce_maddrs),
-                                            identity_path=args.identity_path, nat_traversal=args.nat_traversal,
-                                            direct_streams=False))  # it serves no bulk streams
+        # It serves no bulk streams, whatever the settings' default for peers.
+        node = SwarmNode([], NetworkOptions(**{**settings.network.model_dump(), "direct_streams": False}))
     except NodeError as e:
         logger.error("%s", e)
         loop.close()
@@ -44,13 +42,13 @@ def run_bootstrap(args: argparse.Namespace) -> int:
     try:
         loop.run(publish_recipe(node, recipe, RECIPE_TTL), timeout=30)
         view = SwarmMonitor(StatusBoard(recipe.run_id, recipe.digest(), node.peer_id))
-        if args.metrics_port is not None:
+        if metrics.port is not None:
             try:
-                server = MonitoringServer(view.registry, view.board.payload, args.metrics_host, args.metrics_port)
+                server = MonitoringServer(view.registry, view.board.payload, metrics.host, metrics.port)
             except OSError as e:
-                logger.error("cannot serve metrics on %s:%d: %s", args.metrics_host, args.metrics_port, e.strerror)
+                logger.error("cannot serve metrics on %s:%d: %s", metrics.host, metrics.port, e.strerror)
                 return 1
-            url = f"http://{args.metrics_host}:{server.port}"
+            url = f"http://{metrics.host}:{server.port}"
             logger.info("metrics at %s/metrics, status page at %s/ (its data at %s/api/swarm)", url, url, url)
         maddrs = node.visible_maddrs()
         logger.info("bootstrap of run %s (recipe %s) is up as %s", recipe.run_id, recipe.digest()[:12],

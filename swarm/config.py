@@ -1,4 +1,5 @@
-"""Typed, validated configuration: the run recipe that every peer of a swarm shares, and its canonical hash.
+"""Typed, validated configuration: the run recipe that every peer of a swarm shares (and its canonical hash), and
+the settings of one peer or bootstrap node, whose fields are the `swarm-peer` flags.
 
 A recipe comes from a YAML/JSON file given to `swarm-peer bootstrap --recipe`, or the embedded default; peers
 fetch it from the DHT. A bad recipe fails with one line naming the field (`RecipeError`).
@@ -12,17 +13,15 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-CODECS = ("none", "fp16", "bf16", "int8", "int4", "topk")
-
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 class RecipeError(ValueError):
     """A recipe that cannot be used; the message names the field and what to do."""
 
 
 class _Section(BaseModel):
-    # Unknown keys are an error in a recipe: a peer that silently ignored a field would train a different run.
+    # Unknown keys are an error: a peer that silently ignored a recipe field would train a different run, and a
+    # misspelt setting would be a flag that does nothing.
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
@@ -84,7 +83,7 @@ class OuterRecipe(_Section):
 class AveragingRecipe(_Section):
     """How peers find each other each round and what crosses the wire."""
 
-    codec: Literal["none", "fp16", "bf16", "int8", "int4", "topk"] = Field("fp16")
+    codec: str = Field("fp16", description="pseudo-gradient codec, one of swarm.compression.CODEC_NAMES")
     min_group_size: int = Field(1, ge=1, le=4096, description="fewer peers than this: skip averaging")
     target_group_size: int = Field(16, ge=1, le=4096)
     matchmaking_timeout: float = Field(15.0, gt=0, le=3600, description="seconds to wait for the group")
@@ -95,6 +94,16 @@ class AveragingRecipe(_Section):
     min_phase_timeout: float = Field(5.0, gt=0, le=86400,
                                      description="floor of each phase's timeout; in between, timeouts follow "
                                                  "3x the slowest of the last rounds")
+
+    @field_validator("codec")
+    @classmethod
+    def _known_codec(cls, codec: str) -> str:
+        # Imported here: the registry imports torch, which building the CLI's flags (and `--help`) does not need.
+        from swarm.compression import CODEC_NAMES
+
+        if codec not in CODEC_NAMES:
+            raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODEC_NAMES)}")
+        return codec
 
     @model_validator(mode="after")
     def _sizes(self) -> "AveragingRecipe":
@@ -158,6 +167,7 @@ def parse_recipe(data: Any, origin: str = "recipe") -> Recipe:
         err = e.errors()[0]
         field = ".".join(str(part) for part in err["loc"]) or "(top level)"
         msg = err["msg"].replace("Extra inputs are not permitted", "unknown field (check the spelling)")
+        msg = msg.removeprefix("Value error, ")
         raise RecipeError(f"{origin}: field '{field}': {msg} (got {err.get('input')!r})") from None
 
 
@@ -189,33 +199,138 @@ def recipe_from_json(text: str) -> Recipe:
     return parse_recipe(data, origin="swarm recipe")
 
 
-class PeerSettings(BaseModel):
-    """Settings of one volunteer's peer (not shared with the swarm). Each maps to a `swarm-peer join` flag."""
+DEFAULT_HOST_MADDR = "/ip4/127.0.0.1/tcp/0"
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
-    initial_peers: tuple[str, ...] = Field(description="multiaddrs of known peers, with /p2p/<id>")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    num_threads: Optional[int] = Field(None, gt=0, description="torch CPU threads (default: all cores)")
-    metrics_port: Optional[int] = Field(None, ge=0, le=65535, description="serve /metrics here (0: any free)")
-    metrics_host: str = "127.0.0.1"
-    checkpoint_dir: Optional[str] = None
-    keep_checkpoints: int = Field(3, ge=1)
-    checkpoint_series: int = Field(100, ge=0)  # keep rounds 1, 2, 4, ... and every N-th (0: only the recent ones)
-    replay_log_mb: Optional[float] = Field(None, ge=0, allow_inf_nan=False,
-                                           description="memory for the outer steps kept for peers to replay (default: "
-                                                       "one state's size; 0 keeps none)")
-    max_rounds: Optional[int] = Field(None, gt=0, description="stop after averaging this many outer rounds")
-    until_round: Optional[int] = Field(None, gt=0, description="stop once the swarm's global round reaches this")
-    recipe_file: Optional[str] = Field(None, description="local recipe that must equal the swarm's")
-    cache_dir: str = Field(str(Path.home() / ".cache" / "swarm"), description="tokenizer and token cache")
-    data_shard: Optional[int] = Field(None, ge=0, description="starting data shard (default: where no live peer reads)")
-    trace_dir: Optional[str] = Field(None, description="write each round's vectors here, for audits and tests")
-    host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
-    announce_maddrs: tuple[str, ...] = ()
-    identity_path: Optional[str] = None
-    nat_traversal: bool = False
-    client_mode: bool = False  # accepts no inbound streams: contributes to averages, reduces and serves nothing
-    direct_streams: bool = True  # bulk streams over TLS between peers, not through p2pd (libp2p fallback)
-    direct_port: int = Field(0, ge=0, le=65535, description="TCP port for direct streams (0: any free one)")
-    inject_fault: Optional[str] = Field(None, description="testing: PHASE@ROUND, see swarm/averaging/faults.py")
+# Settings of one machine, not shared with the swarm. Each field is one `swarm-peer` flag (swarm/settings_cli.py
+# generates them): its description is the flag's help, `json_schema_extra` names the flag where it is not the
+# field's name and gives its metavar.
+
+class NetworkSettings(_Section):
+    """How a node listens, what it announces and which transports it uses (`swarm.dht.node.NetworkOptions`)."""
+
+    host_maddrs: tuple[str, ...] = Field(
+        (DEFAULT_HOST_MADDR,), json_schema_extra={"metavar": "MADDR"},
+        description=f"multiaddrs to listen on (default {DEFAULT_HOST_MADDR}: loopback only; use /ip4/0.0.0.0/tcp/PORT "
+                    "to accept peers from other machines)")
+    announce_maddrs: tuple[str, ...] = Field(
+        (), json_schema_extra={"metavar": "MADDR"},
+        description="public multiaddrs to announce instead of the listening ones (e.g. behind port forwarding)")
+    identity_path: Optional[str] = Field(
+        None, json_schema_extra={"metavar": "FILE"},
+        description="private key file: keeps the same peer id (and multiaddr) across restarts; created if missing")
+    nat_traversal: bool = Field(
+        False, description="enable UPnP port mapping, AutoNAT and circuit relays (off by default; local swarms and "
+                           "tests do not need them)")
+    client_mode: bool = Field(
+        False, description="for peers that cannot accept inbound connections (behind NAT, no port forwarding): open "
+                           "every stream yourself; the peer still contributes to every average but reduces no part "
+                           "of it, serves no state and answers no DHT requests")
+    direct_streams: bool = Field(
+        True, json_schema_extra={"flag": "no-direct-streams"},
+        description="direct TLS streams between peers, on by default; --no-direct-streams sends every stream "
+                    "through libp2p (slower; for networks where only the libp2p port is reachable and a failed "
+                    "direct attempt per peer every 30 s costs too much)")
+    direct_port: int = Field(
+        0, ge=0, le=65535, json_schema_extra={"metavar": "PORT"},
+        description="TCP port for direct streams, the all-reduce's and state download's bytes over TLS between peers "
+                    "instead of through the libp2p daemons (default: any free port; fix it to forward it through a "
+                    "NAT or open it in a firewall)")
+
+
+class MetricsSettings(_Section):
+    """Where Prometheus scrapes a node: a peer's own metrics, or the bootstrap's swarm-wide ones and status page."""
+
+    port: Optional[int] = Field(
+        None, ge=0, le=65535, json_schema_extra={"flag": "metrics-port", "metavar": "N"},
+        description="serve Prometheus metrics on this port (0 picks a free port): a peer's own, or the whole "
+                    "swarm's from the bootstrap")
+    host: str = Field(
+        "127.0.0.1", json_schema_extra={"flag": "metrics-host", "metavar": "ADDR"},
+        description="address the metrics server binds to (default 127.0.0.1; 0.0.0.0 for remote scraping)")
+
+
+class CheckpointSettings(_Section):
+    """Where a peer writes its checkpoints and which of them it keeps."""
+
+    dir: Optional[str] = Field(
+        None, json_schema_extra={"flag": "checkpoint-dir", "metavar": "DIR"},
+        description="write checkpoints here and resume from the newest one on restart")
+    keep: int = Field(
+        3, ge=1, json_schema_extra={"flag": "keep-checkpoints", "metavar": "N"},
+        description="how many recent checkpoints to keep (default 3)")
+    series: int = Field(
+        100, ge=0, json_schema_extra={"flag": "checkpoint-series", "metavar": "N"},
+        description="also keep a series of intermediate checkpoints, as Pythia publishes them: rounds 1, 2, 4, 8, "
+                    "... and every N-th round (default 100; 0 keeps only the recent ones)")
+
+
+class PeerSettings(_Section):
+    """Settings of one volunteer's peer (`swarm-peer join`)."""
+
+    initial_peers: tuple[str, ...] = Field(
+        json_schema_extra={"metavar": "MADDR"},
+        description="multiaddr(s) printed by `swarm-peer bootstrap` (/ip4/.../tcp/.../p2p/<id>)")
+    network: NetworkSettings = NetworkSettings()
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="where to train: auto uses CUDA with bf16 autocast when available (default auto)")
+    num_threads: Optional[int] = Field(
+        None, gt=0, json_schema_extra={"metavar": "N"},
+        description="torch CPU threads (default: all cores; set it when several peers share a machine)")
+    metrics: MetricsSettings = MetricsSettings()
+    checkpoints: CheckpointSettings = CheckpointSettings()
+    replay_log_mb: Optional[float] = Field(
+        None, ge=0, allow_inf_nan=False, json_schema_extra={"metavar": "MB"},
+        description="memory for the latest outer steps, which peers a few rounds behind replay instead of "
+                    "downloading the state (default: one state's size, 8 bytes a param; 0 keeps none)")
+    max_rounds: Optional[int] = Field(
+        None, gt=0, json_schema_extra={"metavar": "N"}, description="stop after averaging this many outer rounds")
+    until_round: Optional[int] = Field(
+        None, gt=0, json_schema_extra={"metavar": "N"},
+        description="stop once the global round reaches N (all peers of a swarm stop at the same round)")
+    recipe_file: Optional[str] = Field(
+        None, json_schema_extra={"flag": "recipe", "metavar": "FILE"},
+        description="refuse to start unless the swarm's recipe equals this file's (names the differences)")
+    cache_dir: str = Field(
+        str(Path.home() / ".cache" / "swarm"), json_schema_extra={"metavar": "DIR"},
+        description="tokenizer and tokenized-corpus cache (default ~/.cache/swarm)")
+    data_shard: Optional[int] = Field(
+        None, ge=0, json_schema_extra={"metavar": "K"},
+        description="start the data stream at shard K (default: where no live peer reads)")
+    trace_dir: Optional[str] = Field(
+        None, json_schema_extra={"metavar": "DIR"},
+        description="write every round's pseudo-gradient, average and global params as safetensors, to audit the "
+                    "averaging")
+    inject_fault: Optional[str] = Field(
+        None, json_schema_extra={"metavar": "PHASE@ROUND"},
+        description="for tests and drills: SIGKILL this peer at a phase (matchmaking, send, reduce, commit; ring: "
+                    "while sending along a ring) of the first round >= ROUND it averages in, send bad data (garbage, "
+                    "nan, short; ring-garbage: garbage along rings only) from that round on, or break its own "
+                    "training once (diverge: NaN params; explode: an absurd pseudo-gradient)")
+
+    def __getattr__(self, name: str) -> Any:
+        # Transition (issue 23): the old flat names, for swarm/peer/peer.py until it reads the nested ones (see
+        # _FLAT_NAMES). Delete this method and _FLAT_NAMES then.
+        if name in _FLAT_NAMES:
+            group, field = _FLAT_NAMES[name]
+            return getattr(getattr(self, group), field)
+        return super().__getattr__(name)
+
+
+_FLAT_NAMES = {
+    **{name: ("network", name) for name in NetworkSettings.model_fields},
+    "metrics_port": ("metrics", "port"), "metrics_host": ("metrics", "host"),
+    "checkpoint_dir": ("checkpoints", "dir"), "keep_checkpoints": ("checkpoints", "keep"),
+    "checkpoint_series": ("checkpoints", "series"),
+}
+
+
+class BootstrapSettings(_Section):
+    """Settings of a bootstrap node (`swarm-peer bootstrap`)."""
+
+    network: NetworkSettings = NetworkSettings()
+    recipe_file: Optional[str] = Field(
+        None, json_schema_extra={"flag": "recipe", "metavar": "FILE"},
+        description="run recipe (.yaml/.json); default: the embedded demo run (small Llama on the bundled "
+                    "Shakespeare corpus)")
+    metrics: MetricsSettings = MetricsSettings()

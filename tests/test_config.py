@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from swarm.compression import CODEC_NAMES
 from swarm.config import Recipe, RecipeError, load_recipe, parse_recipe, recipe_from_json
 
 
@@ -53,3 +54,12 @@ def test_differing_fields_and_digest():
     assert a.differing_fields(b) == ["inner.lr", "tokens_per_round"]
     assert a.digest() != b.digest()
     assert a.digest() == Recipe().digest()
+
+
+def test_codecs_are_the_compression_registrys():
+    for codec in CODEC_NAMES:
+        assert parse_recipe({"averaging": {"codec": codec}}).averaging.codec == codec
+    with pytest.raises(RecipeError) as excinfo:
+        parse_recipe({"averaging": {"codec": "int3"}}, origin="run.yaml")
+    assert str(excinfo.value) == (f"run.yaml: field 'averaging.codec': unknown codec 'int3'; choose one of "
+                                  f"{', '.join(CODEC_NAMES)} (got 'int3')")
