@@ -1,11 +1,12 @@
 """The group all-reduce end to end with every codec: three real peer processes (scripts/allreduce_bench.py)
 average seeded random 1M-element vectors with unequal weights; every peer's result must be within the codec's
 stated bound of the exact weighted mean computed here, and all peers' results must be bit-identical. Also the
-bandwidth-weighted partition as pure functions."""
+bandwidth-weighted partition as pure functions, and the typed phase messages (see also test_allreduce_in_memory.py).
+"""
 
 from __future__ import annotations
 
-import asyncio
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -13,14 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import msgpack
-
 from swarm.averaging.allreduce import GroupAllReduce
 from swarm.averaging.deadlines import AdaptiveDeadlines
 from swarm.averaging.matchmaking import Candidate, Group, choose_members, group_timeout, plan_groups
+from swarm.averaging.messages import Averaged, Blame, Contribution, Header, MessageError, PartialSum
 from swarm.averaging.partition import optimal_shares, partition
 from swarm.compression import get_codec
-from swarm.dht.node import FRAME_HEADER, recv_frame
 
 ROOT = Path(__file__).resolve().parent.parent
 NUMEL = 1_000_000
@@ -215,59 +214,57 @@ def test_group_agrees_on_the_slowest_measured_deadline():
     assert one.phase_timeout == 9.0 and one.group_id != other.group_id
 
 
-class _Writer:
-    """The handler's end of an in-memory stream: what it writes, the test reads from `reader`."""
-
-    def __init__(self, reader: asyncio.StreamReader):
-        self.reader = reader
-
-    def write(self, data: bytes) -> None:
-        self.reader.feed_data(data)
-
-    async def drain(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self.reader.feed_eof()
-
-
-def _answer_to(allreduce: GroupAllReduce, header: dict) -> asyncio.Task:
-    """Start the all-reduce's stream handler on a stream whose sender sent `header`; returns the task."""
-    inbound, outbound = asyncio.StreamReader(), asyncio.StreamReader()
-    frame = msgpack.packb(header)
-    inbound.feed_data(FRAME_HEADER.pack(len(frame)) + frame)
-    inbound.feed_eof()
-    task = asyncio.ensure_future(allreduce._on_stream("sender", inbound, _Writer(outbound)))
-    task.reply = outbound
-    return task
+def test_headers_keep_their_wire_form():
+    """The typed header writes the fields peers have always sent, in the same order (msgpack keeps it)."""
+    part = Header("part", "g1", 3, 1, 5, Contribution(2.0)).to_wire()
+    assert list(part.items()) == [("group_id", "g1"), ("round", 3), ("attempt", 1), ("phase", "part"),
+                                  ("weight", 2.0), ("chunks", 5)]
+    abort = Header("abort", "g1", 3, 1, body=Blame(("b", "a"), ("c",))).to_wire()
+    assert list(abort.items()) == [("group_id", "g1"), ("round", 3), ("attempt", 1), ("phase", "abort"),
+                                   ("chunks", 0), ("suspects", ["a", "b"]), ("rejected", ["c"])]
+    assert Header("commit", "g1", 3, 1).to_wire() == {"group_id": "g1", "round": 3, "attempt": 1, "phase": "commit",
+                                                       "chunks": 0}
+    averaged = Averaged(("b", "a"), (), 3.0).to_wire()
+    assert averaged == {"contributors": ["a", "b"], "rejected": [], "total_weight": 3.0}
+    assert PartialSum(("b", "a"), 2.0).to_wire() == {"contributors": ["b", "a"], "weight": 2.0}
+    # Read back: the same records; unknown fields (a newer peer's) are ignored.
+    assert Header.from_wire({**part, "new_field": 1}, 10) == Header("part", "g1", 3, 1, 5)
+    assert Contribution.from_wire(part) == Contribution(2.0) and Blame.from_wire(abort) == Blame(("a", "b"), ("c",))
+    assert Averaged.from_wire(averaged) == Averaged(("a", "b"), (), 3.0)
+    assert Averaged.from_wire({"contributors": ["a"], "total_weight": 1.0}).rejected == ()
 
 
-async def _reply(task: asyncio.Task) -> bytes:
-    return await recv_frame(task.reply, 16)
+GOOD_HEADER = {"group_id": "g", "round": 1, "attempt": 0, "phase": "part", "chunks": 2}
 
 
-def test_streams_for_a_group_we_do_not_join_get_conflict_at_once():
-    """A sender that put us in its group (a leader race) must learn that we joined another group, or none, as
-    soon as our matchmaking is over: not wait out its deadline for parts we will never send."""
+@pytest.mark.parametrize("change, field", [
+    ({"phase": "gossip"}, "phase"), ({"group_id": 7}, "group_id"), ({"chunks": -1}, "chunks"),
+    ({"chunks": 11}, "chunks"), ({"chunks": True}, "chunks"), ({"round": None}, "round"),
+    ({"round": "1"}, "round"), ({"attempt": 1 << 40}, "attempt"), ({"attempt": False}, "attempt")])
+def test_header_from_wire_names_the_bad_field(change, field):
+    with pytest.raises(MessageError, match=field):
+        Header.from_wire({**GOOD_HEADER, **change}, max_chunks=10)
 
-    async def scenario():
-        allreduce = GroupAllReduce(node=None, run_id="t", codec_name="none", max_numel=1 << 20,
-                                   deadlines=AdaptiveDeadlines(5.0, 30.0))
-        header = {"phase": "part", "chunks": 0, "round": 4, "attempt": 0, "group_id": "theirs"}
-        waiting = _answer_to(allreduce, header)
-        await asyncio.sleep(0.2)
-        assert not waiting.done(), "undecided: the handler waits for our matchmaking"
-        await allreduce.decide(4, 0, "ours")
-        assert await asyncio.wait_for(_reply(waiting), 2) == b"conflict"
-        # A stream for the group we did join is accepted; one for an attempt we found no group in is refused.
-        assert await asyncio.wait_for(_reply(_answer_to(allreduce, {**header, "group_id": "ours"})), 2) == b"ok"
-        await allreduce.decide(4, 1, None)
-        refused = _answer_to(allreduce, {**header, "attempt": 1, "group_id": "theirs"})
-        assert await asyncio.wait_for(_reply(refused), 2) == b"conflict"
-        # A peer that found nobody retries under the same attempt number and may join a group then: its new
-        # decision counts (a stale "no group" answer made the first round of a peer that started alone fail).
-        await allreduce.decide(4, 1, "theirs")
-        joined = _answer_to(allreduce, {**header, "attempt": 1, "group_id": "theirs"})
-        assert await asyncio.wait_for(_reply(joined), 2) == b"ok"
 
-    asyncio.run(scenario())
+def test_messages_from_wire_refuse_bad_fields_with_a_clear_error():
+    with pytest.raises(MessageError, match="header is a list, not a mapping"):
+        Header.from_wire([1, 2], max_chunks=10)
+    for weight in (None, True, -1.0, 1e18, math.nan, "2"):
+        with pytest.raises(MessageError, match="weight must be a number"):
+            Contribution.from_wire({**GOOD_HEADER, "weight": weight})
+    with pytest.raises(MessageError, match="suspects must be a list of peer ids"):
+        Blame.from_wire({"suspects": "a"})
+    with pytest.raises(MessageError, match="rejected must be a list of peer ids"):
+        Blame.from_wire({"rejected": ["a", 3]})
+    assert Blame.from_wire({}) == Blame()
+    with pytest.raises(MessageError, match="names a member twice"):
+        PartialSum.from_wire({"contributors": ["a", "a"], "weight": 1.0})
+    with pytest.raises(MessageError, match="weight"):
+        PartialSum.from_wire({"contributors": ["a"], "weight": -2})
+    with pytest.raises(MessageError, match="partial sum is a str"):
+        PartialSum.from_wire("sum")
+    for total_weight in (3, math.nan, -1.0, None):
+        with pytest.raises(MessageError, match="total_weight must be a finite float"):
+            Averaged.from_wire({"contributors": ["a"], "rejected": [], "total_weight": total_weight})
+    with pytest.raises(MessageError, match="contributors must be a list of peer ids"):
+        Averaged.from_wire({"contributors": [["a"]], "total_weight": 1.0})
