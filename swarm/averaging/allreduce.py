@@ -40,7 +40,7 @@ __all__ = ["COMMIT_GRACE", "AllReduceError", "AllReduceResult", "GroupAllReduce"
 
 
 class GroupAllReduce:
-    """Serves the all-reduce protocol of one run on a node and runs all-reduces for its peer, one Run at a time."""
+    """Serves the all-reduce protocol of one run on a node, and runs its peer's all-reduces (a Run per attempt)."""
 
     def __init__(self, node: SwarmNode, run_id: str, codec_name: str, max_numel: int, deadlines: AdaptiveDeadlines,
                  on_bad_peer: Optional[Callable[[str, str], None]] = None, faults: Optional[FaultPlan] = None,
@@ -68,22 +68,10 @@ class GroupAllReduce:
         await self.node.add_stream_handler(self.protocol, self._on_stream)
 
     def _decision(self, key: tuple[int, int]) -> asyncio.Future:
-        if key not in self._decisions:
-            while len(self._decisions) >= MAX_DECISIONS:  # bounded against senders naming endless keys
-                oldest = self._decisions.pop(next(iter(self._decisions)))
-                if not oldest.done():
-                    oldest.set_result(None)
-            self._decisions[key] = asyncio.get_running_loop().create_future()
-        return self._decisions[key]
+        return _remembered(self._decisions, key, None)
 
     def _outcome(self, group_id: str) -> asyncio.Future:
-        if group_id not in self._outcomes:
-            while len(self._outcomes) >= MAX_DECISIONS:
-                oldest = self._outcomes.pop(next(iter(self._outcomes)))
-                if not oldest.done():
-                    oldest.set_result(False)
-            self._outcomes[group_id] = asyncio.get_running_loop().create_future()
-        return self._outcomes[group_id]
+        return _remembered(self._outcomes, group_id, False)
 
     async def decide(self, round_no: int, attempt: int, group_id: Optional[str]) -> None:
         """Record which group we take part in for (round, attempt), None for none (matchmaking found no group,
@@ -157,7 +145,7 @@ class GroupAllReduce:
         if phase == "abort":  # that member gave this attempt up: stop waiting for anything from it
             slot = box.slot("abort", remote)
             if not slot.done():
-                slot.set_result(_blame(raw))  # whom it blames, if anyone: see ring.ring_failure
+                slot.set_result(_blame(raw))  # whom it blames, if anyone: see Ring.broke
             return
         if phase == "pull":  # a client member fetches the averaged chunks of our part as we make them
             queue, count, stats = await asyncio.wait_for(asyncio.shield(box.slot("outbox", remote)),
@@ -224,6 +212,18 @@ class GroupAllReduce:
     def uses_ring(self, group: Group) -> bool:
         """Whether this group averages along a ring (ring.py): every member computes the same answer."""
         return uses_ring(self.ring, self.codec.name, group)
+
+
+def _remembered(futures: dict, key, forgotten) -> asyncio.Future:
+    """The future under `key`, made if new; the table is bounded (against senders naming endless keys), and a
+    future dropped from it while pending resolves to `forgotten`."""
+    if key not in futures:
+        while len(futures) >= MAX_DECISIONS:
+            oldest = futures.pop(next(iter(futures)))
+            if not oldest.done():
+                oldest.set_result(forgotten)
+        futures[key] = asyncio.get_running_loop().create_future()
+    return futures[key]
 
 
 def _contribution(raw: dict) -> Contribution | MessageError:

@@ -166,32 +166,19 @@ class Ring(Run):
         return self.agreed_weight(weights, "the ring's parts")
 
     async def broke(self, default: set[str]) -> AllReduceError:
-        """Why the ring broke, once a neighbour's stream did (or went quiet): `default` is to blame unless a member
-        that gave up says whom it blames. Such a member closes its ring stream before its abort (a new stream)
-        reaches us, so that is waited for a moment; a member that died sends none."""
+        """Why the ring broke, once a neighbour's stream did (or went quiet): the members that gave up tell us
+        whom they blame (their Blame); if none did, `default` (that neighbour) is the suspect. Such a member
+        closes its ring stream before its abort (a new stream) reaches us, so that is waited for a moment; a
+        member that died sends none."""
         if (self.lost.done() or self.broken.done()) and not any(abort.done() for abort in self.aborts):
             await asyncio.wait(self.aborts, timeout=ABORT_GRACE, return_when=asyncio.FIRST_COMPLETED)
-        return ring_failure(self.me, self.group, self.mailbox, self.others, default)
-
-
-def ring_failure(node_id: str, group: Group, mailbox: Mailbox, others: list[str],
-                 default: set[str]) -> AllReduceError:
-    """Why a ring attempt ended: the members that gave up told us whom they blame (their Blame); if nobody did,
-    `default` (the neighbour whose stream failed or went quiet) is the suspect."""
-    suspects, rejected, gave_up = set(), set(), False
-    for peer in others:
-        slot = mailbox.slot("abort", peer)
-        if slot.done():
-            gave_up = True
-            suspects |= set(slot.result().suspects) & set(group.members)
-            rejected |= set(slot.result().rejected) & set(group.members)
-    if not gave_up:
-        suspects = set(default)
-    suspects -= {node_id}
-    rejected -= {node_id}
-    blamed = ", ".join(p[-8:] for p in sorted(suspects | rejected)) or "a member gave up"
-    return AllReduceError("bad_data" if rejected else "partial",
-                          f"round {group.round}: the ring broke ({blamed}); nothing applied", suspects, rejected)
+        blames = [abort.result() for abort in self.aborts if abort.done()]
+        members = set(self.members) - {self.me}
+        suspects = {p for blame in blames for p in blame.suspects} & members if blames else set(default) - {self.me}
+        rejected = {p for blame in blames for p in blame.rejected} & members
+        blamed = ", ".join(p[-8:] for p in sorted(suspects | rejected)) or "a member gave up"
+        return AllReduceError("bad_data" if rejected else "partial", f"round {self.group.round}: the ring broke "
+                              f"({blamed}); nothing applied", suspects, rejected)
 
 
 def _averaged(meta: dict) -> Optional[Averaged]:

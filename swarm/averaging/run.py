@@ -5,6 +5,7 @@ own data movement and accounts."""
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import logging
 import time
@@ -36,7 +37,7 @@ class RunContext:
     on_bad_peer: Callable[[str, str], None]  # (peer, reason): a peer sent a bad contribution
 
 
-class Run:
+class Run(abc.ABC):
     """One member's side of one attempt of one group. `execute()` moves the data (the subclass's `move`), checks
     the accounts (its `check_accounts`), commits, and returns the result; it raises AllReduceError naming the
     members suspected of causing a failure, and then nothing is applied."""
@@ -59,7 +60,8 @@ class Run:
         self.bad = bad  # the kind of bad data fault injection makes us send, if any
         self.result = torch.empty_like(self.vector)
         self.delivered = self.vector.clone()  # our vector as the reducers decode it (for error feedback)
-        self.wire: Optional[dict[int, tuple[int, int, bytes]]] = None  # chunk start -> the bytes its average was
+        # Chunk start -> (start, end, the bytes its average travelled as); None where averages travel as fp32.
+        self.wire: Optional[dict[int, tuple[int, int, bytes]]] = None
         self.accounts: dict[str, list[dict]] = {}  # member -> the wire meta of each averaged chunk of its part
         self.unresponsive: set[str] = set()
         loop = asyncio.get_running_loop()
@@ -73,14 +75,14 @@ class Run:
                                self.stats["received"], time.monotonic() - self.started,
                                None if self.wire is None else [self.wire[a] for a in sorted(self.wire)])
 
+    @abc.abstractmethod
     async def move(self) -> None:
         """Move the data: fill self.result and self.accounts, or raise AllReduceError."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def check_accounts(self) -> float:
         """The all-or-nothing rule: raise AllReduceError unless every chunk was averaged over the whole group;
         returns the group's total weight."""
-        raise NotImplementedError
 
     def header(self, phase: str, chunks: int = 0, body: Optional[Body] = None) -> Header:
         return Header(phase, self.group.group_id, self.group.round, self.group.attempt, chunks, body)
