@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from swarm.config import BootstrapSettings, Recipe, load_recipe
 from swarm.dht.node import NetworkOptions, NodeError, SwarmNode
 from swarm.dht.recipes import publish_recipe
+from swarm.events import EventLog
 from swarm.monitoring.http import MonitoringServer
 from swarm.monitoring.metrics import SwarmGauges
 from swarm.monitoring.status_page import REFRESH_SECONDS, StatusBoard
@@ -28,6 +29,7 @@ VIEW_SECONDS = REFRESH_SECONDS  # the status page re-reads as often as we re-rea
 def run_bootstrap(settings: BootstrapSettings) -> int:
     recipe = load_recipe(settings.recipe_file) if settings.recipe_file else Recipe()
     metrics = settings.metrics
+    events = EventLog(settings.events_file)
     stop = threading.Event()
     _stop_on_signals(stop)
     loop = LoopThread()
@@ -56,6 +58,8 @@ def run_bootstrap(settings: BootstrapSettings) -> int:
         print("Peers join this swarm with:", flush=True)
         for maddr in maddrs:
             print(f"  swarm-peer join --initial-peers {maddr}", flush=True)
+        events.emit("listening", peer_id=node.peer_id, maddrs=[str(m) for m in maddrs], run_id=recipe.run_id,
+                    metrics_port=server.port if server is not None else None)
         loop.submit(_maintain(node, recipe, view))
         stop.wait()
         logger.info("stopping")
@@ -65,6 +69,8 @@ def run_bootstrap(settings: BootstrapSettings) -> int:
             server.close()
         node.shutdown()
         loop.close()
+        events.emit("stopped")
+        events.close()
 
 
 def _stop_on_signals(stop: threading.Event) -> None:

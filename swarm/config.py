@@ -301,28 +301,16 @@ class PeerSettings(_Section):
         None, json_schema_extra={"metavar": "DIR"},
         description="write every round's pseudo-gradient, average and global params as safetensors, to audit the "
                     "averaging")
+    events_file: Optional[str] = Field(
+        None, json_schema_extra={"metavar": "FILE"},
+        description="append one JSON line per event a script or test waits on (joined, averaged, synced, ...; "
+                    "see swarm/events.py)")
     inject_fault: Optional[str] = Field(
         None, json_schema_extra={"metavar": "PHASE@ROUND"},
         description="for tests and drills: SIGKILL this peer at a phase (matchmaking, send, reduce, commit; ring: "
                     "while sending along a ring) of the first round >= ROUND it averages in, send bad data (garbage, "
                     "nan, short; ring-garbage: garbage along rings only) from that round on, or break its own "
                     "training once (diverge: NaN params; explode: an absurd pseudo-gradient)")
-
-    def __getattr__(self, name: str) -> Any:
-        # Transition (issue 23): the old flat names, for swarm/peer/peer.py until it reads the nested ones (see
-        # _FLAT_NAMES). Delete this method and _FLAT_NAMES then.
-        if name in _FLAT_NAMES:
-            group, field = _FLAT_NAMES[name]
-            return getattr(getattr(self, group), field)
-        return super().__getattr__(name)
-
-
-_FLAT_NAMES = {
-    **{name: ("network", name) for name in NetworkSettings.model_fields},
-    "metrics_port": ("metrics", "port"), "metrics_host": ("metrics", "host"),
-    "checkpoint_dir": ("checkpoints", "dir"), "keep_checkpoints": ("checkpoints", "keep"),
-    "checkpoint_series": ("checkpoints", "series"),
-}
 
 
 class BootstrapSettings(_Section):
@@ -334,3 +322,6 @@ class BootstrapSettings(_Section):
         description="run recipe (.yaml/.json); default: the embedded demo run (small Llama on the bundled "
                     "Shakespeare corpus)")
     metrics: MetricsSettings = MetricsSettings()
+    events_file: Optional[str] = Field(
+        None, json_schema_extra={"metavar": "FILE"},
+        description="append one JSON line per event a script or test waits on (listening; see swarm/events.py)")

@@ -14,18 +14,24 @@ from pathlib import Path
 
 import pytest
 
+from swarm.events import read_events
+
 TESTS = Path(__file__).parent
 TINY_RECIPE = TESTS / "recipes" / "tiny.yaml"
 MADDR = re.compile(r"--initial-peers (\S+)")
 
 
 class SwarmProcess:
-    """A `python -m swarm ...` child in its own session, with its output captured line by line."""
+    """A `python -m swarm ...` child in its own session, with its output captured line by line and, when
+    `events` is set, its structured events (`--events-file`, swarm/events.py) to wait on."""
 
-    def __init__(self, argv: list[str], name: str, log_dir: Path):
+    def __init__(self, argv: list[str], name: str, log_dir: Path, events: bool = False):
         self.name = name
         self.lines: list[str] = []
         self.log_path = log_dir / f"{name}.log"
+        self.events_path = log_dir / f"{name}.events.jsonl" if events else None
+        if self.events_path is not None:
+            argv = [*argv, "--events-file", str(self.events_path)]
         self.process = subprocess.Popen([sys.executable, "-m", "swarm", *argv], stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, text=True, start_new_session=True,
                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -64,6 +70,28 @@ class SwarmProcess:
             time.sleep(0.05)
         raise AssertionError(f"{self.name}: no line matching {pattern!r} within {timeout} s; output:\n"
                              + self.output()[-4000:])
+
+    def events(self, event: str | None = None, **fields) -> list[dict]:
+        """The events written so far, of kind `event` (any if None) whose fields equal `fields`."""
+        assert self.events_path is not None, f"{self.name} was started without an events file"
+        return [e for e in read_events(self.events_path) if (event is None or e["event"] == event)
+                and all(e.get(key) == value for key, value in fields.items())]
+
+    def wait_event(self, event: str, timeout: float, **fields) -> dict:
+        """Wait for the first event of kind `event` whose fields equal `fields`; fails the test with the output
+        if none comes (or the process exits first)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = self.events(event, **fields)
+            if found:
+                return found[0]
+            if time.monotonic() >= deadline or self.process.poll() is not None:
+                found = self.events(event, **fields)  # written just before it exited
+                if found:
+                    return found[0]
+                raise AssertionError(f"{self.name}: no {event} event with {fields} within {timeout} s; output:\n"
+                                     + self.output()[-4000:])
+            time.sleep(0.05)
 
     def wait(self, timeout: float) -> int:
         try:
@@ -128,7 +156,7 @@ def swarm(request, tmp_path, cache_dir):
         def peer(self, maddr: str, *extra: str, name: str):
             argv = ["join", "--initial-peers", maddr, "--device", "cpu", "--num-threads", "1",
                     "--cache-dir", str(cache_dir), *extra]
-            process = SwarmProcess(argv, name, tmp_path)
+            process = SwarmProcess(argv, name, tmp_path, events=True)
             started.append(process)
             return process
 

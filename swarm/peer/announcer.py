@@ -11,7 +11,6 @@ from typing import Callable
 
 from swarm.dht import view
 from swarm.dht.node import SwarmNode
-from swarm.dht.recipes import fetch_recipe  # noqa: F401 - re-exported for swarm/peer/peer.py until it imports it
 from swarm.dht.records import TRAINING_STATES, PeerRecord, parse_peer_records, peers_key
 from swarm.dht.view import HEARTBEAT_SECONDS, Reference
 from swarm.monitoring.metrics import PeerMetrics

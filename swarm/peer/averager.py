@@ -14,6 +14,7 @@ import torch
 
 from swarm.averaging.allreduce import AllReduceError
 from swarm.averaging.matchmaking import Candidate, form_group
+from swarm.events import EventLog
 from swarm.peer.rounds import Averaged, Contribution, NotAveraged, Outcome, Rounds
 
 logger = logging.getLogger("swarm.peer")
@@ -42,7 +43,7 @@ class Averager:
     params) averages too; `matchmaking` is matchmaking.form_group (tests hand in their own)."""
 
     def __init__(self, *, loop, node, recipe, allreduce, group_push, announcer, rounds: Rounds, faults, metrics,
-                 link: LinkEstimate, client_mode: bool, flat_state: Callable[[], torch.Tensor],
+                 link: LinkEstimate, client_mode: bool, flat_state: Callable[[], torch.Tensor], events=None,
                  matchmaking=form_group):
         self.loop, self.node, self.recipe = loop, node, recipe
         self.allreduce, self.group_push, self.announcer = allreduce, group_push, announcer
@@ -50,6 +51,7 @@ class Averager:
         self.client_mode = client_mode
         self.flat_state = flat_state
         self.matchmaking = matchmaking
+        self.events = events if events is not None else EventLog()
 
     def reduce(self, contribution: Contribution, attempt: int) -> Outcome:
         """Matchmaking and all-reduce of `contribution`, starting at `attempt`; redone at once (a new attempt)
@@ -67,6 +69,7 @@ class Averager:
                 self.loop.run(self.allreduce.decide(round_no, attempt, None), timeout=10)
                 self.metrics.averaging_failures.labels(reason="no_group").inc()
                 logger.info("round %d: no group formed (attempt %d); training on", round_no, attempt)
+                self.events.emit("no_group", round=round_no, attempt=attempt)
                 return NotAveraged(contribution, attempt, alone=not others_seen)
             try:
                 return Averaged(contribution, attempt, self.run(group, contribution), group, started)
@@ -74,6 +77,9 @@ class Averager:
                 reason = getattr(e, "reason", "timeout")
                 self.metrics.averaging_failures.labels(reason=reason).inc()
                 logger.warning("round %d: averaging failed (%s): %s", round_no, reason, e)
+                self.events.emit("averaging_failed", round=round_no, attempt=attempt, reason=reason,
+                                 suspects=sorted(getattr(e, "suspects", ())),
+                                 rejected=sorted(getattr(e, "rejected", ())))
                 retries += 1
                 if not self.rounds.attempt_failed(round_no, reason, getattr(e, "suspects", set()),
                                                   getattr(e, "rejected", set()), retries):

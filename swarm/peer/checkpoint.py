@@ -133,3 +133,20 @@ def load_latest(directory: str | Path) -> Optional[Checkpoint]:
         except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is skipped, never fatal
             logger.warning("checkpoint %s is corrupted (%s); trying the previous one", path, str(e).splitlines()[0])
     return None
+
+
+def resume(checkpoint: Checkpoint, diloco, error_feedback) -> bool:
+    """Load `checkpoint` into `diloco` (global params, outer momentum, round, tokens seen) and its error-feedback
+    residual into `error_feedback`; False (nothing loaded) if it does not fit this run's model."""
+    try:
+        diloco.load_state_tensors(checkpoint.tensors, checkpoint.round, checkpoint.tokens_seen)
+    except ValueError as e:
+        logger.warning("checkpoint %s does not fit this run's model (%s); not using it", checkpoint.path, e)
+        return False
+    residual = {key.split(".", 1)[1]: value for key, value in checkpoint.tensors.items()
+                if key.startswith("error_feedback.")}
+    if residual and residual.get("residual", torch.empty(0)).numel() == diloco.numel:
+        error_feedback.load_state_dict(residual)
+    logger.info("resumed from checkpoint %s (round %d, %d tokens seen)", checkpoint.path, checkpoint.round,
+                checkpoint.tokens_seen)
+    return True

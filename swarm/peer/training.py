@@ -1,10 +1,12 @@
 """The inner loop's pieces: device choice, one AdamW step (bf16 autocast on CUDA), the warm-up + cosine
-learning-rate schedule over the run's tokens, and validation loss."""
+learning-rate schedule over the run's tokens, validation loss, and the clock of training speed and utilisation."""
 
 from __future__ import annotations
 
 import math
+import time
 from contextlib import nullcontext
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -77,3 +79,28 @@ def validation_loss(model: torch.nn.Module, batches: list[torch.Tensor], device:
         return sum(float(lm_loss(model, batch, device)) for batch in batches) / max(len(batches), 1)
     finally:
         model.train()
+
+
+class StepClock:
+    """Time in inner steps against wall time (compute utilisation), and the training speed measured over a window
+    of `window` seconds (what a peer announces as its tokens/s)."""
+
+    def __init__(self, window: float = 2.0, clock=time.monotonic):
+        self.window, self.clock = window, clock
+        self.started = self.window_start = clock()
+        self.compute_seconds = 0.0
+        self.window_tokens = 0
+
+    def stepped(self, seconds: float, tokens: int) -> Optional[float]:
+        """Count one inner step; returns the tokens/s of the window it closed, if it closed one."""
+        self.compute_seconds += seconds
+        self.window_tokens += tokens
+        elapsed = self.clock() - self.window_start
+        if elapsed < self.window:
+            return None
+        rate = self.window_tokens / elapsed
+        self.window_start, self.window_tokens = self.clock(), 0
+        return rate
+
+    def utilization(self) -> float:
+        return self.compute_seconds / max(self.clock() - self.started, 1e-9)

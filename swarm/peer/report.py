@@ -1,0 +1,62 @@
+"""What a peer reports of an averaged round: its metrics, log line and event, and (`--trace-dir`) a trace of the
+round's pseudo-gradient, average and global params before and after, as safetensors with the group and weights in
+JSON beside them, so a test or an auditor can recompute the exact mean and the outer step from what peers wrote."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors.torch import save_file
+
+logger = logging.getLogger("swarm.peer")
+
+
+def report_round(averaged, round_seconds: float, *, metrics, events, uses_ring: bool, wire_per_param: float,
+                 round_now: int, loss: Optional[float], val_loss: float, digest: str) -> None:
+    """Metrics, the log line and the `averaged` event of an applied round (`averaged`: rounds.Averaged);
+    `round_now` is our round after its outer step and `wire_per_param` the codec's bytes a value."""
+    result, group, round_no = averaged.result, averaged.group, averaged.contribution.round_no
+    metrics.round_peers.set(group.swarm_size)
+    if group.mix:
+        wire_per_param = (wire_per_param + 2 * 4.0) / 3  # params and momentum travel as fp32
+    metrics.record_allreduce(result.bytes_sent, result.bytes_received, result.seconds, result.group_size,
+                             wire_per_param)
+    metrics.outer_round.set(round_now)
+    metrics.val_loss.set(val_loss)
+    metrics.round_seconds.set(round_seconds)
+    matchmaking = time.monotonic() - averaged.started - result.seconds
+    logger.info("round %d: averaged with %d peers%s in %.2f s (%.1f MB sent, %d tokens), matchmaking %.1f s; "
+                "val loss %.4f, train loss %.4f, digest %s", round_no, result.group_size,
+                f" (one of the groups of {group.swarm_size} peers, params mixed)" if group.mix else
+                f" (one of the groups of {group.swarm_size} peers)" if group.swarm_size > result.group_size
+                else " along a ring" if uses_ring else "", result.seconds, result.bytes_sent / 1e6,
+                int(result.total_weight), matchmaking, val_loss, loss or float("nan"), digest)
+    events.emit("averaged", round=round_no, group_size=result.group_size, swarm_size=group.swarm_size, mix=group.mix,
+                ring=uses_ring, members=list(group.members), seconds=round(result.seconds, 3),
+                bytes_sent=result.bytes_sent, total_weight=result.total_weight, val_loss=val_loss, loss=loss,
+                digest=digest)
+
+
+def write_trace(directory: str | Path, peer_id: str, averaged, global_before: torch.Tensor, average: torch.Tensor,
+                mixed_state: Optional[torch.Tensor], global_after: torch.Tensor, loss: Optional[float],
+                val_loss: Optional[float], digest: str) -> None:
+    """Write round-NNNNNN.safetensors and round-NNNNNN.json for one applied round (`averaged`: rounds.Averaged)."""
+    contribution, result, group = averaged.contribution, averaged.result, averaged.group
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    name = f"round-{contribution.round_no:06d}"
+    tensors = {"pseudo_gradient": contribution.pseudo_gradient.contiguous(), "average": average.contiguous(),
+               "global_before": global_before, "global_after": global_after}
+    if mixed_state is not None:
+        tensors["mixed_state"] = mixed_state.contiguous()  # the group's average of params and momentum
+    save_file(tensors, str(directory / f"{name}.safetensors"))
+    (directory / f"{name}.json").write_text(json.dumps({
+        "peer_id": peer_id, "round": contribution.round_no, "weight": contribution.weight,
+        "members": list(group.members), "shares": list(group.shares), "clients": list(group.clients),
+        "group_id": group.group_id, "mix": group.mix, "swarm_size": group.swarm_size,
+        "total_weight": result.total_weight, "loss": loss, "val_loss": val_loss, "digest": digest}))
