@@ -19,7 +19,11 @@ LOCAL = ("diverge", "explode")  # the peer's own training goes wrong: NaN params
 
 
 class FaultPlan:
-    def __init__(self, spec: Optional[str] = None):
+    """What --inject-fault asked for; each fault that fires is printed and, with `events` (an EventLog), written
+    as a `fault` event (written, and flushed, before a SIGKILL)."""
+
+    def __init__(self, spec: Optional[str] = None, events=None):
+        self.events = events
         self.phase: Optional[str] = None
         self.round = -1
         if spec:
@@ -34,6 +38,8 @@ class FaultPlan:
         if self.phase == phase and round_no >= self.round >= 0:
             print(f"FAULT INJECTED: SIGKILL at {phase} of round {round_no}", flush=True)
             sys.stdout.flush()
+            if self.events is not None:
+                self.events.emit("fault", kind="sigkill", phase=phase, round=round_no)
             os.kill(os.getpid(), signal.SIGKILL)
 
     def local(self, kind: str, round_no: int) -> bool:
@@ -41,6 +47,8 @@ class FaultPlan:
         if self.phase == kind and round_no >= self.round >= 0 and not self._local_fired:
             self._local_fired = True
             print(f"FAULT INJECTED: {kind} in round {round_no}", flush=True)
+            if self.events is not None:
+                self.events.emit("fault", kind=kind, phase=kind, round=round_no)
             return True
         return False
 

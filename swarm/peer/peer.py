@@ -52,10 +52,10 @@ EVAL_BATCHES = 4
 class Peer:
     def __init__(self, settings: PeerSettings):
         self.settings = settings
-        self.faults = FaultPlan(settings.inject_fault)
         self.stop_event = threading.Event()
         self.metrics = PeerMetrics()
         self.events = EventLog(settings.events_file)
+        self.faults = FaultPlan(settings.inject_fault, self.events)
         self.progress = ProgressLine()  # a live status line when stdout is a terminal
         self.loop: Optional[LoopThread] = None
         self.node: Optional[SwarmNode] = None
