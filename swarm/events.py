@@ -1,6 +1,15 @@
 """A structured event stream: one JSON object a line (`{"event": NAME, "time": UNIX_S, ...fields}`) for each
-thing a peer or bootstrap does that a script or a test waits on (joined, round averaged, state synced, ...),
-written to the file `--events-file` names. Log lines are for people and may change wording; these may not.
+thing a peer or bootstrap does that a script or a test waits on, written to the file `--events-file` names. Log
+lines are for people and may change wording; these events and their fields may only grow.
+
+Peer: joined(peer_id) · metrics(port) · data_prepared(train_docs, train_tokens, val_docs, seconds) ·
+resumed(round, path) · data(shard, step, resumed, how, others_reading) · data_moved(shard, step, how) ·
+synced(round, digest, how: replay|download, reason, replayed, bytes) · sync_failed(reason, moved_on) ·
+training(round, overlap, client) · no_group(round, attempt) · averaging_failed(round, attempt, reason, suspects,
+rejected) · bad_peer(peer_id, reason) · averaged(round, group_size, swarm_size, mix, ring, members, seconds,
+bytes_sent, total_weight, val_loss, loss, digest) · recovered(round, reason) · checkpoint(round, path) ·
+fault(kind, phase, round) · stopped.
+Bootstrap: listening(peer_id, maddrs, run_id, metrics_port) · stopped.
 """
 
 from __future__ import annotations

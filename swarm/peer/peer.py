@@ -107,6 +107,8 @@ class Peer:
                                  self.node.peer_id, pinned=s.data_shard)  # placed once we see the swarm
         logger.info("data: %d train docs (%d tokens), %d validation docs, prepared in %.1f s",
                     data.n_train_docs, len(data.train.tokens), data.n_val_docs, time.monotonic() - started)
+        self.events.emit("data_prepared", train_docs=data.n_train_docs, train_tokens=len(data.train.tokens),
+                         val_docs=data.n_val_docs, seconds=round(time.monotonic() - started, 3))
         self.model = build_model(r.model, data.vocab_size).to(self.device)
         self.n_blocks = n_blocks(self.model)
         self.diloco = DiLoCo(self.model, r.outer, log_bytes=None if s.replay_log_mb is None else
@@ -180,10 +182,12 @@ class Peer:
         ours = checkpoint is not None and checkpoint.meta.get("recipe") == self.recipe.digest()
         if ours and isinstance(checkpoint.meta.get("inner_steps"), int):
             self.inner_steps = max(checkpoint.meta["inner_steps"], 0)
-        how = self.stream.place(self.announcer.live(), checkpoint.meta if ours else None)
+        live = self.announcer.live()
+        how = self.stream.place(live, checkpoint.meta if ours else None)
         logger.info("data: shard %d/%d at step %d, %s", self.stream.start, self.recipe.data.num_shards,
                     self.stream.step, how)
-        self.events.emit("data", shard=self.stream.start, step=self.stream.step, how=how)
+        self.events.emit("data", shard=self.stream.start, step=self.stream.step, resumed=ours, how=how,
+                         others_reading=sorted(p.data_shard for p in live if p.data_shard is not None))
         self.metrics.data_shard.set_function(lambda: float(self.stream.reading()))
         self.announcer.refresh_soon(self.loop)
 
@@ -214,7 +218,8 @@ class Peer:
         self.clock = StepClock()
         logger.info("training round %d%s", self.diloco.round,
                     " (averaging overlaps training)" if self.recipe.outer.overlap else "")
-        self.events.emit("training", round=self.diloco.round)
+        self.events.emit("training", round=self.diloco.round, overlap=self.recipe.outer.overlap,
+                         client=self.settings.network.client_mode)
         while not self.stop_event.is_set() and not self._finished():
             if not self._inner_step(batches):
                 continue  # diverged: the round restarts from the global params
@@ -285,6 +290,7 @@ class Peer:
         if not moved:
             return batches
         logger.info("data: %s", moved)
+        self.events.emit("data_moved", shard=self.stream.start, step=self.stream.step, how=moved)
         self.announcer.refresh_soon(self.loop)
         return self.stream.batches()
 
