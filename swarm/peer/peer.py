@@ -22,7 +22,7 @@ from swarm.averaging.deadlines import AdaptiveDeadlines
 from swarm.averaging.faults import FaultPlan
 from swarm.averaging.matchmaking import GroupPush
 from swarm.compression import ErrorFeedback
-from swarm.config import PeerSettings, RecipeError, load_recipe
+from swarm.config import PeerSettings, RecipeError, load_recipe, local_files
 from swarm.dht.node import NetworkOptions, SwarmNode
 from swarm.dht.recipes import fetch_recipe
 from swarm.dht.records import PeerRecord
@@ -99,9 +99,10 @@ class Peer:
 
     def _build_data_and_model(self) -> None:
         s, r = self.settings, self.recipe
+        source, tokenizer, model_recipe = local_files(r, s.data_dir or s.cache_dir)
         started = time.monotonic()
-        data = prepare_run_data(r.data.source, r.data.tokenizer, r.data.vocab_size, r.data.val_fraction,
-                                r.data.seq_len, r.data.batch_size, r.data.seed, s.cache_dir, EVAL_BATCHES)
+        data = prepare_run_data(source, tokenizer, r.data.vocab_size, r.data.val_fraction, r.data.seq_len,
+                                r.data.batch_size, r.data.seed, s.cache_dir, EVAL_BATCHES)
         self.eval_batches = data.eval_batches
         self.stream = DataStream(data.train, r.data.num_shards, r.data.batch_size, r.data.seed,
                                  self.node.peer_id, pinned=s.data_shard)  # placed once we see the swarm
@@ -109,7 +110,7 @@ class Peer:
                     data.n_train_docs, len(data.train.tokens), data.n_val_docs, time.monotonic() - started)
         self.events.emit("data_prepared", train_docs=data.n_train_docs, train_tokens=len(data.train.tokens),
                          val_docs=data.n_val_docs, seconds=round(time.monotonic() - started, 3))
-        self.model = build_model(r.model, data.vocab_size).to(self.device)
+        self.model = build_model(model_recipe, data.vocab_size).to(self.device)
         self.n_blocks = n_blocks(self.model)
         self.diloco = DiLoCo(self.model, r.outer, log_bytes=None if s.replay_log_mb is None else
                              int(s.replay_log_mb * 1e6))
@@ -166,6 +167,9 @@ class Peer:
         """The newest params (see _load_state), then where in the data we read (see _place_stream)."""
         self.announcer.refresh_now(self.loop)
         checkpoint = ckpt.load_latest(self.settings.checkpoints.dir) if self.settings.checkpoints.dir else None
+        if checkpoint is not None and checkpoint.meta.get("recipe") != self.recipe.digest():
+            raise RecipeError(f"checkpoint {checkpoint.path} is of another run (recipe {checkpoint.meta.get('recipe')},"
+                              f" not {self.recipe.digest()}): pass another --checkpoint-dir, or move it away")
         self._load_state(checkpoint)
         self._place_stream(checkpoint)
 
@@ -179,7 +183,7 @@ class Peer:
 
     def _place_stream(self, checkpoint: Optional[ckpt.Checkpoint]) -> None:
         """Where in the data we read (DataStream.place): our checkpoint's place if it is of this run."""
-        ours = checkpoint is not None and checkpoint.meta.get("recipe") == self.recipe.digest()
+        ours = checkpoint is not None  # of this run: _initial_state refuses others
         if ours and isinstance(checkpoint.meta.get("inner_steps"), int):
             self.inner_steps = max(checkpoint.meta["inner_steps"], 0)
         live = self.announcer.live()
