@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -18,10 +19,43 @@ from swarm.events import read_events
 
 TESTS = Path(__file__).parent
 TINY_RECIPE = TESTS / "recipes" / "tiny.yaml"
+# The join command a bootstrap prints for its users (tests read its address from the `listening` event).
 MADDR = re.compile(r"--initial-peers (\S+)")
 
 
-class SwarmProcess:
+class EventReader:
+    """Reads a child's structured events (`--events-file`, swarm/events.py). Needs `name`, `events_path` (None:
+    started without an events file), `process` and `output()`."""
+
+    name: str
+    events_path: Path | None
+    process: subprocess.Popen
+
+    def events(self, event: str | None = None, where: Callable[[dict], bool] | None = None, **fields) -> list[dict]:
+        """The events written so far, of kind `event` (any if None) whose fields equal `fields` and, with `where`,
+        for which `where(event)` holds."""
+        assert self.events_path is not None, f"{self.name} was started without an events file"
+        return [e for e in read_events(self.events_path) if (event is None or e["event"] == event)
+                and all(e.get(key) == value for key, value in fields.items()) and (where is None or where(e))]
+
+    def wait_event(self, event: str, timeout: float, where: Callable[[dict], bool] | None = None, **fields) -> dict:
+        """Wait for the first event of kind `event` whose fields equal `fields` (and, with `where`, for which
+        `where(event)` holds); fails the test with the output if none comes (or the process exits first)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = self.events(event, where, **fields)
+            if found:
+                return found[0]
+            if time.monotonic() >= deadline or self.process.poll() is not None:
+                found = self.events(event, where, **fields)  # written just before it exited
+                if found:
+                    return found[0]
+                raise AssertionError(f"{self.name}: no {event} event with {fields} within {timeout} s; output:\n"
+                                     + self.output()[-4000:])
+            time.sleep(0.05)
+
+
+class SwarmProcess(EventReader):
     """A `python -m swarm ...` child in its own session, with its output captured line by line and, when
     `events` is set, its structured events (`--events-file`, swarm/events.py) to wait on."""
 
@@ -70,28 +104,6 @@ class SwarmProcess:
             time.sleep(0.05)
         raise AssertionError(f"{self.name}: no line matching {pattern!r} within {timeout} s; output:\n"
                              + self.output()[-4000:])
-
-    def events(self, event: str | None = None, **fields) -> list[dict]:
-        """The events written so far, of kind `event` (any if None) whose fields equal `fields`."""
-        assert self.events_path is not None, f"{self.name} was started without an events file"
-        return [e for e in read_events(self.events_path) if (event is None or e["event"] == event)
-                and all(e.get(key) == value for key, value in fields.items())]
-
-    def wait_event(self, event: str, timeout: float, **fields) -> dict:
-        """Wait for the first event of kind `event` whose fields equal `fields`; fails the test with the output
-        if none comes (or the process exits first)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            found = self.events(event, **fields)
-            if found:
-                return found[0]
-            if time.monotonic() >= deadline or self.process.poll() is not None:
-                found = self.events(event, **fields)  # written just before it exited
-                if found:
-                    return found[0]
-                raise AssertionError(f"{self.name}: no {event} event with {fields} within {timeout} s; output:\n"
-                                     + self.output()[-4000:])
-            time.sleep(0.05)
 
     def wait(self, timeout: float) -> int:
         try:
@@ -148,9 +160,9 @@ def swarm(request, tmp_path, cache_dir):
 
         def bootstrap(self, *extra: str, recipe: Path | None = TINY_RECIPE, name: str = "bootstrap"):
             argv = ["bootstrap", *(["--recipe", str(recipe)] if recipe else []), *extra]
-            process = SwarmProcess(argv, name, tmp_path)
+            process = SwarmProcess(argv, name, tmp_path, events=True)
             started.append(process)
-            maddr = process.wait_for(MADDR.pattern, 60).group(1)
+            maddr = process.wait_event("listening", 60)["maddrs"][0]
             return process, maddr
 
         def peer(self, maddr: str, *extra: str, name: str):

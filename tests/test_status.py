@@ -16,6 +16,7 @@ import pytest
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 
+from conftest import MADDR
 from swarm.config import Recipe, load_recipe
 from swarm.dht.node import NetworkOptions, SwarmNode
 from swarm.dht.records import ONLINE_STATES, RECIPE_KEY, peers_key, recipe_value
@@ -25,7 +26,6 @@ from swarm.runtime import LoopThread
 
 pytestmark = pytest.mark.slow
 STATUS_RECIPE = Path(__file__).parent / "recipes" / "status.yaml"
-PEER_ID = r"joined the DHT as (\S+)"
 
 
 def _free_port() -> int:
@@ -71,7 +71,7 @@ def test_hostile_writes_leave_records_and_recipe_intact(swarm):
     bootstrap, maddr = swarm.bootstrap()  # the tiny recipe
     victim_key = swarm.workdir / "victim.id"
     victim = swarm.peer(maddr, "--identity-path", str(victim_key), name="victim")
-    victim_id = victim.wait_for(PEER_ID, 90).group(1)
+    victim_id = victim.wait_event("joined", 90)["peer_id"]
     before = poll_status(swarm, maddr, lambda v: by_id(v).get(victim_id, {}).get("state") in ONLINE_STATES, 60,
                          "the victim announced")
     genuine = by_id(before)[victim_id]
@@ -131,11 +131,13 @@ def test_status_kill_term_and_bootstrap_restart(swarm, cache_dir):
     boot_argv = ("--identity-path", str(swarm.workdir / "bootstrap.id"), "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}")
     bootstrap, maddr = swarm.bootstrap(*boot_argv, recipe=STATUS_RECIPE)
     assert maddr.startswith(f"/ip4/127.0.0.1/tcp/{port}/p2p/Qm")
+    # The command it prints for its users names that address.
+    assert bootstrap.wait_for(MADDR.pattern, 10).group(1) == maddr
     peers = [swarm.peer(maddr, name="peer0")]
     if not any(cache_dir.iterdir()):  # a cold cache: one peer fills it, rather than three training a tokenizer
-        peers[0].wait_for(r"data: .* prepared", 90)
+        peers[0].wait_event("data_prepared", 90)
     peers += [swarm.peer(maddr, name=f"peer{i}") for i in (1, 2)]
-    ids = [peer.wait_for(PEER_ID, 90).group(1) for peer in peers]
+    ids = [peer.wait_event("joined", 90)["peer_id"] for peer in peers]
 
     view = poll_status(swarm, maddr, lambda v: all(by_id(v).get(i, {}).get("state") == "training" for i in ids),
                        60, "three peers training")
