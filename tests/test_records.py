@@ -79,6 +79,8 @@ def test_old_records_without_new_fields_still_parse():
     ("digest", "x" * 10_000), ("device_name", ["a"]), ("run_id", None), ("in_flight_tokens", -1),
     ("in_flight_tokens", "4"), ("data_shard", -3), ("data_shard", 2.0), ("data_shard", True),
     ("data_start", -1), ("data_start", "0"), ("client", 1), ("client", "yes"),
+    # Terminal escapes and line breaks would let a record rewrite what `status` shows an operator.
+    ("device_name", "RTX\x1b[2J\x1b[Hall peers agree"), ("device", "cuda\nfake line"), ("version", "0.2\r9.9"),
 ])
 def test_malformed_fields_are_rejected(field, value):
     wire = {**record().to_wire(), field: value}

@@ -155,6 +155,8 @@ def _integer(value: Any, name: str, bound: int) -> None:
 def _string(value: Any, name: str) -> str:
     if not isinstance(value, str) or len(value) > MAX_STRING:
         raise InvalidRecord(f"{name} must be a string of at most {MAX_STRING} characters")
+    if not value.isprintable():  # terminal escapes or line breaks would rewrite what `status` shows an operator
+        raise InvalidRecord(f"{name} holds control characters")
     return value
 
 
