@@ -251,6 +251,10 @@ def test_choose_recipe(identities):
         choose_recipe(recipes, problems, [owner.peer_id, other.peer_id])
     only = {owner.peer_id: recipe}
     assert choose_recipe(only, {}, ["QmSomeOtherPeer"]) == (owner.peer_id, recipe), "the only one is followed"
+    assert choose_recipe(only, {}, ["QmSomeOtherPeer"], accept_untrusted=False) is None, \
+        "...but only once the trusted owner had time to publish its own: anyone can publish a lone recipe"
+    assert choose_recipe(recipes, problems, ["QmSomeOtherPeer"], accept_untrusted=False) is None
+    assert choose_recipe(recipes, problems, [owner.peer_id], accept_untrusted=False) == (owner.peer_id, recipe)
     assert choose_recipe({}, {}, [owner.peer_id]) is None
 
 

@@ -14,14 +14,21 @@ from swarm.dht.records import RECIPE_KEY, choose_recipe, parse_recipes, protecte
 logger = logging.getLogger(__name__)
 
 
-async def fetch_recipe(node: SwarmNode, timeout: float) -> Recipe:
-    """The run recipe, as its owner signed it: the owner among our --initial-peers, or the only one published
-    (see records.choose_recipe). RecipeError if none appears within `timeout`, or it is invalid or ambiguous.
-    From then on this node protects the run's keys."""
-    deadline = time.monotonic() + timeout
+TRUSTED_WAIT = 10.0  # s to wait for our --initial-peers' recipe before following a lone one of another owner
+
+
+async def fetch_recipe(node: SwarmNode, timeout: float, trusted_wait: float = TRUSTED_WAIT) -> Recipe:
+    """The run recipe, as its owner signed it: the owner among our --initial-peers, or, once none of them has
+    published one for `trusted_wait` seconds (they may be ordinary peers, not the bootstrap), the only one
+    published (see records.choose_recipe): anyone can publish a recipe, so a lone one is not followed at once.
+    RecipeError if none appears within `timeout`, or it is invalid or ambiguous. From then on this node protects
+    the run's keys."""
+    started = time.monotonic()
+    deadline = started + timeout
     while True:
         recipes, problems = parse_recipes(await node.get(RECIPE_KEY))
-        chosen = choose_recipe(recipes, problems, node.initial_peer_ids)
+        chosen = choose_recipe(recipes, problems, node.initial_peer_ids,
+                               accept_untrusted=time.monotonic() - started >= min(trusted_wait, timeout / 2))
         if chosen is not None:
             owner, recipe = chosen
             if owner not in node.initial_peer_ids:

@@ -207,17 +207,19 @@ def parse_recipes(raw: dict[Any, Any]) -> tuple[dict[str, Recipe], dict[str, str
     return recipes, problems
 
 
-def choose_recipe(recipes: dict[str, Recipe], problems: dict[str, str],
-                  trusted: Sequence[str]) -> Optional[tuple[str, Recipe]]:
+def choose_recipe(recipes: dict[str, Recipe], problems: dict[str, str], trusted: Sequence[str],
+                  accept_untrusted: bool = True) -> Optional[tuple[str, Recipe]]:
     """The run owner and recipe to follow: the one published by a peer we were told to trust (our
-    --initial-peers, normally the bootstrap); failing that, the only one published, if exactly one is. None if
-    none is published yet. Raises RecipeError when the choice is ambiguous or the trusted owner's recipe is
-    broken, naming what to do."""
+    --initial-peers, normally the bootstrap); failing that, and only if `accept_untrusted` (the caller waited for
+    the trusted one long enough), the only one published, if exactly one is. None if none is published yet.
+    Raises RecipeError when the choice is ambiguous or the trusted owner's recipe is broken, naming what to do."""
     for owner in trusted:
         if owner in problems:
             raise RecipeError(f"the recipe published by {owner} is unusable: {problems[owner]}; ask the run host")
     chosen = {owner: recipes[owner] for owner in trusted if owner in recipes}
     if not chosen:
+        if not accept_untrusted:
+            return None
         chosen = dict(recipes)
         if len(chosen) > 1:
             raise RecipeError(f"{len(chosen)} peers ({', '.join(sorted(chosen))}) publish a run recipe and none of "
