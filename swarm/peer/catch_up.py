@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from swarm.peer.state_sync import StateSyncError, sync_state
+from swarm.peer.state_sync import StateSyncError, sync_deadline, sync_state
 
 logger = logging.getLogger("swarm.peer")
 
@@ -46,13 +46,16 @@ class CatchUp:
         """Bring our state to the swarm's (state digest `digest`, held by `holders`; see sync_state); False
         (keeping our own state) if no holder could, and then no other try before the round machine allows."""
         self.rounds.set_state("syncing")
+        deadline = sync_deadline(8 * self.diloco.numel)  # params and outer momentum, fp32
         try:
-            # No overall timeout: a big model on a slow link takes long; a holder that stalls is dropped.
-            synced = self.loop.run(sync_state(self.node, holders, self.run_id, self.diloco, digest))
-        except StateSyncError as e:
-            self.rounds.resync_failed(e.moved_on)
+            synced = self.loop.run(sync_state(self.node, holders, self.run_id, self.diloco, digest), deadline)
+        except (StateSyncError, TimeoutError) as e:
+            moved_on = getattr(e, "moved_on", False)
+            if isinstance(e, TimeoutError):
+                e = StateSyncError(f"the state sync took longer than its deadline ({deadline:.0f} s)")
+            self.rounds.resync_failed(moved_on)
             logger.warning("%s; continuing with my own state", e)
-            self.events.emit("sync_failed", reason=str(e), moved_on=e.moved_on)
+            self.events.emit("sync_failed", reason=str(e), moved_on=moved_on)
             return False
         how = "replay" if synced.replayed is not None else "download"
         self.metrics.resyncs.labels(how=how).inc()

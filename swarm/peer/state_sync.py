@@ -13,9 +13,9 @@ from swarm.peer.diloco import DiLoCo
 from swarm.peer.state_download import RANGE_BYTES, Downloaded, download_state
 from swarm.peer.state_replay import Replayed, replay_steps
 from swarm.peer.state_serve import serve_state
-from swarm.peer.state_wire import STALL_SECONDS, StateSyncError
+from swarm.peer.state_wire import STALL_SECONDS, StateSyncError, sync_deadline
 
-__all__ = ["Downloaded", "Replayed", "StateSyncError", "Synced", "serve_state", "sync_state"]
+__all__ = ["Downloaded", "Replayed", "StateSyncError", "Synced", "serve_state", "sync_deadline", "sync_state"]
 
 
 @dataclass

@@ -18,6 +18,8 @@ logger = logging.getLogger(__name__)
 FRAME_BYTES = 1 << 20  # bytes per frame within a range or a step
 REQUESTS_PER_HOLDER = 2  # in flight, so a holder's link does not idle between two ranges
 STALL_SECONDS = 60.0  # a holder that sends nothing for this long is dropped (slow links are fine, silent ones not)
+MIN_BYTES_PER_S = 32_000  # a holder slower than this over a whole range or step is dropped (256 kbit/s: a holder
+# dribbling a byte just under the stall would otherwise hold a range, and the training thread, forever)
 MAX_REPLAY_STEPS = 64  # outer steps a holder lists at most in one answer
 
 
@@ -58,14 +60,22 @@ async def send_bytes(writer: asyncio.StreamWriter, data: bytes | memoryview) -> 
 
 
 async def receive_bytes(reader: asyncio.StreamReader, size: int, stall: float, what: str) -> bytearray:
-    """`size` bytes sent as frames; ValueError if the frames add up to anything else."""
+    """`size` bytes sent as frames, each within `stall` seconds and all of them at MIN_BYTES_PER_S at least;
+    ValueError if the frames add up to anything else, TimeoutError if the holder is too slow."""
     data = bytearray()
-    while len(data) < size:
-        frame = await asyncio.wait_for(recv_frame(reader, FRAME_BYTES), stall)
-        if not frame or len(data) + len(frame) > size:
-            raise ValueError(f"{what} of the wrong length")
-        data += frame
+    async with asyncio.timeout(stall + size / MIN_BYTES_PER_S):
+        while len(data) < size:
+            frame = await asyncio.wait_for(recv_frame(reader, FRAME_BYTES), stall)
+            if not frame or len(data) + len(frame) > size:
+                raise ValueError(f"{what} of the wrong length")
+            data += frame
     return data
+
+
+def sync_deadline(state_bytes: int) -> float:
+    """Seconds a whole sync (a replay, then a download) may take: the state at MIN_BYTES_PER_S, twice, plus the
+    stalls. Past it the peer trains on with its own state and tries again later."""
+    return 2 * (STALL_SECONDS + state_bytes / MIN_BYTES_PER_S)
 
 
 async def spread(sources: list[str], keys: list, fetch, what: str) -> tuple[dict, Counter, int]:
