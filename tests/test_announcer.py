@@ -55,6 +55,19 @@ def test_swarm_reference_reads_by_name_and_by_index():
     assert (swarm_round, digest, holders) == (5, "x", ["a"]) and reference[0] == 5
 
 
+def test_the_reference_needs_the_quorum_of_the_last_group_we_averaged_in():
+    view = [record(p, round_no=4, digest="d") for p in "abc"] + [record("liar", round_no=5, digest="evil")]
+    reader = announcer(view)
+    assert reader.swarm_reference() == (4, "d", ["a", "b", "c"]), "one record does not move a joiner"
+    reader.last_group_size = 6
+    assert reader.swarm_reference() == (4, "d", ["a", "b", "c"]), "the liar's record does not raise the bar"
+    reader.view = [record(p, round_no=4, digest="d") for p in "abcd"] + [record(p, round_no=5, digest="evil")
+                                                                          for p in ("c2", "liar")]
+    assert reader.swarm_reference() == (4, "d", list("abcd")), "two of a group of six cannot move it"
+    reader.last_group_size = 2
+    assert reader.swarm_reference() == (5, "evil", ["c2", "liar"]), "two distinct peers: a group of two's majority"
+
+
 def test_attempts_count_our_own_announced_attempt():
     """Peers that failed together retry together at the highest attempt any of them announced, ours included."""
     assert sorted(announcer([record("a", attempt=1), record("me", attempt=4)]).attempts(3)) == [1, 4]

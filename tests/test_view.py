@@ -141,3 +141,33 @@ def test_attempts_of_a_round_come_from_its_training_peers_however_old():
 def test_at_round_counts_training_peers_of_that_round():
     records = [record("a"), record("b", "averaging"), record("c", "syncing"), record("d", round_no=4)]
     assert ids(view.at_round(records, 3)) == {"a", "b"}
+
+
+def test_one_record_claiming_a_newer_state_does_not_move_the_reference():
+    """A forged reference (round + 1, a digest of its author's making) leads nobody anywhere: a state is followed
+    only once a quorum of distinct live peers announce it."""
+    def at(peer_id, round_no, digest, client=False):
+        return record(peer_id, "training", round_no, digest=digest, client=client)
+
+    honest = [at("a", 7, "good"), at("b", 7, "good"), at("c", 7, "good")]
+    forged = honest + [at("liar", 8, "evil")]
+    assert view.reference(forged, NOW, quorum=2) == (7, "good", ["a", "b", "c"])
+    assert view.reference(forged, NOW, quorum=1) == (8, "evil", ["liar"]), "without the quorum, as before"
+    moved_on = honest[:1] + [at("b", 8, "next"), at("c", 8, "next"), at("liar", 8, "evil")]
+    assert view.reference(moved_on, NOW, quorum=2) == (8, "next", ["b", "c"]), "two honest peers moved on"
+    assert view.reference([at("a", 8, "x", client=True), at("b", 8, "x")], NOW, quorum=2) == (8, "x", ["b"]), \
+        "a client vouches for a state though it serves none"
+    assert view.reference(honest, NOW, quorum=4) == (0, "", []), "no round with the quorum: nothing to follow"
+
+
+def test_the_quorum_is_a_majority_of_the_last_group_at_least_two_and_at_most_what_vouches_for_a_state():
+    assert view.quorum(last_group_size=0, most_vouched=5) == 2, "a joiner: two distinct peers, never one"
+    assert view.quorum(last_group_size=3, most_vouched=5) == 2
+    assert view.quorum(last_group_size=6, most_vouched=5) == 4, "two of six cannot move a group of six"
+    assert view.quorum(last_group_size=6, most_vouched=3) == 3, "peers left: those there are"
+    assert view.quorum(last_group_size=2, most_vouched=1) == 1, "a swarm of two follows its other peer"
+    assert view.quorum(last_group_size=0, most_vouched=0) == 1
+    records = [record(p, round_no=4, digest="d") for p in "abc"] + [record("e", round_no=5, digest="n"),
+                                                                      record("old", round_no=4, digest="d",
+                                                                             updated=NOW - FRESH_SECONDS - 1)]
+    assert view.most_vouched(records, NOW) == 3, "distinct live peers behind one (round, digest)"

@@ -125,15 +125,34 @@ def majority_digest(records: Records) -> str:
     return min(counts, key=lambda digest: (-counts[digest], digest), default="")
 
 
-def reference(records: Records, now: float) -> Reference:
-    """The swarm's round, digest and holders among the live training peers that announce a digest. A peer whose
-    heartbeat stopped (its record lingers until it expires) is not live: it can serve nothing. A client peer (it
-    accepts no streams) counts toward the majority but is no holder to ask."""
-    top, at_top = top_round([p for p in live(records, now) if p.digest])
-    if not at_top:
-        return Reference(0, "", [])
-    digest = majority_digest(at_top)
-    return Reference(top, digest, [p.peer_id for p in at_top if p.digest == digest and not p.client])
+def reference(records: Records, now: float, quorum: int = 1) -> Reference:
+    """The swarm's round, digest and holders among the live training peers that announce a digest: the highest
+    round whose majority digest at least `quorum` distinct peers announce (see `quorum`), so that one record
+    claiming a newer round with a state of its author's making leads nobody anywhere. A peer whose heartbeat
+    stopped (its record lingers until it expires) is not live: it can serve nothing. A client peer (it accepts no
+    streams) vouches for a state but is no holder to ask. (0, "", []) when no round has the quorum."""
+    announced = [p for p in live(records, now) if p.digest]
+    for round_no in sorted({p.round for p in announced}, reverse=True):
+        at_round = [p for p in announced if p.round == round_no]
+        digest = majority_digest(at_round)
+        vouching = [p for p in at_round if p.digest == digest]
+        if len({p.peer_id for p in vouching}) >= quorum:
+            return Reference(round_no, digest, [p.peer_id for p in vouching if not p.client])
+    return Reference(0, "", [])
+
+
+def most_vouched(records: Records, now: float) -> int:
+    """The most distinct live peers that announce one and the same state (round and digest)."""
+    counts = Counter((p.round, p.digest) for p in {p.peer_id: p for p in live(records, now) if p.digest}.values())
+    return max(counts.values(), default=0)
+
+
+def quorum(last_group_size: int, most_vouched: int) -> int:
+    """How many distinct live peers must announce a state before this peer follows it: a majority of the last
+    group it averaged in, and at least two, so that no single participant can move the swarm's reference; but
+    never more than vouch for any one state now (`most_vouched`): peers leave, and records an attacker adds must
+    not raise the bar past what the honest peers left can meet. A swarm of two follows its other peer."""
+    return max(1, min(most_vouched, max(2, last_group_size // 2 + 1)))
 
 
 def block_throughputs(records: Records, n_blocks: int) -> list[float]:

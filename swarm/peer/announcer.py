@@ -27,6 +27,7 @@ class Announcer:
         self.node, self.key, self.n_blocks, self.record, self.metrics = node, peers_key(run_id), n_blocks, \
             record, metrics
         self.view: list[PeerRecord] = []
+        self.last_group_size = 0  # members of the last group we averaged in (0: none yet)
 
     async def refresh(self) -> None:
         await self.node.store(self.key, self.record().to_wire(), ttl=RECORD_TTL, subkey=self.node.owned_subkey)
@@ -98,7 +99,10 @@ class Announcer:
         return view.live(self.others(), self._now(now), states)
 
     def swarm_reference(self) -> Reference:
-        return view.reference(self.others(), self.node.now())
+        """The state to follow, vouched for by a quorum of live peers (view.quorum of `last_group_size`, the size
+        of the last group we averaged in, which the peer sets)."""
+        others, now = self.others(), self.node.now()
+        return view.reference(others, now, view.quorum(self.last_group_size, view.most_vouched(others, now)))
 
     def others_still_in(self, round_no: int, failed: set[str], min_group_size: int, target_group_size: int) -> bool:
         return view.others_still_in(self.others(), round_no, self.node.now(), failed, min_group_size,

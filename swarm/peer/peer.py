@@ -23,9 +23,10 @@ from swarm.averaging.faults import FaultPlan
 from swarm.averaging.matchmaking import GroupPush
 from swarm.compression import ErrorFeedback
 from swarm.config import PeerSettings, RecipeError, load_recipe, local_files
-from swarm.dht.node import NetworkOptions, SwarmNode
+from swarm.dht.node import SwarmNode
 from swarm.dht.recipes import fetch_recipe
 from swarm.dht.records import PeerRecord
+from swarm.doctor import join_checked
 from swarm.events import EventLog
 from swarm.monitoring.metrics import PeerMetrics
 from swarm.monitoring.progress import ProgressLine
@@ -80,8 +81,9 @@ class Peer:
         self._initial_state()
 
     def _join_network(self) -> None:
-        s = self.settings
-        self.node = SwarmNode(s.initial_peers, NetworkOptions(**s.network.model_dump()))
+        # What `swarm-peer doctor` checks, around the node's start; a peer the swarm cannot dial comes back in client
+        # mode, and its settings say so from here on.
+        self.node, self.settings = join_checked(self.settings, self.loop, self.events)
         logger.info("joined the DHT as %s", self.node.peer_id)
         self.events.emit("joined", peer_id=self.node.peer_id)
         if self.node.direct is not None:
@@ -356,6 +358,7 @@ class Peer:
         self.diloco.outer_step(average, int(round(tokens)), result.wire, log=not group.mix)
         round_seconds = self.rounds.landed(averaged)  # right after the step, so no record counts tokens twice
         self.last_group_size = max(result.group_size, group.swarm_size)
+        self.announcer.last_group_size = result.group_size  # its majority must vouch for any state we follow
         self.link.update(result.bytes_sent, result.bytes_received, result.seconds)
         self.val_loss = validation_loss(self.model, self.eval_batches, self.device)  # of the new global params
         if progress_since is not None:
