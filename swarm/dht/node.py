@@ -20,12 +20,14 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from swarm.dht.direct import HELLO_PROTOCOL, DirectStreams, listen_hosts
 from swarm.dht.frames import FRAME_HEADER, MAX_FRAME_BYTES, recv_frame, send_frame  # noqa: F401 - re-exported
+from swarm.dht.lifeline import LinkedDHT, identity_held_here
 from swarm.dht.records import RECIPE_KEY, RECIPE_RULE
 from swarm.dht.validation import Identity, IdentityError, KeyRule, SwarmValidator, make_validators
 
 logger = logging.getLogger(__name__)
 
 REJOIN_SECONDS = 5.0  # how often a node checks that its initial peers are still in its routing table
+HOLDER_EXIT_SECONDS = 3.0  # how long a start waits for a crashed peer's p2pd holding our identity to exit
 
 
 class NodeError(RuntimeError):
@@ -83,13 +85,22 @@ class SwarmNode:
         kwargs["identity_path"] = self.identity.path
         if self.identity.ephemeral:
             kwargs["check_if_identity_free"] = False  # a key made a moment ago is free; the check costs a p2pd start
+        else:
+            holder = identity_held_here(self.identity.path, wait=HOLDER_EXIT_SECONDS)
+            if holder:
+                raise NodeError(f"identity {self.identity.path} is in use on this machine by {holder}, or give this "
+                                "peer another --identity-path")
         try:
-            self.dht = hivemind.DHT(initial_peers=list(initial_peers), start=True,
-                                    await_ready=True, startup_timeout=startup_timeout,
-                                    record_validators=make_validators(self.identity, {RECIPE_KEY: RECIPE_RULE}),
-                                    **kwargs)
+            self.dht = LinkedDHT(initial_peers=list(initial_peers), start=True,
+                                 await_ready=True, startup_timeout=startup_timeout,
+                                 record_validators=make_validators(self.identity, {RECIPE_KEY: RECIPE_RULE}),
+                                 **kwargs)
         except Exception as e:  # noqa: BLE001 - hivemind raises many types for "could not start / reach"
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            if "is already taken by another peer" in reason:  # hivemind dialled our peer id and someone answered
+                raise NodeError(f"identity {self.identity.path} is in use by another peer of the swarm, not by a "
+                                "process on this machine: a copy of this key runs elsewhere; give this peer its own "
+                                "--identity-path (a missing file is created)") from None
             raise NodeError(f"could not start the DHT node or reach {', '.join(initial_peers) or 'the swarm'}: "
                             f"{reason}") from None
         finally:
