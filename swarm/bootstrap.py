@@ -10,7 +10,9 @@ import threading
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 
+from swarm import __version__
 from swarm.config import BootstrapSettings, Recipe, load_recipe
+from swarm.dht.dialback import serve_dialback
 from swarm.dht.node import NetworkOptions, NodeError, SwarmNode
 from swarm.dht.recipes import publish_recipe
 from swarm.events import EventLog
@@ -43,6 +45,7 @@ def run_bootstrap(settings: BootstrapSettings) -> int:
     server = None
     try:
         loop.run(publish_recipe(node, recipe, RECIPE_TTL), timeout=30)
+        loop.run(serve_dialback(node, __version__), timeout=30)  # peers learn whether the swarm can dial them
         view = SwarmMonitor(StatusBoard(recipe.run_id, recipe.digest(), node.peer_id))
         if metrics.port is not None:
             try:
