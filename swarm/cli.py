@@ -14,6 +14,8 @@ from swarm.config import BootstrapSettings, PeerSettings, RecipeError
 from swarm.settings_cli import FlagError, add_flags, settings_from_args
 
 logger = logging.getLogger("swarm")
+# join's flags that change nothing doctor checks: how long it trains, what it traces, where its data stream starts.
+DOCTOR_SKIPS = ("num_threads", "max_rounds", "until_round", "data_shard", "trace_dir", "events_file", "inject_fault")
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -44,6 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Join the swarm behind --initial-peers, fetch its recipe, sync the model "
                                       "and train with DiLoCo until stopped (Ctrl-C stops cleanly).")
     add_flags(join, PeerSettings)
+
+    doctor = sub.add_parser("doctor", help="check what joining needs and say what to fix",
+                            description="Check, one line each with the cause and the fix: the bootstrap (name "
+                                        "resolution, TCP, libp2p handshake, version, run), whether the swarm can "
+                                        "dial this peer's addresses back, the clock, the identity, ports, disk and "
+                                        "memory. Exits 1 if there is a problem. Give the flags you give join.")
+    add_flags(doctor, PeerSettings, exclude=DOCTOR_SKIPS)
+    doctor.add_argument("--json", action="store_true", help="print one JSON document for scripts")
 
     status = sub.add_parser("status", help="print the swarm's peers and totals",
                             description="Read the swarm's announcements from the DHT and print each peer (state, "
@@ -84,6 +94,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _join(args)
         if args.command == "status":
             return _status(args)
+        if args.command == "doctor":
+            return _doctor(args)
         if args.command == "demo":
             from swarm.demo import run_demo
 
@@ -122,6 +134,22 @@ def _join(args: argparse.Namespace) -> int:
         return 1
     finally:
         peer.shutdown()
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    settings = settings_from_args(PeerSettings, args)
+    if not args.verbose:  # its report is the check lines: the node's own progress would only bury them
+        logging.getLogger().setLevel(logging.WARNING)
+    if args.json:  # stdout is the JSON document alone
+        logging.getLogger().handlers[0].setStream(sys.stderr)
+    from swarm.doctor import diagnose
+
+    checks = diagnose(settings)
+    if args.json:
+        print(json.dumps({"ok": all(c.ok for c in checks), "checks": [c.to_json() for c in checks]}, indent=1))
+    else:
+        print("\n".join(check.line() for check in checks))
+    return 0 if all(check.ok for check in checks) else 1
 
 
 def _status(args: argparse.Namespace) -> int:

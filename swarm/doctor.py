@@ -1,0 +1,449 @@
+"""What `swarm-peer doctor` checks, and `join` at start-up: the bootstrap step by step, whether the swarm can dial
+this peer back, the clock, the identity, ports, disk and memory. Each check returns a `Check` whose one-line message
+says the cause and the fix; `diagnose` runs them all, `join_checked` is join's part of them around its node's start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import socket
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from swarm import __version__
+from swarm.config import PeerSettings, Recipe, RecipeError, load_recipe
+from swarm.dht.dialback import DialBack, DialBackError, dial_back, reachable, serve_dialback, tcp_target
+from swarm.dht.direct import listen_hosts
+from swarm.dht.lifeline import describe_holder, identity_holders
+from swarm.dht.node import NetworkOptions, NodeError, SwarmNode
+from swarm.dht.recipes import fetch_recipe
+from swarm.dht.validation import Identity, IdentityError
+from swarm.dht.view import FRESH_SECONDS
+from swarm.events import EventLog
+from swarm.runtime import LoopThread
+
+logger = logging.getLogger("swarm.doctor")
+
+PROBE_SECONDS = 3.0  # per step of reaching the bootstrap
+RECIPE_SECONDS = 10.0
+# A record older than FRESH_SECONDS reads as a stopped heartbeat: a clock off by half of it already costs peers.
+CLOCK_TOLERANCE = FRESH_SECONDS / 2
+MULTISTREAM = b"\x13/multistream/1.0.0\n"  # what a libp2p listener sends first on every new connection
+
+
+@dataclass(frozen=True)
+class Check:
+    """One check's verdict. `message` is one line: on a problem, its cause and its fix."""
+
+    name: str
+    ok: bool
+    message: str
+    details: dict = field(default_factory=dict)
+    fatal: bool = False  # a peer cannot run with this problem: join stops with the message
+
+    def line(self) -> str:
+        return f"{'ok' if self.ok else 'PROBLEM':7} {self.name}: {self.message}"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+# ---- this machine ---------------------------------------------------------------------------------------------
+def fixed_ports(settings: PeerSettings) -> list[tuple[str, str, int]]:
+    """(flag, host, port) of each fixed port (not 0) the settings make a peer listen on."""
+    net = settings.network
+    ports = [("--host-maddrs", *target) for target in map(tcp_target, net.host_maddrs) if target is not None]
+    if net.direct_streams and net.direct_port and not net.client_mode:  # DirectStreams binds these hosts
+        ports += [("--direct-port", host, net.direct_port) for host in listen_hosts(net.host_maddrs) or ["127.0.0.1"]]
+    if settings.metrics.port:
+        ports.append(("--metrics-port", settings.metrics.host, settings.metrics.port))
+    return ports
+
+
+def port_taken(host: str, port: int) -> Optional[str]:
+    """Why nothing can listen on host:port (e.g. 'Address already in use'), or None if something can."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as our servers bind: TIME_WAIT does not count
+        try:
+            sock.bind((host, port))
+            sock.listen()
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
+
+
+def check_ports(ports: Sequence[tuple[str, str, int]],
+                taken: Callable[[str, int], Optional[str]] = port_taken) -> Check:
+    if not ports:
+        return Check("ports", True, "none fixed (free ones are picked at start)")
+    problems = [(flag, host, port, why) for flag, host, port in ports if (why := taken(host, port))]
+    if not problems:
+        return Check("ports", True, "free: " + ", ".join(f"{port} ({flag})" for flag, _, port in ports))
+    flag, _, port, _ = problems[0]
+    causes = "; ".join(f"{host}:{port} ({flag}): {why}" for flag, host, port, why in problems)
+    return Check("ports", False, f"cannot listen on {causes}: stop what holds it (`ss -ltnp 'sport = :{port}'` "
+                                 f"names it; another peer?) or pass another {flag}",
+                 {"taken": [dict(flag=f, host=h, port=p, error=w) for f, h, p, w in problems]}, fatal=True)
+
+
+def check_identity(path: Optional[str], holders: Callable[[str], list[int]] = identity_holders) -> Check:
+    if path is None:
+        return Check("identity", True, "none given: a new peer id each start (--identity-path FILE keeps one)")
+    if not os.path.exists(path):
+        return Check("identity", True, f"{path} does not exist yet: join creates it")
+    try:
+        peer_id = Identity.load_or_create(path).peer_id
+    except IdentityError as e:
+        return Check("identity", False, f"{e}: give --identity-path a key file hivemind wrote, or a new path (a "
+                                        "missing file is created)", fatal=True)
+    pids = holders(path)
+    if pids:
+        return Check("identity", False, f"identity {path} is in use on this machine by {describe_holder(pids[0])}, "
+                                        "or give this peer another --identity-path",
+                     {"path": path, "peer_id": peer_id, "pids": pids}, fatal=True)
+    return Check("identity", True, f"{path} ({peer_id}) is not in use here", {"path": path, "peer_id": peer_id})
+
+
+# ---- the bootstrap --------------------------------------------------------------------------------------------
+async def check_bootstrap(maddr: str, timeout: float = PROBE_SECONDS) -> Check:
+    """The steps before libp2p's secure handshake, in order: name resolution (/dns*/), TCP connect, libp2p's
+    greeting. The handshake itself (the peer id) is the node's start: see `handshake_failed`."""
+    parts = maddr.strip("/").split("/")
+
+    def failed(step: str, cause: str, fix: str) -> Check:
+        return Check("bootstrap", False, f"{maddr}: {step} failed: {cause}: {fix}", {"maddr": maddr, "step": step},
+                     fatal=True)
+
+    if len(parts) < 4 or parts[2] != "tcp" or not parts[3].isdigit():
+        return failed("address", "not a /ip4|ip6|dns/HOST/tcp/PORT/p2p/ID multiaddr",
+                      "copy the full address `swarm-peer bootstrap` printed")
+    kind, host, port = parts[0], parts[1], int(parts[3])
+    ip = host
+    if kind in ("dns", "dns4", "dns6"):
+        family = {"dns4": socket.AF_INET, "dns6": socket.AF_INET6}.get(kind, socket.AF_UNSPEC)
+        try:
+            infos = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(
+                host, port, family=family, type=socket.SOCK_STREAM), timeout)
+            ip = infos[0][4][0]
+        except (OSError, asyncio.TimeoutError, IndexError) as e:
+            return failed("name resolution", f"{host} does not resolve ({e or 'timeout'})",
+                          f"check the name and this machine's DNS (`getent hosts {host}`)")
+    elif kind not in ("ip4", "ip6"):
+        return failed("address", f"/{kind}/ addresses are not supported", "use /ip4/, /ip6/ or /dns/")
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(ip, port), timeout)
+    except ConnectionRefusedError:
+        return failed("TCP connect", f"{ip}:{port} refused: nothing listens there",
+                      "check that the bootstrap runs and that this is the port it printed")
+    except asyncio.TimeoutError:
+        return failed("TCP connect", f"no answer from {ip}:{port} within {timeout:.0f} s (host down, or a firewall "
+                                     "drops it)", f"check the host is up and port {port}/tcp is open on the way")
+    except OSError as e:
+        return failed("TCP connect", f"{ip}:{port}: {e.strerror or e}", "check this machine's network")
+    try:
+        greeting = await asyncio.wait_for(reader.readexactly(len(MULTISTREAM)), timeout)
+    except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError):
+        greeting = b""
+    finally:
+        writer.close()
+    if greeting != MULTISTREAM:
+        return failed("libp2p greeting", f"{ip}:{port} accepts TCP but does not speak libp2p",
+                      "that port belongs to another program: use the address the bootstrap printed")
+    return Check("bootstrap", True, f"{maddr} resolves, accepts TCP and speaks libp2p", {"maddr": maddr, "ip": ip})
+
+
+def handshake_failed(maddrs: Sequence[str], reason: str) -> Check:
+    """The node could not join though the bootstrap's port speaks libp2p: the secure handshake (peer id) failed."""
+    return Check("handshake", False, f"the secure handshake with {', '.join(maddrs)} failed ({reason}): the peer "
+                                     "there is not the /p2p/ id in the address (a bootstrap restarted without "
+                                     "--identity-path gets a new one): copy the address it prints now",
+                 {"reason": reason}, fatal=True)
+
+
+def check_version(theirs: str, server: str, ours: str = __version__) -> Optional[Check]:
+    """Our package version against what the swarm published (None if it published none: nothing to say)."""
+    if not theirs:
+        return None
+    if theirs.split(".")[:2] == ours.split(".")[:2]:
+        return Check("version", True, f"swarm-peer {ours}, the swarm's {theirs}", {"ours": ours, "theirs": theirs})
+    return Check("version", False, f"this is swarm-peer {ours} but peer {server} runs {theirs}: peers of other "
+                                   f"versions may refuse each other's messages; install {theirs} (`pip install "
+                                   f"swarm-peer=={theirs}`)", {"ours": ours, "theirs": theirs})
+
+
+def check_run(local: Recipe, swarm: Recipe, path: str) -> Check:
+    if local.digest() == swarm.digest():
+        return Check("run", True, f"{path} is the swarm's recipe ({swarm.run_id}, {swarm.digest()[:12]})")
+    differ = local.differing_fields(swarm)
+    return Check("run", False, f"the swarm trains another run ({swarm.run_id}, recipe {swarm.digest()[:12]}) than "
+                               f"{path} ({local.run_id}, {local.digest()[:12]}), differing in {', '.join(differ)}: "
+                               "pass the bootstrap of your recipe's run, or drop --recipe to follow this swarm",
+                 {"differing": differ, "swarm": swarm.digest(), "local": local.digest()}, fatal=True)
+
+
+# ---- the swarm's view of us -------------------------------------------------------------------------------------
+def check_reachability(answer: DialBack | DialBackError, libp2p: Sequence[str], direct: Sequence[str],
+                       nat_traversal: bool = False) -> Check:
+    if isinstance(answer, DialBackError):
+        return Check("reachability", False, f"not checked: {answer}: ask another peer (pass it first in "
+                                            "--initial-peers), or run with --client-mode if unsure",
+                     {"error": str(answer)})
+    details = {"outcomes": answer.outcomes, "observed": list(answer.observed), "server": answer.server}
+    verdict = reachable(answer, libp2p)
+    tried = "; ".join(f"{m} {answer.outcomes.get(m, '?')}" for m in libp2p)
+    if verdict is None:
+        return Check("reachability", False, f"not known: peer {answer.server} saw this peer at "
+                                            f"{', '.join(answer.observed)} and could dial none of {tried}: announce "
+                                            "the address the swarm sees (--announce-maddrs)", details)
+    if verdict is False:
+        fix = ("join relies on relays (--nat-traversal), which carry less; for direct connections" if nat_traversal
+               else "join switches to client mode; to serve others too,")
+        port = tcp_target(libp2p[0])[1] if libp2p and tcp_target(libp2p[0]) else "PORT"
+        return Check("reachability", False, f"the swarm cannot dial this peer ({tried}): {fix} forward TCP port "
+                                            f"{port} to this machine and announce its public address "
+                                            f"(--announce-maddrs /ip4/PUBLIC_IP/tcp/{port})",
+                     {**details, "reachable": False})
+    closed = [m for m in direct if m not in answer.opened(direct)]
+    if closed:
+        return Check("reachability", False, f"libp2p is reachable but the direct-stream port is not ("
+                                            f"{'; '.join(f'{m} {answer.outcomes.get(m)}' for m in closed)}): bulk "
+                                            "data goes through libp2p (slower); fix --direct-port and forward it",
+                     {**details, "reachable": True})
+    return Check("reachability", True, f"peer {answer.server[-8:]} dialled back {', '.join(answer.opened(libp2p))}",
+                 {**details, "reachable": True})
+
+
+def check_clock(offset: float, server: str, tolerance: float = CLOCK_TOLERANCE) -> Check:
+    """`offset`: the swarm's clock minus ours, seconds."""
+    details = {"offset_s": round(offset, 3), "server": server}
+    if abs(offset) <= tolerance:
+        return Check("clock", True, f"{offset:+.2f} s from peer {server[-8:]}", details)
+    side = "behind" if offset > 0 else "ahead of"
+    return Check("clock", False, f"this machine's clock is {abs(offset):.1f} s {side} peer {server}'s: peers read "
+                                 "its announcements as stale or from the future; sync it (`sudo timedatectl "
+                                 "set-ntp true`, or an NTP client)", details)
+
+
+# ---- disk and memory --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Needs:
+    """What a peer of a recipe needs, in bytes (estimates)."""
+
+    params: int
+    checkpoint: int  # one checkpoint: global params and outer momentum (+ error feedback), fp32
+    host: int  # the CPU's share: global state, replay log, all-reduce buffers (+ training on a CPU device)
+    device: int  # training on a GPU: weights, gradients, AdamW moments, activations
+
+
+def estimate_needs(recipe: Recipe, device: str, replay_log_mb: Optional[float]) -> Needs:
+    """Counts the model's parameters on the meta device (nothing allocated). Raises RecipeError for a model the
+    recipe cannot build."""
+    import torch
+
+    from swarm.peer.model import build_model
+
+    with torch.device("meta"):
+        n = sum(p.numel() for p in build_model(recipe.model, recipe.data.vocab_size).parameters())
+    d, m = recipe.data, recipe.model
+    activations = 4 * d.batch_size * d.seq_len * (m.num_layers * (34 * m.hidden_size + 5 * m.num_heads * d.seq_len)
+                                                  + 3 * d.vocab_size)
+    training = 16 * n + activations  # fp32 weights and gradients, AdamW's two moments
+    replay = 8 * n if replay_log_mb is None else int(replay_log_mb * 1e6)
+    host = 8 * n + replay + 12 * n + (training if device == "cpu" else 0)
+    return Needs(n, 12 * n, host, training if device != "cpu" else 0)
+
+
+def _fmt(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def free_disk(directory: str) -> int:
+    """Free bytes on the file system `directory` would be on (its nearest existing parent's)."""
+    path = Path(directory).expanduser().absolute()
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def check_disk(directory: Optional[str], checkpoint: int, keep: int, free: Optional[int] = None) -> Check:
+    if directory is None:
+        return Check("disk", True, "no --checkpoint-dir: this peer writes no checkpoints")
+    free = free_disk(directory) if free is None else free
+    need = checkpoint * (keep + 1)  # a new checkpoint is written before the oldest is removed
+    details = {"directory": directory, "free": free, "need": need, "checkpoint": checkpoint}
+    if free >= need:
+        return Check("disk", True, f"{_fmt(free)} free for checkpoints of {_fmt(checkpoint)}", details)
+    return Check("disk", False, f"{_fmt(free)} free in {directory} but {keep} checkpoints and the one being written "
+                                f"need {_fmt(need)}: free space there, pass a --checkpoint-dir on a larger disk, or "
+                                "lower --keep-checkpoints", details)
+
+
+def available_memory() -> Optional[int]:
+    """Bytes of memory available to new processes (MemAvailable), None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def device_memory(device: str) -> Optional[tuple[str, int]]:
+    """(name, free bytes) of the CUDA device, None for the CPU."""
+    if device == "cpu":
+        return None
+    import torch
+
+    return torch.cuda.get_device_name(), torch.cuda.mem_get_info()[0]
+
+
+def check_memory(need: int, free: Optional[int], replay: Optional[float]) -> Check:
+    if free is None:
+        return Check("memory", True, f"about {_fmt(need)} needed; this system does not say how much is free")
+    details = {"need": need, "free": free}
+    if free >= need:
+        return Check("memory", True, f"{_fmt(free)} available, about {_fmt(need)} needed", details)
+    log = f"--replay-log-mb {replay:g}" if replay is not None else "--replay-log-mb, one state's size by default"
+    return Check("memory", False, f"{_fmt(free)} of memory available but this peer needs about {_fmt(need)}: close "
+                                  f"other programs, or lower {log}", details)
+
+
+def check_device_memory(name: str, need: int, free: int) -> Check:
+    details = {"device": name, "need": need, "free": free}
+    if free >= need:
+        return Check("device memory", True, f"{name}: {_fmt(free)} free, about {_fmt(need)} needed", details)
+    return Check("device memory", False, f"{name} has {_fmt(free)} free but training this model needs about "
+                                         f"{_fmt(need)}: free the GPU (`nvidia-smi` shows who holds it), or join "
+                                         "with --device cpu", details)
+
+
+def resource_checks(recipe: Recipe, settings: PeerSettings) -> list[Check]:
+    """Disk for checkpoints, memory and device memory against what the recipe's model needs."""
+    from swarm.peer.training import pick_device
+
+    try:
+        device = pick_device(settings.device).type
+        needs = estimate_needs(recipe, device, settings.replay_log_mb)
+    except RuntimeError as e:  # --device cuda without a GPU
+        return [Check("device", False, str(e), fatal=True)]
+    except (RecipeError, OSError, ValueError) as e:
+        return [Check("resources", False, f"not estimated: the recipe's model cannot be built here ({e}): fix "
+                                          "model.config_file or --data-dir")]
+    checks = [check_disk(settings.checkpoints.dir, needs.checkpoint, settings.checkpoints.keep),
+              check_memory(needs.host, available_memory(), settings.replay_log_mb)]
+    gpu = device_memory(device)
+    if gpu is not None:
+        checks.append(check_device_memory(*gpu, needs.device))
+    return checks
+
+
+# ---- running them -----------------------------------------------------------------------------------------------
+def swarm_checks(answer: DialBack | DialBackError, libp2p: Sequence[str], direct: Sequence[str],
+                 settings: PeerSettings) -> list[Check]:
+    """Reachability, clock and version, from a dial-back answer."""
+    if settings.network.client_mode:
+        checks = [Check("reachability", True, "client mode: nobody dials this peer, nothing to check")]
+    else:
+        checks = [check_reachability(answer, libp2p, direct, settings.network.nat_traversal)]
+    if isinstance(answer, DialBack):
+        checks.append(check_clock(answer.offset, answer.server))
+        version = check_version(answer.version, answer.server)
+        checks += [version] if version is not None else []
+    return checks
+
+
+def diagnose(settings: PeerSettings) -> list[Check]:
+    """Every check, for `swarm-peer doctor`. Starts a node that listens as join's would (with a throwaway identity)
+    to be dialled back. Raises RecipeError for an unreadable --recipe file."""
+    local = load_recipe(settings.recipe_file) if settings.recipe_file else None
+    checks = [check_ports(fixed_ports(settings)), check_identity(settings.network.identity_path)]
+    swarm_recipe, node, loop = None, None, LoopThread()
+    try:
+        probes = [loop.run(check_bootstrap(m), timeout=4 * PROBE_SECONDS) for m in settings.initial_peers]
+        checks += probes
+        if any(p.ok for p in probes) and checks[0].ok:  # a port taken would fail the node, not the handshake
+            try:
+                node = _start_node(settings.model_copy(update={"network": settings.network.model_copy(
+                    update={"identity_path": None})}))
+                checks.append(Check("handshake", True, f"joined the DHT as {node.peer_id}"))
+            except NodeError as e:
+                checks.append(Check("handshake", False, str(e), fatal=True))
+        if node is not None:
+            answer, libp2p, direct = loop.run(dial_back(node, node.initial_peer_ids,
+                                                        announce=not settings.network.client_mode), timeout=60)
+            checks += swarm_checks(answer, libp2p, direct, settings)
+            try:
+                swarm_recipe = loop.run(fetch_recipe(node, RECIPE_SECONDS), timeout=2 * RECIPE_SECONDS)
+            except (RecipeError, TimeoutError) as e:
+                checks.append(Check("run", False, str(e), fatal=True))
+    finally:
+        if node is not None:
+            node.shutdown()
+        loop.close()
+    if local is not None and swarm_recipe is not None:
+        checks.append(check_run(local, swarm_recipe, settings.recipe_file))
+    if swarm_recipe or local:
+        return checks + resource_checks(swarm_recipe or local, settings)
+    return checks + [Check("resources", False, "not estimated without the swarm's recipe: pass --recipe FILE to "
+                                               "check disk and memory against it")]
+
+
+def join_checked(settings: PeerSettings, loop: LoopThread, events: EventLog) -> tuple[SwarmNode, PeerSettings]:
+    """join's start: ports and the bootstrap's TCP and libp2p before the node starts (a problem there stops join
+    with its line, as NodeError); right after it joined, the dial-back: a peer the swarm cannot dial restarts its
+    node in client mode (under --nat-traversal it relies on relays instead); then clock, version, disk and memory,
+    which only warn. Each check is logged (problems one line each) and emitted as a `check` event. Returns the node
+    and the settings it runs with (client_mode set if it switched)."""
+    passed: list[str] = []
+
+    def report(check: Check) -> Check:
+        events.emit("check", name=check.name, ok=check.ok, message=check.message)
+        if check.ok:
+            passed.append(check.name)
+        else:
+            logger.warning("%s: %s", check.name, check.message)
+        return check
+
+    ports = report(check_ports(fixed_ports(settings)))
+    if not ports.ok:
+        raise NodeError(ports.message)
+    probes = [report(loop.run(check_bootstrap(m), timeout=4 * PROBE_SECONDS)) for m in settings.initial_peers]
+    if not any(p.ok for p in probes):
+        raise NodeError(f"could not start the DHT node or reach the swarm: {probes[0].message}")
+    node = _start_node(settings)
+    client = settings.network.client_mode
+    answer, libp2p, direct = loop.run(dial_back(node, node.initial_peer_ids, announce=not client), timeout=60)
+    for check in swarm_checks(answer, libp2p, direct, settings):
+        report(check)
+    if not client and not settings.network.nat_traversal and isinstance(answer, DialBack) \
+            and reachable(answer, libp2p) is False:
+        node.shutdown()  # its message said so: from here on we open every connection ourselves
+        settings = settings.model_copy(update={"network": settings.network.model_copy(update={"client_mode": True})})
+        node = _start_node(settings)
+    if not settings.network.client_mode:
+        loop.run(serve_dialback(node, __version__), timeout=30)
+    try:
+        recipe = loop.run(fetch_recipe(node, RECIPE_SECONDS), timeout=2 * RECIPE_SECONDS)
+    except (RecipeError, TimeoutError):
+        recipe = None  # the peer's own read of the recipe says what is wrong
+    for check in resource_checks(recipe, settings) if recipe is not None else []:
+        report(check)
+    logger.info("checks passed: %s", ", ".join(dict.fromkeys(passed)))
+    return node, settings
+
+
+def _start_node(settings: PeerSettings) -> SwarmNode:
+    """The node, or NodeError; when it cannot reach a bootstrap that speaks libp2p, the error names the handshake."""
+    try:
+        return SwarmNode(settings.initial_peers, NetworkOptions(**settings.network.model_dump()))
+    except NodeError as e:
+        if "could not start the DHT node or reach" not in str(e):
+            raise
+        raise NodeError(handshake_failed(settings.initial_peers, str(e).rsplit(": ", 1)[-1]).message) from None

@@ -1,0 +1,242 @@
+"""`swarm-peer doctor` and join's start-up checks: each failure the doctor names, its --json output, the dial-back
+(what it dials and what it refuses to), and a peer whose announced address nobody can dial: join says so, goes on in
+client mode, and the swarm still completes rounds with it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from swarm.config import PeerSettings, load_recipe
+from swarm.dht.dialback import MAX_TARGETS, DialBack, DialBackError, DialBackServer, reachable, request_dialback
+from swarm.doctor import (Check, check_clock, check_device_memory, check_identity, check_reachability, diagnose,
+                          estimate_needs)
+
+TESTS = Path(__file__).parent
+TINY = TESTS / "recipes" / "tiny.yaml"
+NOBODY = "QmZPqyPYeiCJzqKfMqCMCbgAvKwNDaBKsYYF4WERYiJr8j"  # a well-formed peer id nobody runs
+
+
+def _free_port() -> int:
+    """A port nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _dead_bootstrap() -> str:
+    return f"/ip4/127.0.0.1/tcp/{_free_port()}/p2p/{NOBODY}"
+
+
+def _by_name(checks: list[Check]) -> dict[str, Check]:
+    return {check.name: check for check in checks}
+
+
+# ---- the dial-back, in process over loopback ---------------------------------------------------------------------
+class LoopbackNode:
+    """SwarmNode's two stream calls between in-process nodes over loopback TCP: a handler sees the opener's real
+    address, as it does on a direct stream."""
+
+    nodes: dict[str, "LoopbackNode"] = {}
+
+    def __init__(self, peer_id: str):
+        self.peer_id, self.handlers, self.port = peer_id, {}, None
+        LoopbackNode.nodes[peer_id] = self
+
+    async def add_stream_handler(self, name: str, handler) -> None:
+        if self.port is None:
+            server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+            self.port = server.sockets[0].getsockname()[1]
+        self.handlers[name] = handler
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        opener, name = (await reader.readline()).decode().split()
+        await self.handlers[name](opener, reader, writer)
+        writer.close()
+
+    async def open_stream(self, peer_id: str, name: str):
+        reader, writer = await asyncio.open_connection("127.0.0.1", LoopbackNode.nodes[peer_id].port)
+        writer.write(f"{self.peer_id} {name}\n".encode())
+        return reader, writer
+
+
+def test_dial_back_reports_which_address_answered_and_the_clock_offset():
+    """The server dials the requester's loopback addresses (one listens, one does not) and stamps its clock, here
+    30 s ahead of ours: the client's offset comes from the round trip's midpoint, whatever the dials took."""
+    async def scenario():
+        listener = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+        open_port, closed_port = listener.sockets[0].getsockname()[1], _free_port()
+        server = DialBackServer(LoopbackNode("server"), "9.9.9", clock=lambda: time.time() + 30.0)
+        await server.start()
+        wanted = [f"/ip4/127.0.0.1/tcp/{open_port}", f"/ip4/127.0.0.1/tcp/{closed_port}"]
+        answer = await request_dialback(LoopbackNode("client"), "server", wanted)
+        listener.close()
+        return wanted, answer
+
+    wanted, answer = asyncio.run(scenario())
+    assert answer.outcomes == {wanted[0]: "open", wanted[1]: "refused"}
+    assert answer.observed == ("127.0.0.1",) and answer.version == "9.9.9"
+    assert reachable(answer, wanted) is True and reachable(answer, wanted[1:]) is False
+    assert abs(answer.offset - 30.0) < 0.5, answer.offset
+    clock = check_clock(answer.offset, answer.server)
+    assert not clock.ok and "30.0 s behind peer server's" in clock.message and "timedatectl" in clock.message
+    assert check_clock(1.0, "server").ok
+
+
+def test_dial_back_never_dials_a_third_party_and_is_bounded():
+    """Anyone may ask, so the server dials only the IP the request came from: other IPs and names are refused
+    unasked, as are addresses past MAX_TARGETS; a requester past its burst is told to wait."""
+    dialled = []
+
+    async def connect(host: str, port: int, timeout: float) -> str:
+        dialled.append((host, port))
+        return "open"
+
+    server = DialBackServer(LoopbackNode("guarded"), "0", connect=connect)
+    own = [f"/ip4/203.0.113.7/tcp/{4000 + i}" for i in range(MAX_TARGETS)]
+    others = ["/ip4/198.51.100.1/tcp/22", "/ip4/127.0.0.1/tcp/6379", "/dns4/example.org/tcp/80"]
+    answer = asyncio.run(server.answer({"maddrs": others + own}, ["203.0.113.7"]))
+    assert all(answer["outcomes"][m].startswith("not dialled") for m in others), answer
+    assert dialled == [("203.0.113.7", 4000 + i) for i in range(MAX_TARGETS - len(others))]
+    assert answer["outcomes"][own[-1]].startswith("not dialled: over")
+    assert "malformed" in asyncio.run(server.answer({"maddrs": "x"}, ["203.0.113.7"]))["error"]
+    errors = [asyncio.run(server.answer({"maddrs": []}, ["192.0.2.9"])).get("error") for _ in range(8)]
+    assert errors[:6] == [None] * 6 and "rate limited" in errors[6], errors
+
+
+def test_reachability_verdicts_say_what_join_does():
+    libp2p = ["/ip4/192.168.1.5/tcp/31337"]
+    behind_nat = DialBack("boot", {libp2p[0]: "not dialled: not the IP this request came from"}, ("93.184.216.34",),
+                          0.0, 0.01, "0.2.0")
+    assert reachable(behind_nat, libp2p) is False, "private address announced, seen from a public one"
+    switch = check_reachability(behind_nat, libp2p, [])
+    assert not switch.ok and "join switches to client mode" in switch.message and "31337" in switch.message
+    relays = check_reachability(behind_nat, libp2p, [], nat_traversal=True)
+    assert "relies on relays" in relays.message
+    unknown = DialBack("boot", {libp2p[0]: "not dialled: not the IP this request came from"}, ("192.168.9.9",),
+                       0.0, 0.01, "0.2.0")
+    assert reachable(unknown, libp2p) is None and "not known" in check_reachability(unknown, libp2p, []).message
+    old = check_reachability(DialBackError("peer boot does not answer dial-back requests"), libp2p, [])
+    assert not old.ok and old.message.startswith("not checked")
+
+
+# ---- this machine -----------------------------------------------------------------------------------------------
+def test_device_memory_against_the_model():
+    """The model's size comes from the recipe on the meta device, and equals the real model's; a GPU with less free
+    memory than training it needs is a problem with its fix."""
+    from swarm.peer.model import build_model
+
+    recipe = load_recipe(TINY)
+    needs = estimate_needs(recipe, "cuda", replay_log_mb=None)
+    assert needs.params == sum(p.numel() for p in build_model(recipe.model, recipe.data.vocab_size).parameters())
+    assert needs.device > 16 * needs.params and needs.checkpoint == 12 * needs.params
+    short = check_device_memory("RTX Test", needs.device, free=needs.device // 2)
+    assert not short.ok and "--device cpu" in short.message and "nvidia-smi" in short.message
+    assert check_device_memory("RTX Test", needs.device, free=needs.device * 2).ok
+    on_cpu = estimate_needs(recipe, "cpu", replay_log_mb=0)
+    assert on_cpu.device == 0 and on_cpu.host == needs.host - 8 * needs.params + needs.device
+
+
+def test_nobody_listening_on_the_bootstrap_port():
+    checks = _by_name(diagnose(PeerSettings(initial_peers=(_dead_bootstrap(),))))
+    bootstrap = checks["bootstrap"]
+    assert not bootstrap.ok and bootstrap.details["step"] == "TCP connect" and bootstrap.fatal
+    assert "refused: nothing listens there: check that the bootstrap runs" in bootstrap.message
+    assert "handshake" not in checks, "no node is started against a bootstrap that is not there"
+
+
+def test_a_taken_port():
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        settings = PeerSettings(initial_peers=(_dead_bootstrap(),), network={"direct_port": port},
+                                metrics={"port": _free_port()})
+        ports = _by_name(diagnose(settings))["ports"]
+    assert not ports.ok and ports.fatal, ports
+    assert f"127.0.0.1:{port} (--direct-port)" in ports.message and "pass another --direct-port" in ports.message
+    assert [t["flag"] for t in ports.details["taken"]] == ["--direct-port"], "the free metrics port is fine"
+
+
+def test_too_little_disk_for_checkpoints(tmp_path):
+    """A 1 MB tmpfs cannot hold the tiny run's checkpoints (2 MB each, the newest 3 plus the one being written)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"mounting a tmpfs needs root with CAP_SYS_ADMIN: {mounted.stderr.strip()}")
+    try:
+        settings = PeerSettings(initial_peers=(_dead_bootstrap(),), recipe_file=str(TINY), device="cpu",
+                                checkpoints={"dir": str(mount / "ckpt")})
+        disk = _by_name(diagnose(settings))["disk"]
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+    assert not disk.ok, disk
+    assert disk.details["free"] <= 1 << 20 < disk.details["need"]
+    assert "3 checkpoints and the one being written need" in disk.message and "--checkpoint-dir" in disk.message
+
+
+def test_json_output_is_one_document_for_scripts():
+    result = subprocess.run([sys.executable, "-m", "swarm", "doctor", "--initial-peers", _dead_bootstrap(),
+                             "--device", "cpu", "--json"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert report["ok"] is False
+    checks = _by_name([Check(**check) for check in report["checks"]])
+    assert checks["bootstrap"].details["step"] == "TCP connect" and checks["ports"].ok and checks["identity"].ok
+    assert set(report["checks"][0]) == {"name", "ok", "message", "details", "fatal"}
+
+
+# ---- against a real swarm ---------------------------------------------------------------------------------------
+def test_a_bootstrap_of_a_different_run(swarm):
+    """Everything else passes, the dial-back through the real bootstrap included; only the run differs."""
+    _, maddr = swarm.bootstrap()
+    result = swarm.run("doctor", "--initial-peers", maddr, "--device", "cpu", "--recipe",
+                       str(TESTS / "recipes" / "replay.yaml"), timeout=120)
+    lines = result.stdout.splitlines()
+    assert result.returncode == 1, result.stdout + result.stderr
+    problems = [line for line in lines if line.startswith("PROBLEM")]
+    assert len(problems) == 1 and problems[0].startswith("PROBLEM run: the swarm trains another run (tiny-test"), lines
+    assert "differing in " in problems[0] and "run_id" in problems[0] and "drop --recipe" in problems[0]
+    for name in ("bootstrap", "handshake", "reachability", "clock", "version", "memory"):
+        assert any(line.startswith(f"ok      {name}: ") for line in lines), (name, lines)
+
+
+def test_an_identity_in_use_by_a_live_peer(swarm):
+    _, maddr = swarm.bootstrap()
+    identity = swarm.workdir / "peer.id"
+    peer = swarm.peer(maddr, "--identity-path", str(identity), name="holder")
+    peer.wait_event("joined", 120)
+    check = check_identity(str(identity))
+    assert not check.ok and check.fatal
+    assert "is in use on this machine by p2pd pid" in check.message and f"kill {peer.pid})" in check.message, check
+    assert check_identity(str(swarm.workdir / "other.id")).ok
+
+
+def test_a_peer_nobody_can_dial_goes_on_in_client_mode(swarm):
+    """Its announced address has nobody listening: join reports it, restarts its node in client mode by itself, and
+    the swarm (bootstrap, one ordinary peer and it) completes rounds with it."""
+    _, maddr = swarm.bootstrap()
+    rounds = 2
+    ordinary = swarm.peer(maddr, "--until-round", str(rounds), name="ordinary")
+    hidden = swarm.peer(maddr, "--until-round", str(rounds), "--announce-maddrs",
+                        f"/ip4/127.0.0.1/tcp/{_free_port()}", name="hidden")
+    for peer in (ordinary, hidden):
+        assert peer.wait(240) == 0, peer.output()[-3000:]
+    reach = hidden.events("check", name="reachability")
+    assert len(reach) == 1 and not reach[0]["ok"] and "join switches to client mode" in reach[0]["message"]
+    assert ordinary.events("check", name="reachability", ok=True), "the ordinary peer is dialled back"
+    assert hidden.events("training", client=True) and ordinary.events("training", client=False)
+    hidden_id = hidden.events("joined")[0]["peer_id"]
+    for peer in (ordinary, hidden):
+        averaged = peer.events("averaged")
+        assert [e["round"] for e in averaged] == list(range(rounds)), averaged
+        assert all(e["group_size"] == 2 and hidden_id in e["members"] for e in averaged), averaged
