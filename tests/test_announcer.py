@@ -48,11 +48,12 @@ def test_readings_are_at_the_nodes_time_unless_told():
 
 
 def test_swarm_reference_reads_by_name_and_by_index():
-    view = [record("a", round_no=5, digest="x"), record("me", round_no=6, digest="y")]
+    view = [record("a", round_no=5, digest="x"), record("b", round_no=5, digest="x"),
+            record("me", round_no=6, digest="y")]
     reference = announcer(view).swarm_reference()
-    assert reference.round == 5 and reference.digest == "x" and reference.holders == ["a"]
+    assert reference.round == 5 and reference.digest == "x" and reference.holders == ["a", "b"]
     swarm_round, digest, holders = reference
-    assert (swarm_round, digest, holders) == (5, "x", ["a"]) and reference[0] == 5
+    assert (swarm_round, digest, holders) == (5, "x", ["a", "b"]) and reference[0] == 5
 
 
 def test_the_reference_needs_the_quorum_of_the_last_group_we_averaged_in():
@@ -60,12 +61,14 @@ def test_the_reference_needs_the_quorum_of_the_last_group_we_averaged_in():
     reader = announcer(view)
     assert reader.swarm_reference() == (4, "d", ["a", "b", "c"]), "one record does not move a joiner"
     reader.last_group_size = 6
-    assert reader.swarm_reference() == (4, "d", ["a", "b", "c"]), "the liar's record does not raise the bar"
-    reader.view = [record(p, round_no=4, digest="d") for p in "abcd"] + [record(p, round_no=5, digest="evil")
-                                                                          for p in ("c2", "liar")]
-    assert reader.swarm_reference() == (4, "d", list("abcd")), "two of a group of six cannot move it"
+    assert reader.swarm_reference() == (4, "d", ["a", "b", "c"]), "the liar's record does not raise the bar past 3"
+    reader.view = [record(p, round_no=4, digest="d") for p in "abcde"] + [record(p, round_no=5, digest="evil")
+                                                                           for p in ("c2", "liar")]
+    assert reader.swarm_reference() == (4, "d", list("abcde")), "two of a group of six cannot move it"
     reader.last_group_size = 2
     assert reader.swarm_reference() == (5, "evil", ["c2", "liar"]), "two distinct peers: a group of two's majority"
+    assert announcer([record("liar", round_no=5, digest="evil")]).swarm_reference() == (0, "", []), \
+        "a peer that sees only one other never follows it: at start-up that one may be the attacker"
 
 
 def test_attempts_count_our_own_announced_attempt():

@@ -160,14 +160,14 @@ def test_one_record_claiming_a_newer_state_does_not_move_the_reference():
     assert view.reference(honest, NOW, quorum=4) == (0, "", []), "no round with the quorum: nothing to follow"
 
 
-def test_the_quorum_is_a_majority_of_the_last_group_at_least_two_and_at_most_what_vouches_for_a_state():
-    assert view.quorum(last_group_size=0, most_vouched=5) == 2, "a joiner: two distinct peers, never one"
-    assert view.quorum(last_group_size=3, most_vouched=5) == 2
-    assert view.quorum(last_group_size=6, most_vouched=5) == 4, "two of six cannot move a group of six"
-    assert view.quorum(last_group_size=6, most_vouched=3) == 3, "peers left: those there are"
-    assert view.quorum(last_group_size=2, most_vouched=1) == 1, "a swarm of two follows its other peer"
-    assert view.quorum(last_group_size=0, most_vouched=0) == 1
-    records = [record(p, round_no=4, digest="d") for p in "abc"] + [record("e", round_no=5, digest="n"),
+def test_the_quorum_is_a_majority_of_the_last_group_never_below_two():
+    assert view.quorum(last_group_size=0, vouchers=5) == 2, "a joiner: two distinct peers, never one"
+    assert view.quorum(last_group_size=3, vouchers=5) == 2
+    assert view.quorum(last_group_size=6, vouchers=7) == 4, "two of six cannot move a group of six"
+    assert view.quorum(last_group_size=6, vouchers=4) == 3, "peers left: all but one of those there are"
+    assert view.quorum(last_group_size=2, vouchers=1) == 2, "one peer alone, perhaps a liar, is never followed"
+    assert view.quorum(last_group_size=0, vouchers=0) == 2
+    records = [record(p, round_no=4, digest="d") for p in "abc"] + [record("e", round_no=5, digest=""),
                                                                       record("old", round_no=4, digest="d",
                                                                              updated=NOW - FRESH_SECONDS - 1)]
-    assert view.most_vouched(records, NOW) == 3, "distinct live peers behind one (round, digest)"
+    assert view.vouchers(records, NOW) == 3, "distinct live peers that announce a state"

@@ -141,18 +141,18 @@ def reference(records: Records, now: float, quorum: int = 1) -> Reference:
     return Reference(0, "", [])
 
 
-def most_vouched(records: Records, now: float) -> int:
-    """The most distinct live peers that announce one and the same state (round and digest)."""
-    counts = Counter((p.round, p.digest) for p in {p.peer_id: p for p in live(records, now) if p.digest}.values())
-    return max(counts.values(), default=0)
+def vouchers(records: Records, now: float) -> int:
+    """How many distinct live peers announce a state (any round, any digest)."""
+    return len({p.peer_id for p in live(records, now) if p.digest})
 
 
-def quorum(last_group_size: int, most_vouched: int) -> int:
+def quorum(last_group_size: int, vouchers: int) -> int:
     """How many distinct live peers must announce a state before this peer follows it: a majority of the last
-    group it averaged in, and at least two, so that no single participant can move the swarm's reference; but
-    never more than vouch for any one state now (`most_vouched`): peers leave, and records an attacker adds must
-    not raise the bar past what the honest peers left can meet. A swarm of two follows its other peer."""
-    return max(1, min(most_vouched, max(2, last_group_size // 2 + 1)))
+    group it averaged in, and never fewer than two, so that no single participant can move the swarm's reference
+    (nor lead a peer that sees only it at start-up). The bar is lowered to all but one of the `vouchers` there are
+    (peers leave; a liar's own record must not raise it past what the honest peers left can meet), but not below
+    two: a newcomer waits for a second peer rather than follow a lone one."""
+    return min(max(2, last_group_size // 2 + 1), max(2, vouchers - 1))
 
 
 def block_throughputs(records: Records, n_blocks: int) -> list[float]:

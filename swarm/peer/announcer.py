@@ -102,7 +102,7 @@ class Announcer:
         """The state to follow, vouched for by a quorum of live peers (view.quorum of `last_group_size`, the size
         of the last group we averaged in, which the peer sets)."""
         others, now = self.others(), self.node.now()
-        return view.reference(others, now, view.quorum(self.last_group_size, view.most_vouched(others, now)))
+        return view.reference(others, now, view.quorum(self.last_group_size, view.vouchers(others, now)))
 
     def others_still_in(self, round_no: int, failed: set[str], min_group_size: int, target_group_size: int) -> bool:
         return view.others_still_in(self.others(), round_no, self.node.now(), failed, min_group_size,

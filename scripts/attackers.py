@@ -1,0 +1,148 @@
+"""A malicious participant, for attack tests and scripts/attack_bench.py: one key, one process, following the
+protocol wherever that helps it and lying wherever it can. Each scenario is a coroutine run against a real swarm:
+
+  forged-reference   announce the swarm's round + 1 with a state of our own making (perturbed params), and serve
+                     that state to whoever asks: without a quorum, every peer re-synced to it
+  dribbling-holder   announce the swarm's current state as if we held it, and answer every state request with the
+                     right header and then one byte every half second, never silent for a whole stall
+
+Run as a process: python scripts/attackers.py --initial-peers MADDR --scenario NAME --cache-dir DIR [--events-file F]
+It writes `ready` once it can attack and `attacking` events (scenario, round, digest) to --events-file while it
+lies, and stops after --seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import torch
+
+from swarm import __version__
+from swarm.dht import view
+from swarm.dht.frames import recv_frame, send_frame
+from swarm.dht.node import NetworkOptions, SwarmNode
+from swarm.dht.recipes import fetch_recipe
+from swarm.dht.records import PeerRecord, parse_peer_records, peers_key
+from swarm.events import EventLog
+from swarm.peer.data import prepare_run_data
+from swarm.peer.diloco import DiLoCo
+from swarm.peer.model import build_model
+from swarm.peer.state_serve import StateServer
+from swarm.peer.state_wire import protocol
+from swarm.runtime import LoopThread
+
+logger = logging.getLogger("attacker")
+SCENARIOS = ("forged-reference", "dribbling-holder")
+
+
+class DribblingServer(StateServer):
+    """The honest holders' header (copied from one of them), then one byte every half second: alive for any stall
+    timeout, useless to the joiner. Asked for a replay, it lists nothing, so joiners download."""
+
+    header: dict | None = None
+
+    async def handle(self, remote, reader, writer):
+        request = msgpack.unpackb(await recv_frame(reader, 1024))
+        if not isinstance(request, dict) or "replay_from" in request or self.header is None:
+            return
+        await send_frame(writer, msgpack.packb(self.header))
+        for _ in range(min(request.get("length", 0), self.header["size"])):
+            await send_frame(writer, b"\0")
+            await asyncio.sleep(0.5)
+
+
+class Attacker:
+    def __init__(self, initial_peers: list[str], scenario: str, cache_dir: str, events: EventLog):
+        self.scenario, self.events = scenario, events
+        self.loop = LoopThread()
+        self.node = SwarmNode(initial_peers, NetworkOptions(direct_streams=False))
+        self.recipe = self.loop.run(fetch_recipe(self.node, timeout=30), timeout=60)
+        r = self.recipe
+        data = prepare_run_data(r.data.source, r.data.tokenizer, r.data.vocab_size, r.data.val_fraction,
+                                r.data.seq_len, r.data.batch_size, r.data.seed, cache_dir)
+        self.diloco = DiLoCo(build_model(r.model, data.vocab_size), r.outer)
+        self.key = peers_key(r.run_id)
+        self.server = DribblingServer(self.diloco) if scenario == "dribbling-holder" else StateServer(self.diloco)
+        self.loop.run(self.node.add_stream_handler(protocol(r.run_id), self.server.handle), timeout=30)
+
+    async def swarm(self) -> list[PeerRecord]:
+        records, _ = parse_peer_records(await self.node.get(self.key))
+        return [p for p in records if p.peer_id != self.node.peer_id]
+
+    async def announce(self, round_no: int, digest: str) -> None:
+        record = PeerRecord(peer_id=self.node.peer_id, state="training", version=__version__,
+                            run_id=self.recipe.run_id, round=round_no, tokens_in_round=0, block_start=0,
+                            block_end=self.recipe.model.num_layers, digest=digest, tokens_per_s=1000.0,
+                            updated=self.node.now())
+        await self.node.store(self.key, record.to_wire(), ttl=45.0, subkey=self.node.owned_subkey)
+
+    async def header_of(self, holder: str) -> dict:
+        reader, writer = await self.node.open_stream(holder, protocol(self.recipe.run_id))
+        try:
+            await send_frame(writer, msgpack.packb({"offset": 0, "length": 0}))
+            return msgpack.unpackb(await recv_frame(reader, 1 << 16))
+        finally:
+            writer.close()
+
+    def become(self, tensors: dict[str, torch.Tensor], round_no: int) -> str:
+        self.diloco.load_state_tensors(tensors, round_no, 0)
+        return self.diloco.digest()
+
+    async def run(self, seconds: float) -> None:
+        deadline, forged_round, digest = time.monotonic() + seconds, -1, ""
+        while time.monotonic() < deadline:
+            reference = view.reference(await self.swarm(), self.node.now(), quorum=2)
+            if reference.holders and self.scenario == "forged-reference" and reference.round + 1 != forged_round:
+                # A state of our making one round ahead of the swarm's: random params, no momentum.
+                forged_round = reference.round + 1
+                tensors = {k: torch.randn_like(v) for k, v in self.diloco.state_tensors().items()
+                           if k.startswith("params.")}
+                digest = self.become(tensors, forged_round)
+            elif reference.holders and self.scenario == "dribbling-holder" and reference.digest != digest:
+                # Claim the swarm's own state with an honest holder's header: joiners count us among its holders
+                # and ask us for ranges, which never come.
+                try:
+                    self.server.header = await self.header_of(reference.holders[0])
+                    digest, forged_round = reference.digest, reference.round
+                except Exception as e:  # noqa: BLE001 - try another time
+                    logger.info("could not copy a header: %r", e)
+            if digest:
+                await self.announce(forged_round, digest)
+                self.events.emit("attacking", scenario=self.scenario, round=forged_round, digest=digest)
+            await asyncio.sleep(1.0)
+
+    def close(self) -> None:
+        self.node.shutdown()
+        self.loop.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--initial-peers", nargs="+", required=True)
+    parser.add_argument("--scenario", choices=SCENARIOS, required=True)
+    parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "swarm"))
+    parser.add_argument("--events-file")
+    parser.add_argument("--seconds", type=float, default=120.0, help="stop attacking after this long")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s attacker: %(message)s", stream=sys.stdout)
+    torch.set_num_threads(1)
+    events = EventLog(args.events_file)
+    attacker = Attacker(args.initial_peers, args.scenario, args.cache_dir, events)
+    logger.info("attacking as %s: %s", attacker.node.peer_id, args.scenario)
+    events.emit("ready", peer_id=attacker.node.peer_id, scenario=args.scenario)
+    try:
+        attacker.loop.run(attacker.run(args.seconds))
+    finally:
+        attacker.close()
+        events.emit("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

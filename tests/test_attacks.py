@@ -1,0 +1,68 @@
+"""Attacks by a participating peer, with real processes (scripts/attackers.py is the attacker; one key, one
+process, lying where it can). What honest peers end with is checked, not what the attacker was told."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from swarm.events import read_events
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def start_attacker(swarm, maddr: str, scenario: str, cache_dir: Path) -> tuple[subprocess.Popen, Path]:
+    """The attacker, once it is ready to attack (it prepares the run's data first, and with it the tokenizer
+    cache the honest peers then share)."""
+    events, log_path = swarm.workdir / f"attacker-{scenario}.events.jsonl", swarm.workdir / f"attacker-{scenario}.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "attackers.py"), "--initial-peers", maddr,
+                                    "--scenario", scenario, "--cache-dir", str(cache_dir), "--events-file",
+                                    str(events), "--seconds", "600"], stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    deadline = time.monotonic() + 180
+    while not any(e["event"] == "ready" for e in read_events(events)):
+        if process.poll() is not None or time.monotonic() > deadline:
+            stop(process)
+            raise AssertionError(f"the attacker did not get ready:\n{log_path.read_text()[-3000:]}")
+        time.sleep(0.2)
+    return process, events
+
+
+def stop(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait(10)
+
+
+def test_a_forged_reference_moves_no_honest_peer(swarm, cache_dir):
+    """The attacker announces the swarm's round + 1 with random params of its own, and serves them to whoever
+    asks. Without a quorum every peer re-synced to that state at once; with it, no honest peer takes it, and the
+    honest swarm trains on to bit-identical params."""
+    rounds = 6
+    _, maddr = swarm.bootstrap()
+    attacker, attacker_events = start_attacker(swarm, maddr, "forged-reference", cache_dir)
+    try:
+        honest = [swarm.peer(maddr, "--until-round", str(rounds), name=f"honest{i}") for i in range(3)]
+        for peer in honest:
+            assert peer.wait(300) == 0, peer.output()[-3000:]
+        lies = [e for e in read_events(attacker_events) if e["event"] == "attacking"]
+    finally:
+        stop(attacker)
+    assert lies, "the attacker never got to lie: the test proves nothing"
+    forged = {e["digest"] for e in lies}
+    assert len({e["round"] for e in lies}) >= 2, "it kept a round ahead of the swarm as the swarm moved on"
+    for peer in honest:
+        taken = [e for e in peer.events("synced") if e["digest"] in forged]
+        assert not taken, f"{peer.name} took the attacker's state: {taken}"
+    finals = [peer.events("averaged", round=rounds - 1) for peer in honest]
+    assert all(finals) and len({f[0]["digest"] for f in finals}) == 1, "the honest peers end bit-identical"
