@@ -35,10 +35,9 @@ def test_whole_swarm_restarts_from_newest_checkpoint(swarm):
               for i in range(2)]
     for peer in second:
         assert peer.wait(180) == 0, peer.output()[-3000:]
-        output = peer.output()
-        assert re.search(r"resumed from checkpoint .*round-00000002 \(round 2", output) or \
-            "synced state of round 2" in output, output[-2000:]
-        assert "round 2: averaged with 2 peers" in output, "training went on from round 2, losing nothing"
+        resumed = peer.events("resumed", round=2, where=lambda e: "round-00000002" in e["path"])
+        assert resumed or peer.events("synced", round=2), peer.output()[-2000:]
+        assert peer.events("averaged", round=2, group_size=2), "training went on from round 2, losing nothing"
     assert [load_latest(c).round for c in ckpt] == [3, 3]
 
 
@@ -52,14 +51,14 @@ def test_a_peer_back_a_few_rounds_behind_replays_them_instead_of_downloading_the
     leaving = swarm.peer(maddr, "--until-round", "2", "--checkpoint-dir", str(checkpoints), name="leaving")
     assert leaving.wait(180) == 0, leaving.output()[-3000:]
     assert load_latest(checkpoints).round == 2
-    others[0].wait_for(r"round 2: averaged with 2 peers", 120)  # the swarm went on without it
+    others[0].wait_event("averaged", 120, round=2, group_size=2)  # the swarm went on without it
     back = swarm.peer(maddr, "--until-round", str(rounds), "--checkpoint-dir", str(checkpoints), "--metrics-port",
                       "0", "--replay-log-mb", "0.5", name="back")
-    back.wait_for(r"replay log up to 0\.50 MB", 60)
-    port = back.wait_for(r"metrics at http://127\.0\.0\.1:(\d+)/metrics", 60).group(1)
-    back.wait_for(r"resumed from checkpoint .*\(round 2,", 120)
-    synced = back.wait_for(r"synced state of round (\d+), digest \S+ \(replayed (\d+) outer step", 120)
-    assert int(synced.group(1)) >= 3 and int(synced.group(2)) == int(synced.group(1)) - 2, synced.group(0)
+    back.wait_for(r"replay log up to 0\.50 MB", 60)  # (no event names the replay log's size)
+    port = back.wait_event("metrics", 60)["port"]
+    back.wait_event("resumed", 120, round=2)
+    synced = back.wait_event("synced", 120, how="replay")
+    assert synced["round"] >= 3 and synced["replayed"] == synced["round"] - 2, synced
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         metrics = {(s.name, s.labels.get("how")): s.value for family in
                    text_string_to_metric_families(response.read().decode()) for s in family.samples}
@@ -67,10 +66,9 @@ def test_a_peer_back_a_few_rounds_behind_replays_them_instead_of_downloading_the
     assert 0 < metrics[("swarm_resync_bytes_total", "replay")] < 1.3e6, "a fraction of the 1.3 MB state"
     for peer in [*others, back]:
         assert peer.wait(180) == 0, peer.output()[-3000:]
-    assert "downloaded the state" not in back.output()
-    last = [re.search(rf"round {rounds - 1}: averaged with 3 peers.* digest (\S+)", p.output()) for p in
-            [*others, back]]
-    assert all(last) and len({m.group(1) for m in last}) == 1, "the three end with the same params"
+    assert not back.events("synced", how="download")
+    last = [p.events("averaged", round=rounds - 1, group_size=3) for p in [*others, back]]
+    assert all(last) and len({events[0]["digest"] for events in last}) == 1, "the three end with the same params"
 
 
 def test_ctrl_c_stops_cleanly_with_a_checkpoint(swarm):
@@ -78,7 +76,7 @@ def test_ctrl_c_stops_cleanly_with_a_checkpoint(swarm):
     peers = [swarm.peer(maddr, "--checkpoint-dir", str(swarm.workdir / f"ckpt{i}"), name=f"peer{i}")
              for i in range(2)]
     for peer in peers:
-        peer.wait_for(r"round 1: averaged with 2 peers", 180)
+        peer.wait_event("averaged", 180, round=1, group_size=2)
     peers[0].process.send_signal(signal.SIGINT)
     assert peers[0].wait(60) == 0, peers[0].output()[-2000:]
     assert "stopping after the current step" in peers[0].output() and "Traceback" not in peers[0].output()
@@ -92,14 +90,16 @@ def test_a_joiner_reads_where_no_peer_does_and_a_restart_keeps_its_place(swarm):
     their ids to a shard, and two of ten then shared one about half the time, training on identical batches). A
     restarted peer goes on where its checkpoint left its stream."""
     _, maddr = swarm.bootstrap()
-    chose = r"data: shard (\d+)/64 at step 0, inside the widest run of shards no live peer reads \(they read \[(.*)\]\)"
+    # Without a checkpoint of this run or --data-shard, a peer's start is chosen inside the widest unread run.
     first = swarm.peer(maddr, "--until-round", "3", name="first")
-    assert first.wait_for(chose, 120).group(2) == "", "the first peer sees nobody reading"
-    first.wait_for("training round 0", 60)
+    assert first.wait_event("data", 120, step=0, resumed=False)["others_reading"] == [], \
+        "the first peer sees nobody reading"
+    first.wait_event("training", 60, round=0)
     checkpoints = swarm.workdir / "ckpt"
     joiner = swarm.peer(maddr, "--until-round", "3", "--checkpoint-dir", str(checkpoints), name="joiner")
-    start, reading = joiner.wait_for(chose, 120).groups()
-    start, reading = int(start), int(reading)  # exactly one shard: the one the first peer announced
+    chose = joiner.wait_event("data", 120, step=0, resumed=False)
+    [reading] = chose["others_reading"]  # exactly one shard: the one the first peer announced
+    start = chose["shard"]
     assert min((start - reading) % 64, (reading - start) % 64) >= 16, (start, reading)
     for peer in (first, joiner):
         assert peer.wait(180) == 0, peer.output()[-3000:]
@@ -108,8 +108,16 @@ def test_a_joiner_reads_where_no_peer_does_and_a_restart_keeps_its_place(swarm):
     assert saved.round == 3 and saved.meta["data_shard"] == start and steps > 0, saved.meta
 
     again = swarm.peer(maddr, "--until-round", "3", "--checkpoint-dir", str(checkpoints), name="again")
-    again.wait_for(rf"data: shard {start}/64 at step {steps}, as our checkpoint says", 120)
+    again.wait_event("data", 120, shard=start, step=steps, resumed=True)  # where our checkpoint says
     assert again.wait(60) == 0, again.output()[-3000:]
+
+
+def _move(data_moved: dict) -> tuple[str, int, int]:
+    """(the peer we moved away from, the shard we both started at, our new start) of a `data_moved` event; the
+    first two are in its `how` text alone."""
+    rival, before = re.match(r"peer (\S+) started at shard (\d+) too \(identical batches\)",
+                             data_moved["how"]).groups()
+    return rival, int(before), data_moved["shard"]
 
 
 def test_peers_whose_streams_start_at_one_shard_part(swarm):
@@ -129,16 +137,16 @@ def test_peers_whose_streams_start_at_one_shard_part(swarm):
                         str(swarm.workdir / f"ckpt{i}"), name=f"twin{i}") for i, twin in enumerate(twins)]
     for peer in peers:
         assert peer.wait(180) == 0, peer.output()[-3000:]
-    chose = [re.search(r"data: shard (\d+)/64 at step 0, inside the widest run of shards no live peer reads "
-                       r"\(they read \[(.*)\]\)", peer.output()).groups() for peer in peers]
-    moved = [re.findall(r"data: peer (\S+) started at shard (\d+) too \(identical batches\); moving to shard (\d+)",
-                        peer.output()) for peer in peers]
-    blind = [reading == "" for _, reading in chose]
+    # (fresh checkpoint dirs and no --data-shard: each start is chosen inside the widest unread run)
+    chose = [peer.events("data", step=0, resumed=False)[0] for peer in peers]
+    chose = [(e["shard"], e["others_reading"]) for e in chose]
+    moved = [[_move(e) for e in peer.events("data_moved")] for peer in peers]
+    blind = [reading == [] for _, reading in chose]
     print("choices", chose, "moves", moved)
     if all(blind):  # both took the shard their ids hash to: the same one
-        assert chose[0][0] == chose[1][0] == str(shard)
+        assert chose[0][0] == chose[1][0] == shard
         assert moved[0] == [] and len(moved[1]) == 1, "exactly one moves: the one whose id hashes higher"
-        assert moved[1][0][:2] == (twins[0].peer_id, str(shard)) and moved[1][0][2] != str(shard)
+        assert moved[1][0][:2] == (twins[0].peer_id, shard) and moved[1][0][2] != shard
     else:
         assert moved == [[], []], "a peer that saw the other's shard started elsewhere: nobody needs to move"
     starts = [load_latest(swarm.workdir / f"ckpt{i}").meta["data_shard"] for i in range(2)]
