@@ -10,16 +10,17 @@ import logging
 import os
 import shutil
 import socket
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from swarm import __version__
-from swarm.config import PeerSettings, Recipe, RecipeError, load_recipe
+from swarm.config import PeerSettings, Recipe, RecipeError, load_recipe, local_files
 from swarm.dht.dialback import DialBack, DialBackError, dial_back, reachable, serve_dialback, tcp_target
 from swarm.dht.direct import listen_hosts
-from swarm.dht.lifeline import describe_holder, identity_holders
-from swarm.dht.node import NetworkOptions, NodeError, SwarmNode
+from swarm.dht.lifeline import identity_held_here
+from swarm.dht.node import HOLDER_EXIT_SECONDS, NetworkOptions, NodeError, SwarmNode
 from swarm.dht.recipes import fetch_recipe
 from swarm.dht.validation import Identity, IdentityError
 from swarm.dht.view import FRESH_SECONDS
@@ -90,7 +91,7 @@ def check_ports(ports: Sequence[tuple[str, str, int]],
                  {"taken": [dict(flag=f, host=h, port=p, error=w) for f, h, p, w in problems]}, fatal=True)
 
 
-def check_identity(path: Optional[str], holders: Callable[[str], list[int]] = identity_holders) -> Check:
+def check_identity(path: Optional[str], held: Callable[[str], Optional[str]] = identity_held_here) -> Check:
     if path is None:
         return Check("identity", True, "none given: a new peer id each start (--identity-path FILE keeps one)")
     if not os.path.exists(path):
@@ -100,11 +101,10 @@ def check_identity(path: Optional[str], holders: Callable[[str], list[int]] = id
     except IdentityError as e:
         return Check("identity", False, f"{e}: give --identity-path a key file hivemind wrote, or a new path (a "
                                         "missing file is created)", fatal=True)
-    pids = holders(path)
-    if pids:
-        return Check("identity", False, f"identity {path} is in use on this machine by {describe_holder(pids[0])}, "
-                                        "or give this peer another --identity-path",
-                     {"path": path, "peer_id": peer_id, "pids": pids}, fatal=True)
+    holder = held(path)
+    if holder:  # node.py's words: join refuses the same way
+        return Check("identity", False, f"identity {path} is in use on this machine by {holder}, or give this peer "
+                                        "another --identity-path", {"path": path, "peer_id": peer_id}, fatal=True)
     return Check("identity", True, f"{path} ({peer_id}) is not in use here", {"path": path, "peer_id": peer_id})
 
 
@@ -265,18 +265,13 @@ def _fmt(n: float) -> str:
     return f"{n:.1f} TB"
 
 
-def free_disk(directory: str) -> int:
-    """Free bytes on the file system `directory` would be on (its nearest existing parent's)."""
-    path = Path(directory).expanduser().absolute()
-    while not path.exists():
-        path = path.parent
-    return shutil.disk_usage(path).free
-
-
-def check_disk(directory: Optional[str], checkpoint: int, keep: int, free: Optional[int] = None) -> Check:
+def check_disk(directory: Optional[str], checkpoint: int, keep: int) -> Check:
     if directory is None:
         return Check("disk", True, "no --checkpoint-dir: this peer writes no checkpoints")
-    free = free_disk(directory) if free is None else free
+    existing = Path(directory).expanduser().absolute()
+    while not existing.exists():  # the file system the directory will be made on
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
     need = checkpoint * (keep + 1)  # a new checkpoint is written before the oldest is removed
     details = {"directory": directory, "free": free, "need": need, "checkpoint": checkpoint}
     if free >= need:
@@ -330,7 +325,8 @@ def resource_checks(recipe: Recipe, settings: PeerSettings) -> list[Check]:
 
     try:
         device = pick_device(settings.device).type
-        needs = estimate_needs(recipe, device, settings.replay_log_mb)
+        _, _, model = local_files(recipe, settings.data_dir or settings.cache_dir)  # where join reads config_file
+        needs = estimate_needs(recipe.model_copy(update={"model": model}), device, settings.replay_log_mb)
     except RuntimeError as e:  # --device cuda without a GPU
         return [Check("device", False, str(e), fatal=True)]
     except (RecipeError, OSError, ValueError) as e:
@@ -411,8 +407,11 @@ def join_checked(settings: PeerSettings, loop: LoopThread, events: EventLog) -> 
             logger.warning("%s: %s", check.name, check.message)
         return check
 
-    ports = report(check_ports(fixed_ports(settings)))
-    if not ports.ok:
+    ports, deadline = check_ports(fixed_ports(settings)), time.monotonic() + HOLDER_EXIT_SECONDS
+    while not ports.ok and time.monotonic() < deadline:  # a crashed peer's p2pd may be letting go of them
+        time.sleep(0.2)
+        ports = check_ports(fixed_ports(settings))
+    if not report(ports).ok:
         raise NodeError(ports.message)
     probes = [report(loop.run(check_bootstrap(m), timeout=4 * PROBE_SECONDS)) for m in settings.initial_peers]
     if not any(p.ok for p in probes):

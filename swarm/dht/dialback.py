@@ -31,7 +31,7 @@ MAX_TARGETS = 8  # addresses dialled per request (libp2p's few plus the direct-s
 CONNECT_SECONDS = 2.0  # per address; the addresses are dialled together
 REQUEST_SECONDS = 5.0  # to read a request
 MAX_FRAME = 16 << 10
-BURST, REFILL_SECONDS = 6, 10.0  # per requesting IP: 6 requests at once, then one every 10 s
+BURST, REFILL_SECONDS = 10, 6.0  # per requesting IP (a machine may run several peers): 10 at once, then one per 6 s
 MAX_IN_FLIGHT = 16
 OPEN = "open"  # the outcome of an address that accepted the connection
 
