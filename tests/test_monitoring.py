@@ -28,7 +28,7 @@ import yaml
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import MADDR, TINY_RECIPE, SwarmProcess, stop_all
+from conftest import TINY_RECIPE, EventReader, SwarmProcess, stop_all
 from swarm.bootstrap import _stop_on_signals
 from swarm.compression import get_codec
 from swarm.config import Recipe
@@ -43,8 +43,6 @@ ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "artifacts"
 ALERTS = ROOT / "docker" / "prometheus" / "alerts.yml"
 DASHBOARD = ROOT / "docker" / "grafana" / "dashboards" / "swarm.json"
-PEER_ID = r"joined the DHT as (\S+)"
-METRICS_URL = r"metrics at http://127\.0\.0\.1:(\d+)/metrics"
 PROMETHEUS = shutil.which("prometheus")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -292,12 +290,15 @@ def test_time_to_next_average():
 
 
 # ---- a live local swarm ---------------------------------------------------------------------------------------
-class TerminalProcess:
+class TerminalProcess(EventReader):
     """A `python -m swarm ...` child whose stdout and stderr are a pseudo-terminal, as in an interactive shell;
     the same interface as conftest's SwarmProcess."""
 
-    def __init__(self, argv: list[str], name: str, log_dir: Path):
+    def __init__(self, argv: list[str], name: str, log_dir: Path, events: bool = False):
         self.name, self.log_path = name, log_dir / f"{name}.log"
+        self.events_path = log_dir / f"{name}.events.jsonl" if events else None
+        if self.events_path is not None:
+            argv = [*argv, "--events-file", str(self.events_path)]
         master, slave = pty.openpty()
         self.process = subprocess.Popen([sys.executable, "-m", "swarm", *argv], stdin=subprocess.DEVNULL,
                                         stdout=slave, stderr=slave, start_new_session=True,
@@ -380,18 +381,18 @@ def live_swarm(tmp_path_factory, cache_dir):
     started: list[SwarmProcess] = []
     try:
         bootstrap = SwarmProcess(["bootstrap", "--recipe", str(TINY_RECIPE), "--metrics-port", "0"], "bootstrap",
-                                 workdir)
+                                 workdir, events=True)
         started.append(bootstrap)
-        maddr = bootstrap.wait_for(MADDR.pattern, 60).group(1)
-        bootstrap_port = int(bootstrap.wait_for(METRICS_URL, 10).group(1))
+        listening = bootstrap.wait_event("listening", 60)
+        maddr, bootstrap_port = listening["maddrs"][0], listening["metrics_port"]
         peers = []
         for i, kind in enumerate((SwarmProcess, TerminalProcess)):
             peer = kind(["join", "--initial-peers", maddr, "--device", "cpu", "--num-threads", "1",
-                         "--cache-dir", str(cache_dir), "--metrics-port", "0"], f"peer{i}", workdir)
+                         "--cache-dir", str(cache_dir), "--metrics-port", "0"], f"peer{i}", workdir, events=True)
             started.append(peer)
             peers.append(peer)
-        peer_ids = [peer.wait_for(PEER_ID, 60).group(1) for peer in peers]
-        peer_ports = [int(peer.wait_for(METRICS_URL, 60).group(1)) for peer in peers]
+        peer_ids = [peer.wait_event("joined", 60)["peer_id"] for peer in peers]
+        peer_ports = [peer.wait_event("metrics", 60)["port"] for peer in peers]
         yield LiveSwarm(bootstrap, maddr, f"http://127.0.0.1:{bootstrap_port}/", peers, peer_ids, peer_ports,
                         bootstrap_port)
     finally:
