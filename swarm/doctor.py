@@ -118,9 +118,9 @@ async def check_bootstrap(maddr: str, timeout: float = PROBE_SECONDS) -> Check:
         return Check("bootstrap", False, f"{maddr}: {step} failed: {cause}: {fix}", {"maddr": maddr, "step": step},
                      fatal=True)
 
-    if len(parts) < 4 or parts[2] != "tcp" or not parts[3].isdigit():
-        return failed("address", "not a /ip4|ip6|dns/HOST/tcp/PORT/p2p/ID multiaddr",
-                      "copy the full address `swarm-peer bootstrap` printed")
+    if "/p2p/" not in maddr or len(parts) < 4 or parts[2] != "tcp" or not parts[3].isdigit():
+        why = "it has no /p2p/<peer id> part" if "/p2p/" not in maddr else "not a /ip4|ip6|dns/HOST/tcp/PORT/p2p/ID one"
+        return failed("reading the address", why, "copy the full multiaddr that `swarm-peer bootstrap` printed")
     kind, host, port = parts[0], parts[1], int(parts[3])
     ip = host
     if kind in ("dns", "dns4", "dns6"):
@@ -133,7 +133,7 @@ async def check_bootstrap(maddr: str, timeout: float = PROBE_SECONDS) -> Check:
             return failed("name resolution", f"{host} does not resolve ({e or 'timeout'})",
                           f"check the name and this machine's DNS (`getent hosts {host}`)")
     elif kind not in ("ip4", "ip6"):
-        return failed("address", f"/{kind}/ addresses are not supported", "use /ip4/, /ip6/ or /dns/")
+        return failed("reading the address", f"/{kind}/ is not supported", "use /ip4/, /ip6/ or /dns/")
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(ip, port), timeout)
     except ConnectionRefusedError:
@@ -411,11 +411,13 @@ def join_checked(settings: PeerSettings, loop: LoopThread, events: EventLog) -> 
     while not ports.ok and time.monotonic() < deadline:  # a crashed peer's p2pd may be letting go of them
         time.sleep(0.2)
         ports = check_ports(fixed_ports(settings))
-    if not report(ports).ok:
+    if not ports.ok:  # the error is its line
         raise NodeError(ports.message)
-    probes = [report(loop.run(check_bootstrap(m), timeout=4 * PROBE_SECONDS)) for m in settings.initial_peers]
+    probes = [loop.run(check_bootstrap(m), timeout=4 * PROBE_SECONDS) for m in settings.initial_peers]
     if not any(p.ok for p in probes):
         raise NodeError(f"could not start the DHT node or reach the swarm: {probes[0].message}")
+    for check in (ports, *probes):
+        report(check)
     node = _start_node(settings)
     client = settings.network.client_mode
     answer, libp2p, direct = loop.run(dial_back(node, node.initial_peer_ids, announce=not client), timeout=60)
