@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import logging
 import os
@@ -128,6 +129,11 @@ def _join(args: argparse.Namespace) -> int:
         rounds = peer.run()
         logger.info("done: %d rounds averaged, round %d, digest %s", rounds, peer.diloco.round,
                     peer.diloco.digest())
+        return 0
+    except concurrent.futures.CancelledError:
+        if not peer.stop.event.is_set():
+            raise
+        logger.info("stopped during start-up")
         return 0
     except (NodeError, CorpusError, RuntimeError) as e:
         logger.error("%s", e)

@@ -40,6 +40,15 @@ class LoopThread:
         future.add_done_callback(self._pending.discard)
         return future
 
+    def cancel_submitted(self) -> int:
+        """Cancel every submitted coroutine not yet done, the way a stop signal interrupts matchmaking, an
+        all-reduce or a state download; whoever waits in run() gets concurrent.futures.CancelledError. Returns how
+        many were cancelled."""
+        pending = [future for future in list(self._pending) if not future.done()]
+        for future in pending:
+            future.cancel()
+        return len(pending)
+
     def run(self, coro: Awaitable[T], timeout: Optional[float] = None) -> T:
         """Run `coro` on the loop and wait for it; raises TimeoutError after `timeout` seconds (and cancels it)."""
         future = self.submit(coro)

@@ -5,6 +5,7 @@ so it may run on a background thread; what it decides about attempts and exclusi
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass
@@ -55,7 +56,15 @@ class Averager:
 
     def reduce(self, contribution: Contribution, attempt: int) -> Outcome:
         """Matchmaking and all-reduce of `contribution`, starting at `attempt`; redone at once (a new attempt)
-        without members that failed mid-round, up to rounds.MAX_IMMEDIATE_RETRIES times."""
+        without members that failed mid-round, up to rounds.MAX_IMMEDIATE_RETRIES times. A stop signal cancels
+        the network work: the round is then not averaged here (to the group, as if we had died)."""
+        try:
+            return self._reduce(contribution, attempt)
+        except concurrent.futures.CancelledError:
+            logger.info("round %d: averaging interrupted by the stop", contribution.round_no)
+            return NotAveraged(contribution, attempt)
+
+    def _reduce(self, contribution: Contribution, attempt: int) -> Outcome:
         round_no, retries, started = contribution.round_no, 0, time.monotonic()
         while True:
             if self.moved_on(round_no):

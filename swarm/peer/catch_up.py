@@ -5,6 +5,7 @@ since, else downloaded (swarm/peer/state_sync.py); a failed try is retried after
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 from typing import Callable
 
@@ -49,10 +50,12 @@ class CatchUp:
         deadline = sync_deadline(8 * self.diloco.numel)  # params and outer momentum, fp32
         try:
             synced = self.loop.run(sync_state(self.node, holders, self.run_id, self.diloco, digest), deadline)
-        except (StateSyncError, TimeoutError) as e:
+        except (StateSyncError, TimeoutError, concurrent.futures.CancelledError) as e:
             moved_on = getattr(e, "moved_on", False)
             if isinstance(e, TimeoutError):
                 e = StateSyncError(f"the state sync took longer than its deadline ({deadline:.0f} s)")
+            elif isinstance(e, concurrent.futures.CancelledError):
+                e = StateSyncError("the state sync was interrupted by the stop")
             self.rounds.resync_failed(moved_on)
             logger.warning("%s; continuing with my own state", e)
             self.events.emit("sync_failed", reason=str(e), moved_on=moved_on)

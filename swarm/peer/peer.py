@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import logging
-import threading
 import time
 from typing import Optional
 
@@ -40,11 +39,12 @@ from swarm.peer.model import build_model, n_blocks
 from swarm.peer.probe import describe_device, measure_tokens_per_s
 from swarm.peer.rounds import Averaged, Contribution, Outcome, Rounds
 from swarm.peer.state_sync import serve_state
+from swarm.peer.stop import Stop
 from swarm.peer.stream import DataStream
 from swarm.peer.report import report_round, write_trace
 from swarm.peer.training import (StepClock, inner_step, learning_rate, make_inner_optimizer, pick_device,
                                  schedule_tokens, validation_loss)
-from swarm.runtime import LoopThread, install_stop_handlers
+from swarm.runtime import LoopThread
 
 logger = logging.getLogger("swarm.peer")
 EVAL_BATCHES = 4
@@ -53,9 +53,9 @@ EVAL_BATCHES = 4
 class Peer:
     def __init__(self, settings: PeerSettings):
         self.settings = settings
-        self.stop_event = threading.Event()
         self.metrics = PeerMetrics()
         self.events = EventLog(settings.events_file)
+        self.stop = Stop(self.events)
         self.faults = FaultPlan(settings.inject_fault, self.events)
         self.progress = ProgressLine()  # a live status line when stdout is a terminal
         self.loop: Optional[LoopThread] = None
@@ -73,7 +73,7 @@ class Peer:
         if self.settings.num_threads:
             torch.set_num_threads(self.settings.num_threads)
         self.device = pick_device(self.settings.device)
-        self.loop = LoopThread()
+        self.loop = self.stop.loop = LoopThread()  # a stop signal cancels what the peer waits for on it
         self._join_network()
         self._read_recipe()
         self._build_data_and_model()
@@ -226,7 +226,7 @@ class Peer:
                     " (averaging overlaps training)" if self.recipe.outer.overlap else "")
         self.events.emit("training", round=self.diloco.round, overlap=self.recipe.outer.overlap,
                          client=self.settings.network.client_mode)
-        while not self.stop_event.is_set() and not self._finished():
+        while not self.stop.event.is_set() and not self._finished():
             if not self._inner_step(batches):
                 continue  # diverged: the round restarts from the global params
             if self.announcer.view is not self._seen_view:  # a heartbeat read the swarm again
@@ -414,13 +414,7 @@ class Peer:
 
     # ---- shutdown ------------------------------------------------------------------------------------------
     def install_signal_handlers(self) -> None:
-        def _on_stop(signum: int) -> None:
-            if self.stop_event.is_set():
-                raise KeyboardInterrupt  # a second Ctrl-C: stop now
-            logger.info("stopping after the current step (signal %d); Ctrl-C again to stop at once", signum)
-            self.stop_event.set()
-
-        install_stop_handlers(_on_stop)
+        self.stop.install()
 
     def shutdown(self) -> None:
         self.progress.close()
@@ -428,12 +422,13 @@ class Peer:
             self.rounds.set_state("offline")
         if self.allreduce is not None and self.loop is not None and not self.settings.network.client_mode:
             try:  # client members of our last group may still be asking whether we applied it
-                self.loop.run(self.allreduce.settle(COMMIT_GRACE + 3), timeout=10)
+                wait = self.stop.time_left(COMMIT_GRACE + 3)
+                self.loop.run(self.allreduce.settle(wait), timeout=wait + 1)
             except Exception:  # noqa: BLE001 - they re-sync when we are gone
                 logger.debug("could not wait for client members", exc_info=True)
         if self.announcer is not None and self.loop is not None:
-            try:
-                self.loop.run(self.announcer.announce_offline(), timeout=10)
+            try:  # best effort: with the swarm gone, the record expires on its own
+                self.loop.run(self.announcer.announce_offline(), timeout=self.stop.time_left(3.0))
             except Exception:  # noqa: BLE001 - the record expires on its own
                 logger.debug("could not announce offline", exc_info=True)
         if self.node is not None:

@@ -1,0 +1,63 @@
+"""A stop signal ends a peer within 10 s (Docker's grace) in every phase, even when the bootstrap and every other
+peer vanished at that moment, and a second signal ends it at once; nothing it started is left running."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from test_lifecycle import descendants, wait_gone
+
+pytestmark = pytest.mark.slow
+GRACE = 10.0
+
+
+def _terminate(peer) -> float:
+    """SIGTERM to the peer's main process alone; seconds until it exited (fails past GRACE)."""
+    helpers = descendants(peer.pid)
+    sent = time.monotonic()
+    os.kill(peer.pid, signal.SIGTERM)
+    peer.wait(GRACE + 5)
+    took = time.monotonic() - sent
+    assert took < GRACE, f"{peer.name} took {took:.1f} s to stop:\n{peer.output()[-3000:]}"
+    wait_gone(helpers, sent, GRACE)
+    return took
+
+
+def test_a_peer_stops_in_time_when_the_bootstrap_and_every_other_peer_vanish_at_once(swarm):
+    bootstrap, maddr = swarm.bootstrap()
+    peers = [swarm.peer(maddr, name=f"peer{i}") for i in range(3)]
+    peers[0].wait_event("averaged", 240, round=1)
+    for process in (bootstrap, *peers[1:]):
+        os.kill(process.pid, signal.SIGKILL)  # their helpers follow them (test_lifecycle.py)
+    _terminate(peers[0])
+    assert peers[0].events("stopping"), "it stopped because of the signal"
+    assert peers[0].events("stopped"), "and said so"
+
+
+def test_a_lone_peer_waiting_for_a_group_stops_in_time(swarm):
+    """Without a second peer the round never forms: the peer sits in matchmaking (timeouts of 10 s, retried),
+    which the stop interrupts."""
+    _, maddr = swarm.bootstrap()
+    lone = swarm.peer(maddr, name="lone")
+    lone.wait_event("no_group", 240)
+    _terminate(lone)
+    assert lone.process.returncode == 0, lone.output()[-3000:]
+    assert lone.events("stopped", where=lambda e: not e.get("forced")), "a clean stop, not the watchdog's"
+
+
+def test_a_second_signal_ends_a_peer_at_once(swarm):
+    _, maddr = swarm.bootstrap()
+    peer = swarm.peer(maddr, name="impatient")
+    peer.wait_event("joined", 120)
+    helpers = descendants(peer.pid)
+    os.kill(peer.pid, signal.SIGTERM)
+    time.sleep(0.3)
+    sent = time.monotonic()
+    os.kill(peer.pid, signal.SIGTERM)
+    assert peer.wait(5) == 128 + signal.SIGTERM, peer.output()[-3000:]
+    assert time.monotonic() - sent < 2.0
+    wait_gone(helpers, sent, 5.0)
