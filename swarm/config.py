@@ -134,6 +134,13 @@ class Recipe(_Section):
             raise ValueError(f"data.seq_len {self.data.seq_len} exceeds model.max_seq_len {self.model.max_seq_len}")
         return self
 
+    def max_contribution_tokens(self) -> int:
+        """The most tokens one peer's contribution to a round may weigh: four rounds' worth (a peer that failed
+        rounds carries their tokens into the next try). The weight is declared by its sender, so an all-reduce
+        refuses more, and a peer that trained longer hands in this much."""
+        steps = (self.inner_steps_per_round or 0) * self.data.batch_size * self.data.seq_len
+        return 4 * max(self.tokens_per_round, steps)
+
     def canonical_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
 

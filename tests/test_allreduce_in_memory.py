@@ -126,7 +126,8 @@ WEIGHTS = (1.0, 2.0, 4.0)
 
 
 def _average(codec: str = "none", ring: str = "never", clients=(), fault: Optional[str] = None,
-             weights=WEIGHTS, numel: int = 210_000, exact_from=None) -> tuple[list, list, list[tuple[str, str]]]:
+             weights=WEIGHTS, numel: int = 210_000, exact_from=None,
+             max_weight: float = float("inf")) -> tuple[list, list, list[tuple[str, str]]]:
     """Every member of one group of PEERS averages its seeded vector; returns the vectors, each member's result
     (or AllReduceError), and the (peer, reason) bad-peer reports. PEERS[2] runs `fault` (FaultPlan)."""
     vectors = [torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(len(PEERS))]
@@ -136,7 +137,8 @@ def _average(codec: str = "none", ring: str = "never", clients=(), fault: Option
         handlers: dict = {}
         allreduces = [GroupAllReduce(_Node(peer, handlers), "t", codec, numel, AdaptiveDeadlines(5.0, 30.0),
                                      on_bad_peer=lambda peer, reason: reports.append((peer, reason)),
-                                     faults=FaultPlan(fault if i == 2 else None), ring=ring)
+                                     faults=FaultPlan(fault if i == 2 else None), ring=ring,
+                                     max_weight=max_weight)
                       for i, peer in enumerate(PEERS)]
         clients_of = clients or (False,) * len(PEERS)
         for allreduce, client in zip(allreduces, clients_of):
@@ -147,7 +149,7 @@ def _average(codec: str = "none", ring: str = "never", clients=(), fault: Option
         results = await asyncio.gather(*(a.run(group, v, w, exact_from) for a, v, w in zip(allreduces, vectors,
                                                                                            weights)),
                                        return_exceptions=True)
-        if fault is None:
+        if fault is None and all(0 <= w <= max_weight for w in weights):
             assert not [e for a in allreduces for e in a.node.errors], "a handler failed in a clean round"
         return results
 
@@ -186,6 +188,20 @@ def test_a_bad_weight_costs_the_sender_its_contribution_not_its_stream():
     for result in results:
         assert isinstance(result, AllReduceError) and result.reason == "bad_data", result
     assert results[0].rejected == results[1].rejected == {"peerC"}
+
+
+@pytest.mark.parametrize("ring", ["never", "always"])
+def test_an_inflated_weight_is_refused_and_blamed_on_its_sender_in_both_shapes(ring):
+    """A weight is declared by its sender: one of 1e18 tokens would make the average its own vector. Past the
+    recipe's cap (Recipe.max_contribution_tokens) it is refused like a malformed one."""
+    _, results, reports = _average(ring=ring, weights=(1.0, 2.0, 1e18), max_weight=10.0)
+    assert reports and all(peer == "peerC" and reason in ("bad_weight", "bad_header") for peer, reason in reports), \
+        reports
+    for result in results[:2]:
+        assert isinstance(result, AllReduceError) and result.reason == "bad_data", result
+        assert result.rejected == {"peerC"}, (result, result.rejected)
+    _, clean, reports = _average(ring=ring, max_weight=10.0)
+    assert not reports and not any(isinstance(r, Exception) for r in clean), "weights under the cap average"
 
 
 @pytest.mark.parametrize("ring, fault", [("never", "garbage@0"), ("always", "ring-garbage@0")])

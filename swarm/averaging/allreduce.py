@@ -44,8 +44,9 @@ class GroupAllReduce:
 
     def __init__(self, node: SwarmNode, run_id: str, codec_name: str, max_numel: int, deadlines: AdaptiveDeadlines,
                  on_bad_peer: Optional[Callable[[str, str], None]] = None, faults: Optional[FaultPlan] = None,
-                 ring: str = "never"):
+                 ring: str = "never", max_weight: float = float("inf")):
         self.node, self.codec = node, get_codec(codec_name)
+        self.max_weight = max_weight  # a contribution declaring more tokens than this is refused as bad_weight
         self.ring = ring
         self.deadlines = deadlines
         self.faults = faults or FaultPlan()
@@ -185,7 +186,7 @@ class GroupAllReduce:
         try:
             shape = Ring if self.uses_ring(group) else Butterfly
             context = RunContext(self.node.peer_id, self.codec, self.deadlines, self.faults, self.streams,
-                                 self.on_bad_peer)
+                                 self.on_bad_peer, self.max_weight)
             result = await shape(context, group, self._mailbox(group.group_id), vector, weight, exact_from).execute()
             if not group.is_client(self.node.peer_id):  # only the last group matters (see settle)
                 self._unasked = {group.group_id: {peer for peer in group.members if group.is_client(peer)}}

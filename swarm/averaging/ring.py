@@ -137,6 +137,8 @@ class Ring(Run):
             partial = PartialSum.from_wire(meta)
             if not set(partial.contributors) <= set(self.members) - {self.me} or self.pred not in partial.contributors:
                 raise MessageError("contributors must be other members, the predecessor among them")
+            if partial.weight > self.context.max_weight * len(partial.contributors):
+                raise MessageError(f"weight {partial.weight:g} over {len(partial.contributors)} contributions' cap")
         except MessageError:
             self.context.on_bad_peer(self.pred, "bad_header")
             raise AllReduceError("bad_data", f"peer {self.pred[-8:]} sent a malformed partial sum", set(),

@@ -35,6 +35,7 @@ class RunContext:
     faults: FaultPlan
     streams: StreamClient
     on_bad_peer: Callable[[str, str], None]  # (peer, reason): a peer sent a bad contribution
+    max_weight: float = float("inf")  # the most tokens one member's contribution may weigh (a weight is declared)
 
 
 class Run(abc.ABC):
@@ -181,8 +182,8 @@ class Run(abc.ABC):
         """A contribution's decoded part and weight, or (None, 0) if it is bad: the sender is then left out of
         this part, which every member sees in the contributor list, so the round is redone without it.
         `contribution` is what its header said (a Contribution, or the MessageError its weight failed with)."""
-        if isinstance(contribution, MessageError):
-            self.context.on_bad_peer(sender, "bad_weight")
+        if isinstance(contribution, MessageError) or contribution.weight > self.context.max_weight:
+            self.context.on_bad_peer(sender, "bad_weight")  # an inflated weight would outvote the whole group
             return None, 0.0
         try:
             return self.decode(sender, payload, numel, codec), contribution.weight

@@ -128,7 +128,8 @@ class Peer:
         self.allreduce = GroupAllReduce(  # a mixing group averages pseudo-gradient, params and momentum: 3 x numel
             self.node, r.run_id, r.averaging.codec, 3 * self.diloco.numel,
             AdaptiveDeadlines(r.averaging.min_phase_timeout, r.averaging.allreduce_timeout),
-            on_bad_peer=self._on_bad_peer, faults=self.faults, ring=r.averaging.ring)
+            on_bad_peer=self._on_bad_peer, faults=self.faults, ring=r.averaging.ring,
+            max_weight=r.max_contribution_tokens())
         group_push = GroupPush(self.node, r.run_id)  # groups our leaders push to us, and ours to members
         if s.network.client_mode:
             logger.info("client mode: accepting no inbound streams; contributing to averages without reducing, "
@@ -333,8 +334,8 @@ class Peer:
             self._recover(f"pseudo-gradient norm {norm:.3g} over the recipe's bound")
             return None
         snapshot = self.diloco.flat_local() if r.outer.overlap else None
-        return Contribution(self.diloco.round, pseudo_gradient, self.rounds.tokens_in_round, self.diloco.digest(),
-                            snapshot)
+        weight = min(self.rounds.tokens_in_round, r.max_contribution_tokens())  # what the others accept
+        return Contribution(self.diloco.round, pseudo_gradient, weight, self.diloco.digest(), snapshot)
 
     def _conclude(self, outcome: Outcome) -> None:
         """Apply a successful average, or arrange the retry of a failed one (training thread)."""
