@@ -26,7 +26,7 @@ def start_attacker(swarm, maddr: str, scenario: str, cache_dir: Path) -> tuple[s
         process = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "attackers.py"), "--initial-peers", maddr,
                                     "--scenario", scenario, "--cache-dir", str(cache_dir), "--events-file",
                                     str(events), "--seconds", "600"], stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+                                   start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     deadline = time.monotonic() + 180
     while not any(e["event"] == "ready" for e in read_events(events)):
         if process.poll() is not None or time.monotonic() > deadline:
