@@ -348,7 +348,8 @@ class PeerSettings(_Section):
     inject_fault: Optional[str] = Field(
         None, json_schema_extra={"metavar": "PHASE@ROUND"},
         description="for tests and drills: SIGKILL this peer at a phase (matchmaking, send, reduce, commit; ring: "
-                    "while sending along a ring) of the first round >= ROUND it averages in, send bad data (garbage, "
+                    "while sending along a ring; serve: while answering a state request) of the first round >= ROUND "
+                    "it averages in (or holds, for serve), send bad data (garbage, "
                     "nan, short; ring-garbage: garbage along rings only) from that round on, or break its own "
                     "training once (diverge: NaN params; explode: an absurd pseudo-gradient)")
 

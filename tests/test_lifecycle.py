@@ -127,6 +127,19 @@ def test_helpers_die_with_a_sigkilled_peer_in_each_phase_and_with_the_bootstrap(
     print("bootstrap: helpers exited after (s)", _sigkill_main_and_check(bootstrap, helpers))
 
 
+def test_helpers_die_with_a_peer_sigkilled_while_serving_state(swarm):
+    """The holder SIGKILLs itself (its main process only) as a joiner's state request arrives ("serve@2")."""
+    _, maddr = swarm.bootstrap()
+    holder = swarm.peer(maddr, "--inject-fault", "serve@2", name="holder")
+    swarm.peer(maddr, name="other")  # a second holder: a joiner follows a state only when two vouch for it
+    holder.wait_event("averaged", 240, round=2)
+    helpers = _helpers_of(holder.pid)
+    swarm.peer(maddr, name="joiner")
+    fired = holder.wait_event("fault", 240, kind="sigkill", phase="serve")
+    assert fired["round"] >= 2
+    print("serving state: helpers exited after (s)", wait_gone(helpers, _reaped(holder), HELPERS_GONE_SECONDS))
+
+
 def test_a_sigkilled_peer_restarts_with_its_identity_and_averages(swarm):
     _, maddr = swarm.bootstrap()
     identity = str(swarm.workdir / "peer.key")

@@ -13,7 +13,8 @@ import sys
 from typing import Optional
 
 logger = logging.getLogger(__name__)
-KILL_PHASES = ("matchmaking", "send", "reduce", "commit", "ring")  # ring: while sending along a ring only
+KILL_PHASES = ("matchmaking", "send", "reduce", "commit", "ring", "serve")  # ring: while sending along a ring only;
+# serve: while answering another peer's state request
 BAD_DATA = ("garbage", "nan", "short", "ring-garbage")  # ring-garbage: garbage along a ring only
 LOCAL = ("diverge", "explode")  # the peer's own training goes wrong: NaN params, or an absurd pseudo-gradient
 

@@ -137,7 +137,7 @@ class Peer:
         else:
             self.loop.run(self.allreduce.start(), timeout=30)
             self.loop.run(group_push.start(), timeout=30)
-            self.loop.run(serve_state(self.node, r.run_id, self.diloco), timeout=30)
+            self.loop.run(serve_state(self.node, r.run_id, self.diloco, self.faults), timeout=30)
         self.rounds = Rounds(overlap=r.outer.overlap, tokens_per_round=r.tokens_per_round,
                              steps_per_round=r.inner_steps_per_round,
                              retry_tokens=max(r.tokens_per_round // 4, r.data.batch_size * r.data.seq_len))

@@ -14,6 +14,7 @@ from typing import Optional
 import msgpack
 from safetensors.torch import save as save_tensors
 
+from swarm.averaging.faults import FaultPlan
 from swarm.dht.frames import recv_frame, send_frame
 from swarm.dht.node import SwarmNode
 from swarm.peer.diloco import DiLoCo, OuterStep
@@ -34,8 +35,9 @@ class Snapshot:
 class StateServer:
     """Serves consistent snapshots of one peer's DiLoCo state, by byte range."""
 
-    def __init__(self, diloco: DiLoCo):
+    def __init__(self, diloco: DiLoCo, faults: Optional[FaultPlan] = None):
         self.diloco = diloco
+        self.faults = faults or FaultPlan()  # "serve@R": SIGKILL while answering a state request
         self._snapshot: Optional[Snapshot] = None
         self._kept: dict[str, Snapshot] = {}  # by sha256: snapshots of past rounds that joiners are downloading
         self._lock = asyncio.Lock()
@@ -77,6 +79,7 @@ class StateServer:
 
     async def handle(self, remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         request = msgpack.unpackb(await recv_frame(reader, 1024))
+        self.faults.maybe_die("serve", self.diloco.round)
         if isinstance(request, dict) and "replay_from" in request:
             await self._send_steps(remote, request, writer)
             return
@@ -134,8 +137,9 @@ def _serialise(diloco: DiLoCo) -> tuple[dict, bytes]:
     return {**header, "size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}, payload
 
 
-async def serve_state(node: SwarmNode, run_id: str, diloco: DiLoCo) -> StateServer:
+async def serve_state(node: SwarmNode, run_id: str, diloco: DiLoCo,
+                      faults: Optional[FaultPlan] = None) -> StateServer:
     """Serve `diloco`'s state and logged outer steps on the run's state protocol, from now on."""
-    server = StateServer(diloco)
+    server = StateServer(diloco, faults)
     await node.add_stream_handler(protocol(run_id), server.handle)
     return server
