@@ -10,6 +10,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Callable
 
@@ -128,6 +130,25 @@ class SwarmProcess(EventReader):
                 target()
             except (ProcessLookupError, PermissionError):
                 pass
+
+
+def kill_session(process: subprocess.Popen) -> None:
+    """SIGKILL a child's whole session (its helper processes too), then reap it."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait(10)
+
+
+def http_get(url: str, method: str = "GET") -> tuple[int, dict, bytes]:
+    """(status, headers, body) of a request to `url`; an HTTP error status is returned, not raised."""
+    request = urllib.request.Request(url, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
 
 
 @pytest.fixture(scope="session")
