@@ -172,7 +172,8 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.fixture
 def swarm(request, tmp_path, cache_dir):
-    """Start swarm processes; every one of them (and its session) is killed at the end of the test."""
+    """Start swarm processes; at the end of the test each main process is SIGKILLed, and the test fails if any
+    process it started outlives it (see stop_all)."""
     started: list[SwarmProcess] = []
     request.node.swarm_processes = started
 
@@ -198,15 +199,55 @@ def swarm(request, tmp_path, cache_dir):
                                   timeout=timeout)
 
     yield Launcher()
-    stop_all(started)
+    leaks = stop_all(started)
+    if leaks:
+        pytest.fail("processes outlived the main process that started them: " + "; ".join(leaks), pytrace=False)
 
 
-def stop_all(processes: list[SwarmProcess]) -> None:
-    """Kill every process (and its session) a test started, then reap them."""
+LEAK_SECONDS = 10.0  # a main process's helpers must exit this soon after it (they take well under a second)
+
+
+def session_members(session: int) -> list[str]:
+    """The live (not zombie) processes of a session, as "name[pid]", read from /proc."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        if int(fields[3]) == session and fields[0] not in "ZX":  # fields: state, ppid, pgrp, session, ...
+            members.append(f"{name}[{entry}]")
+    return members
+
+
+def stop_all(processes: list[SwarmProcess]) -> list[str]:
+    """End every process a test started as a crash would, SIGKILL of its main process alone, and check that
+    nothing it started outlives it (its helpers follow it, swarm/dht/lifeline.py). Whatever is still running
+    LEAK_SECONDS later is killed with its whole session and returned, so the test fails on a leak instead of the
+    harness sweeping it away."""
     for process in processes:
-        process.kill()
+        if process.process.poll() is None:
+            try:
+                os.kill(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    deadline, leaks = time.monotonic() + LEAK_SECONDS, []
     for process in processes:
         try:
-            process.process.wait(10)
+            process.process.wait(max(deadline - time.monotonic(), 1.0))
         except subprocess.TimeoutExpired:
             pass
+        while session_members(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = session_members(process.pid)
+        if left:
+            leaks.append(f"{process.name} (pid {process.pid}) left {', '.join(left)} running")
+            process.kill()
+            try:
+                process.process.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+    return leaks

@@ -4,7 +4,6 @@ process, lying where it can). What honest peers end with is checked, not what th
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import kill_session
 from swarm.events import read_events
 
 pytestmark = pytest.mark.slow
@@ -30,18 +30,10 @@ def start_attacker(swarm, maddr: str, scenario: str, cache_dir: Path) -> tuple[s
     deadline = time.monotonic() + 180
     while not any(e["event"] == "ready" for e in read_events(events)):
         if process.poll() is not None or time.monotonic() > deadline:
-            stop(process)
+            kill_session(process)
             raise AssertionError(f"the attacker did not get ready:\n{log_path.read_text()[-3000:]}")
         time.sleep(0.2)
     return process, events
-
-
-def stop(process: subprocess.Popen) -> None:
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    process.wait(10)
 
 
 def test_a_forged_reference_moves_no_honest_peer(swarm, cache_dir):
@@ -57,7 +49,7 @@ def test_a_forged_reference_moves_no_honest_peer(swarm, cache_dir):
             assert peer.wait(300) == 0, peer.output()[-3000:]
         lies = [e for e in read_events(attacker_events) if e["event"] == "attacking"]
     finally:
-        stop(attacker)
+        kill_session(attacker)
     assert lies, "the attacker never got to lie: the test proves nothing"
     forged = {e["digest"] for e in lies}
     assert len({e["round"] for e in lies}) >= 2, "it kept a round ahead of the swarm as the swarm moved on"
