@@ -2,13 +2,14 @@
 thing a peer or bootstrap does that a script or a test waits on, written to the file `--events-file` names. Log
 lines are for people and may change wording; these events and their fields may only grow.
 
-Peer: joined(peer_id) · metrics(port) · data_prepared(train_docs, train_tokens, val_docs, seconds) ·
-resumed(round, path) · data(shard, step, resumed, how, others_reading) · data_moved(shard, step, how) ·
-synced(round, digest, how: replay|download, reason, replayed, bytes) · sync_failed(reason, moved_on) ·
+Peer: joined(peer_id) · check(name, ok, message) · metrics(port) · data_prepared(train_docs, train_tokens,
+val_docs, seconds) · model(parameters, blocks, device, replay_log_bytes) · resumed(round, path) · data(shard, step,
+resumed, how, others_reading) · data_moved(shard, step, how, rival, from_shard) · synced(round, digest, how:
+replay|download, reason, replayed, bytes) · sync_failed(error, moved_on, reason) · stopping(signal) ·
 training(round, overlap, client) · no_group(round, attempt) · averaging_failed(round, attempt, reason, suspects,
 rejected) · bad_peer(peer_id, reason) · averaged(round, group_size, swarm_size, mix, ring, members, seconds,
 bytes_sent, total_weight, val_loss, loss, digest) · recovered(round, reason) · checkpoint(round, path) ·
-fault(kind, phase, round) · stopped.
+fault(kind, phase, round) · stopped(streams_direct, streams_fallback; forced when the stop deadline ran out).
 Bootstrap: listening(peer_id, maddrs, run_id, metrics_port) · stopped.
 """
 

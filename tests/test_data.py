@@ -456,7 +456,8 @@ def test_of_two_streams_that_start_together_the_higher_hash_moves(dataset):
         stream.start, stream.step = 12, 7
     assert streams[low].leave_if_shared([_announced(high, 12, 12)]) is None, "the lower hash stays"
     moved = streams[high].leave_if_shared([_announced(low, 12, 12)])
-    assert moved.startswith(f"peer {low} started at shard 12 too") and streams[high].step == 0
+    assert moved.text.startswith(f"peer {low} started at shard 12 too") and streams[high].step == 0
+    assert (moved.rival, moved.from_shard) == (low, 12)
     assert 12 + 16 <= streams[high].start <= 12 + 48, "inside the middle half of the unread run"
     assert streams[high].leave_if_shared([_announced(low, 12, 12)]) is None, "moved once"
     assert torch.equal(next(streams[high].batches()), next(dataset.batches(streams[high].start, 64, 8, 0)))

@@ -4,7 +4,6 @@ Checks what the peers end with against an independent computation from their rou
 from __future__ import annotations
 
 import json
-import re
 import signal
 from pathlib import Path
 
@@ -65,8 +64,8 @@ def test_two_peers_train_three_rounds_with_exact_averages(swarm):
     for i in range(2):
         assert len(list((swarm.workdir / f"ckpt{i}").glob("round-*"))) >= 1
         # Both peers listen on 127.0.0.1: every stream between them skips the daemons.
-        direct, fallback = map(int, re.search(r"streams opened: (\d+) direct, (\d+) through libp2p",
-                                              peers[i].output()).groups())
+        stopped = peers[i].events("stopped")[0]
+        direct, fallback = stopped["streams_direct"], stopped["streams_fallback"]
         assert direct >= 3 * ROUNDS and fallback == 0, (direct, fallback)
 
     bootstrap.process.send_signal(signal.SIGTERM)

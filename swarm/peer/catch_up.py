@@ -58,7 +58,7 @@ class CatchUp:
                 e = StateSyncError("the state sync was interrupted by the stop")
             self.rounds.resync_failed(moved_on)
             logger.warning("%s; continuing with my own state", e)
-            self.events.emit("sync_failed", reason=str(e), moved_on=moved_on)
+            self.events.emit("sync_failed", error=str(e), moved_on=moved_on, reason=reason)
             return False
         how = "replay" if synced.replayed is not None else "download"
         self.metrics.resyncs.labels(how=how).inc()

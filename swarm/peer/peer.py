@@ -120,6 +120,8 @@ class Peer:
         self.inner_optimizer = make_inner_optimizer(self.model, r.inner)
         logger.info("model: %.2fM parameters, %d blocks, on %s; replay log up to %.2f MB", self.diloco.numel / 1e6,
                     self.n_blocks, self.device, self.diloco.log_bytes / 1e6)
+        self.events.emit("model", parameters=self.diloco.numel, blocks=self.n_blocks, device=str(self.device),
+                         replay_log_bytes=self.diloco.log_bytes)
 
     def _start_services(self) -> None:
         """The all-reduce and state servers, the announcer and its heartbeat, the metrics endpoint, and the round
@@ -296,8 +298,9 @@ class Peer:
         moved = self.stream.leave_if_shared(self.announcer.live())
         if not moved:
             return batches
-        logger.info("data: %s", moved)
-        self.events.emit("data_moved", shard=self.stream.start, step=self.stream.step, how=moved)
+        logger.info("data: %s", moved.text)
+        self.events.emit("data_moved", shard=self.stream.start, step=self.stream.step, how=moved.text,
+                         rival=moved.rival, from_shard=moved.from_shard)
         self.announcer.refresh_soon(self.loop)
         return self.stream.batches()
 
@@ -440,5 +443,6 @@ class Peer:
         if self.loop is not None:
             self.loop.close()
         logger.info("stopped")
-        self.events.emit("stopped")
+        opened = self.node.direct.opened if self.node is not None and self.node.direct is not None else {}
+        self.events.emit("stopped", streams_direct=opened.get("direct", 0), streams_fallback=opened.get("fallback", 0))
         self.events.close()

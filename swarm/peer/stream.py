@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -19,6 +20,16 @@ logger = logging.getLogger(__name__)
 def peer_id_hash(peer_id: str) -> int:
     """A peer id as a number: the tie-break of shard choices."""
     return int(hashlib.sha256(peer_id.encode()).hexdigest(), 16)
+
+
+@dataclass(frozen=True)
+class Moved:
+    """Why leave_if_shared moved our stream: the peer that started at our shard, the shard we left, and a line
+    for the log."""
+
+    rival: str
+    from_shard: int
+    text: str
 
 
 class DataStream:
@@ -64,12 +75,12 @@ class DataStream:
         self.start = choose_data_shard(reading, self.num_shards, self.id_hash)
         return f"inside the widest run of shards no live peer reads (they read {reading})"
 
-    def leave_if_shared(self, others: Sequence[PeerRecord]) -> Optional[str]:
+    def leave_if_shared(self, others: Sequence[PeerRecord]) -> Optional[Moved]:
         """Peers that join at the same moment choose from the same view (each before the other announced a shard)
         and can start at one shard: their streams are then identical, batch for batch. When another live peer
         announces our start and its id hashes lower than ours, we start a new stream inside the widest unread run
         (of two such peers, exactly one moves); a pinned start stays. Returns what happened, for the log, if we
-        moved: then batches() must be called again."""
+        moved (a Moved): then batches() must be called again."""
         if self.pinned is not None or self.start is None:
             return None
         rival = next((p for p in others if p.data_start == self.start and peer_id_hash(p.peer_id) < self.id_hash),
@@ -78,8 +89,9 @@ class DataStream:
             return None
         reading = _reading(others)
         before, self.start, self.step = self.start, choose_data_shard(reading, self.num_shards, self.id_hash), 0
-        return (f"peer {rival.peer_id} started at shard {before} too (identical batches); moving to shard "
-                f"{self.start}, inside the widest run of shards no live peer reads (they read {reading})")
+        return Moved(rival.peer_id, before, f"peer {rival.peer_id} started at shard {before} too (identical "
+                     f"batches); moving to shard {self.start}, inside the widest run of shards no live peer reads "
+                     f"(they read {reading})")
 
     def reading(self) -> Optional[int]:
         """The shard we read now (announced), or None before place()."""
