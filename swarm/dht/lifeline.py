@@ -1,7 +1,8 @@
-"""Helper processes die with the process that started them. hivemind forks a DHT process from ours and that process
-spawns p2pd; killed with SIGKILL, a peer left both running for good, holding its identity. Here each helper gets a
+"""Helper processes die with the process that started them. Our DHT process (swarm/dht/process.py) spawns p2pd;
+killed with SIGKILL, a peer once left both running for good, holding its identity. Here each helper gets a
 parent-death signal (Linux) and a thread that watches its parent's pid (everywhere); `identity_holders` finds a
-local p2pd that still holds an identity file, so a refused restart can say which process to stop.
+local p2pd that still holds an identity file, so a refused restart can say which process to stop. Standard library
+only: the DHT process imports this before anything else.
 """
 
 from __future__ import annotations
@@ -16,12 +17,8 @@ import threading
 import time
 from typing import Callable, Iterator, Optional
 
-import hivemind
-import torch.multiprocessing
-
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 WATCH_SECONDS = 0.2  # how often a helper checks that its parent lives (the portable watch)
-SHUTDOWN_GRACE = 0.8  # seconds an orphaned DHT process gives hivemind to stop p2pd before killing it itself
 Prctl = Callable[..., int]
 
 
@@ -112,49 +109,6 @@ def _alive(pid: int) -> bool:
             return True
         except ProcessLookupError:
             return False
-
-
-class LinkedDHT(hivemind.DHT):
-    """hivemind's DHT process, tied to the process that starts it: it ends when that process dies, by any signal,
-    and so do the p2pd daemons it spawns. On Linux the kernel does it (parent-death signals down the chain); a
-    watch of the parent's pid shuts the node down the same way where there are none (macOS)."""
-
-    def __init__(self, *args, **kwargs):
-        # hivemind keeps the state of its cross-process futures in torch shared memory with the file_system
-        # strategy, whose torch_shm_manager (107 MB resident) outlives its last client by 2 s. Passed by file
-        # descriptor, the same memory needs no manager, for about 2 ms more per DHT call. (macOS has file_system only.)
-        if "file_descriptor" in torch.multiprocessing.get_all_sharing_strategies():
-            torch.multiprocessing.set_sharing_strategy("file_descriptor")
-        super().__init__(*args, **kwargs)
-
-    def start(self) -> None:
-        self._starter_pid = os.getpid()
-        # The parent-death signal fires when the forking *thread* exits; only the main thread lives as long as the
-        # process. From another thread, the pid watch alone ties the DHT process to us.
-        self._started_by_main_thread = threading.current_thread() is threading.main_thread()
-        super().start()
-
-    def run(self) -> None:
-        """The DHT process's body (hivemind's), with the ties to our parent around it."""
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the parent-death signal, and hivemind's hard stop: end now
-        prctl = load_prctl()
-        if self._started_by_main_thread:
-            die_with_parent(prctl, self._starter_pid, signal.SIGTERM)
-        children: list = []
-        watch_parent(self._starter_pid, lambda: self._orphaned(children))
-        with children_die_with_this_process(prctl, children):
-            super().run()
-
-    def _orphaned(self, children: list) -> None:
-        """Our parent died (seen by the pid watch): ask our own loop to shut the node down as the parent would
-        have (hivemind then stops p2pd and removes its sockets), and make sure of it after a grace period."""
-        with contextlib.suppress(OSError, ValueError):
-            self._outer_pipe.send(("_shutdown", [], {}))  # what DHT.shutdown sends; we hold that pipe end too
-        deadline = time.monotonic() + SHUTDOWN_GRACE
-        while time.monotonic() < deadline and any(child.returncode is None for child in children):
-            time.sleep(0.05)
-        end_children(children, grace=0.3)
-        os._exit(0)
 
 
 def identity_held_here(identity_path: str, wait: float = 0.0) -> Optional[str]:

@@ -6,21 +6,19 @@ The rest of swarm never imports hivemind; it talks to `SwarmNode`.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Optional, Sequence
 
-import hivemind
 import msgpack
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import ValueWithExpiration, get_dht_time
-from hivemind.utils.multiaddr import Multiaddr
 
 from swarm.dht.direct import HELLO_PROTOCOL, DirectStreams, listen_hosts
 from swarm.dht.frames import FRAME_HEADER, MAX_FRAME_BYTES, recv_frame, send_frame  # noqa: F401 - re-exported
-from swarm.dht.lifeline import LinkedDHT, identity_held_here
+from swarm.dht.lifeline import identity_held_here
+from swarm.dht.process import DHTProcess, rejoin_initial_peers
 from swarm.dht.records import RECIPE_KEY, RECIPE_RULE
 from swarm.dht.validation import Identity, IdentityError, KeyRule, SwarmValidator, make_validators
 
@@ -65,7 +63,8 @@ StreamHandler = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter], Awai
 
 
 class SwarmNode:
-    """A DHT node (a hivemind DHT process plus its p2pd daemon) and a P2P replica bound to the caller's loop."""
+    """A DHT node (our DHT process, see swarm/dht/process.py, plus its p2pd) and a P2P replica bound to the
+    caller's loop."""
 
     def __init__(self, initial_peers: Sequence[str], options: NetworkOptions, startup_timeout: float = 30.0):
         for maddr in initial_peers:
@@ -91,10 +90,8 @@ class SwarmNode:
                 raise NodeError(f"identity {self.identity.path} is in use on this machine by {holder}, or give this "
                                 "peer another --identity-path")
         try:
-            self.dht = LinkedDHT(initial_peers=list(initial_peers), start=True,
-                                 await_ready=True, startup_timeout=startup_timeout,
-                                 record_validators=make_validators(self.identity, {RECIPE_KEY: RECIPE_RULE}),
-                                 **kwargs)
+            self.dht = DHTProcess(initial_peers, make_validators(self.identity, {RECIPE_KEY: RECIPE_RULE}),
+                                  startup_timeout=startup_timeout, **kwargs)
         except Exception as e:  # noqa: BLE001 - hivemind raises many types for "could not start / reach"
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             if "is already taken by another peer" in reason:  # hivemind dialled our peer id and someone answered
@@ -105,7 +102,7 @@ class SwarmNode:
                             f"{reason}") from None
         finally:
             self.identity.discard_file()  # p2pd has read it; a temporary key must not outlive the node on disk
-        self.peer_id: str = self.dht.peer_id.to_base58()
+        self.peer_id: str = self.dht.peer_id
         if self.peer_id != self.identity.peer_id:
             self.dht.shutdown()
             raise NodeError(f"p2pd runs as {self.peer_id} but the identity key gives {self.identity.peer_id}: "
@@ -127,11 +124,11 @@ class SwarmNode:
 
     # ---- records -------------------------------------------------------------------------------------------
     async def store(self, key: str, value: Any, ttl: float, subkey: Optional[str] = None) -> bool:
-        return bool(await self.dht.store(key, value, get_dht_time() + ttl, subkey=subkey, return_future=True))
+        return bool(await self.dht.store(key, value, get_dht_time() + ttl, subkey=subkey))
 
     async def get(self, key: str) -> dict[str, Any]:
         """Subkey -> value of a dictionary record (empty if absent); a plain value is returned under key ''."""
-        found = await self.dht.get(key, latest=True, return_future=True)
+        found = await self.dht.get(key, latest=True)
         if found is None:
             return {}
         value = found.value
@@ -153,8 +150,7 @@ class SwarmNode:
         if not self._initial_peers or time.monotonic() - self._last_rejoin < REJOIN_SECONDS:
             return []
         self._last_rejoin = time.monotonic()
-        coroutine = functools.partial(_rejoin, initial_peers=self._initial_peers)
-        return await self.dht.run_coroutine(coroutine, return_future=True)
+        return await self.dht.run_coroutine(rejoin_initial_peers, self._initial_peers)
 
     @staticmethod
     def now() -> float:
@@ -234,25 +230,3 @@ class SwarmNode:
         except Exception:  # noqa: BLE001 - best effort at exit
             logger.debug("DHT shutdown raised", exc_info=True)
 
-
-async def _rejoin(_dht: hivemind.DHT, node: Any, initial_peers: tuple[str, ...]) -> list[str]:
-    """Runs in the DHT process: dial and ping each initial peer missing from the routing table; a ping also
-    asks that peer to add us to its table."""
-    rejoined = []
-    for maddr in initial_peers:
-        address, peer_id_text = maddr.rsplit("/p2p/", 1)
-        peer_id = PeerID.from_base58(peer_id_text)
-        if node.protocol.routing_table.get(peer_id=peer_id) is not None:
-            continue
-        try:
-            # p2pd may have dropped the address after the disconnect; hivemind has no public call for this.
-            await node.p2p._client.connect(peer_id, [Multiaddr(address)])
-            if await node.protocol.call_ping(peer_id) is None:
-                continue
-        except Exception as e:  # noqa: BLE001 - still unreachable: try again later
-            logger.debug("initial peer %s is still unreachable: %r", peer_id_text, e)
-            continue
-        if peer_id in node.blacklist:
-            node.blacklist.register_success(peer_id)  # lift the back-off from its downtime
-        rejoined.append(peer_id_text)
-    return rejoined
