@@ -17,7 +17,7 @@ from swarm.dht.node import NetworkOptions, NodeError, SwarmNode
 from swarm.dht.recipes import publish_recipe
 from swarm.events import EventLog
 from swarm.monitoring.http import MonitoringServer
-from swarm.monitoring.metrics import SwarmGauges
+from swarm.monitoring.metrics import ProcessTreeMemory, SwarmGauges
 from swarm.monitoring.status_page import REFRESH_SECONDS, StatusBoard
 from swarm.monitoring.swarm_status import SwarmExporter, read_swarm, recipe_blocks
 from swarm.runtime import LoopThread, install_stop_handlers
@@ -83,12 +83,13 @@ def _stop_on_signals(stop: threading.Event) -> None:
 
 class SwarmMonitor:
     """Everything the bootstrap derives from each read of the swarm: the registry behind /metrics (SwarmExporter's
-    gauges, our extra swarm-wide gauges, process metrics) and the status board (latest view + loss history)
-    behind the page and /api/swarm."""
+    gauges, our extra swarm-wide gauges, process metrics, the memory of our process tree) and the status board
+    (latest view + loss history) behind the page and /api/swarm."""
 
     def __init__(self, board: StatusBoard):
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
+        ProcessTreeMemory(self.registry)  # with the DHT process and p2pd
         self.exporter, self.gauges, self.board = SwarmExporter(self.registry), SwarmGauges(self.registry), board
 
     async def refresh(self, node: SwarmNode, recipe: Recipe) -> None:

@@ -12,6 +12,9 @@ import time
 from typing import TYPE_CHECKING, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+
+from swarm.dht.process import DHT_PROCESS_MAIN
 
 if TYPE_CHECKING:  # imported for annotations only: this module must stay importable without torch
     import torch
@@ -20,6 +23,7 @@ if TYPE_CHECKING:  # imported for annotations only: this module must stay import
 
 logger = logging.getLogger(__name__)
 FP32_BYTES = 4  # pseudo-gradients are fp32 before any codec touches them
+PROCESS_ROLES = ("main", "dht", "p2pd", "other")  # the processes of a peer or bootstrap, as the memory gauges name them
 
 
 class PeerMetrics:
@@ -27,6 +31,7 @@ class PeerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         ProcessCollector(registry=r)  # process_start_time_seconds, CPU, RSS: alerts tell new peers from stuck ones
+        ProcessTreeMemory(r)
         self.info = Info("swarm_peer", "Version, device type and codec of this peer", registry=r)
         self.outer_round = Gauge("swarm_outer_round", "Outer round this peer is in", registry=r)
         self.inner_steps = Counter("swarm_inner_steps_total", "Inner optimizer steps", registry=r)
@@ -166,6 +171,77 @@ def process_resident_bytes() -> float:
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return float(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux
+
+
+class ProcessTreeMemory:
+    """Resident memory of this process and of every process below it (the DHT process, p2pd, anything else), read
+    from /proc at each scrape: `swarm_process_tree_resident_bytes`, and `swarm_process_resident_bytes` by role."""
+
+    def __init__(self, registry: CollectorRegistry, root_pid: Optional[int] = None):
+        self.root_pid = os.getpid() if root_pid is None else root_pid
+        registry.register(self)
+
+    def collect(self) -> list[GaugeMetricFamily]:
+        by_role = tree_resident_bytes(self.root_pid)
+        total = GaugeMetricFamily("swarm_process_tree_resident_bytes", "Resident memory of this peer's (or "
+                                  "bootstrap's) processes together: main, DHT process, p2pd, any other child (pages "
+                                  "they share count once per process)", value=sum(by_role.values()))
+        each = GaugeMetricFamily("swarm_process_resident_bytes", "Resident memory of this peer's (or bootstrap's) "
+                                 "processes, by process: main, dht (the DHT process), p2pd (libp2p daemon), other "
+                                 "(all others)", labels=["process"])
+        for role in PROCESS_ROLES:
+            each.add_metric([role], by_role[role])
+        return [total, each]
+
+
+def tree_resident_bytes(root_pid: int) -> dict[str, float]:
+    """Resident bytes of `root_pid`'s process tree, summed by role (PROCESS_ROLES). Without /proc (macOS), the
+    root's own resident set under "main" and 0 for the rest."""
+    by_role = dict.fromkeys(PROCESS_ROLES, 0.0)
+    if not os.path.isdir("/proc"):
+        by_role["main"] = process_resident_bytes()
+        return by_role
+    page = os.sysconf("SC_PAGE_SIZE")
+    for pid in process_tree(root_pid):
+        try:
+            with open(f"/proc/{pid}/statm") as statm:
+                by_role[process_role(pid, root_pid)] += int(statm.read().split()[1]) * page
+        except (OSError, ValueError, IndexError):
+            continue  # it exited meanwhile
+    return by_role
+
+
+def process_tree(root_pid: int) -> list[int]:
+    """`root_pid` and every live process below it, from /proc (parents before their children)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    state, ppid = f.read().rsplit(b")", 1)[1].split()[:2]
+            except (OSError, ValueError):
+                continue
+            if state not in (b"Z", b"X"):
+                children.setdefault(int(ppid), []).append(int(entry))
+    tree, index = [root_pid], 0
+    while index < len(tree):
+        tree += children.get(tree[index], [])
+        index += 1
+    return tree
+
+
+def process_role(pid: int, root_pid: int) -> str:
+    """What `pid` is in `root_pid`'s tree: main (the root), dht (our DHT process), p2pd, or other."""
+    if pid == root_pid:
+        return "main"
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return "other"
+    if os.path.basename(argv[0]).startswith(b"p2pd"):
+        return "p2pd"
+    return "dht" if DHT_PROCESS_MAIN.encode() in argv else "other"
 
 
 def system_memory_bytes() -> float:
