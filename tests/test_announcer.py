@@ -67,8 +67,10 @@ def test_the_reference_needs_the_quorum_of_the_last_group_we_averaged_in():
     assert reader.swarm_reference() == (4, "d", list("abcde")), "two of a group of six cannot move it"
     reader.last_group_size = 2
     assert reader.swarm_reference() == (5, "evil", ["c2", "liar"]), "two distinct peers: a group of two's majority"
-    assert announcer([record("liar", round_no=5, digest="evil")]).swarm_reference() == (0, "", []), \
-        "a peer that sees only one other never follows it: at start-up that one may be the attacker"
+    assert announcer([record("liar", round_no=5, digest="evil"), record("a", round_no=4, digest="d")]
+                     ).swarm_reference() == (0, "", []), "one against one: neither is followed"
+    assert announcer([record("partner", round_no=5, digest="p")]).swarm_reference() == (5, "p", ["partner"]), \
+        "a swarm of two: the peer follows its only other peer"
 
 
 def test_attempts_count_our_own_announced_attempt():

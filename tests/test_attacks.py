@@ -40,8 +40,10 @@ def test_a_forged_reference_moves_no_honest_peer(swarm, cache_dir):
     """The attacker announces the swarm's round + 1 with random params of its own, and serves them to whoever
     asks. Without a quorum every peer re-synced to that state at once; with it, no honest peer takes it, and the
     honest swarm trains on to bit-identical params."""
-    rounds = 6
+    rounds = 8
     _, maddr = swarm.bootstrap()
+    # The attacker is ready first, and lies from the moment two honest peers vouch for a state (alone with one
+    # honest peer it would be followed: a swarm of two follows its other peer).
     attacker, attacker_events = start_attacker(swarm, maddr, "forged-reference", cache_dir)
     try:
         honest = [swarm.peer(maddr, "--until-round", str(rounds), name=f"honest{i}") for i in range(3)]

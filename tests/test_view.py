@@ -160,13 +160,14 @@ def test_one_record_claiming_a_newer_state_does_not_move_the_reference():
     assert view.reference(honest, NOW, quorum=4) == (0, "", []), "no round with the quorum: nothing to follow"
 
 
-def test_the_quorum_is_a_majority_of_the_last_group_never_below_two():
+def test_the_quorum_is_a_majority_of_the_last_group_and_two_unless_one_peer_is_all_there_is():
     assert view.quorum(last_group_size=0, vouchers=5) == 2, "a joiner: two distinct peers, never one"
     assert view.quorum(last_group_size=3, vouchers=5) == 2
     assert view.quorum(last_group_size=6, vouchers=7) == 4, "two of six cannot move a group of six"
     assert view.quorum(last_group_size=6, vouchers=4) == 3, "peers left: all but one of those there are"
-    assert view.quorum(last_group_size=2, vouchers=1) == 2, "one peer alone, perhaps a liar, is never followed"
-    assert view.quorum(last_group_size=0, vouchers=0) == 2
+    assert view.quorum(last_group_size=2, vouchers=2) == 2, "with two others, one alone is never followed"
+    assert view.quorum(last_group_size=0, vouchers=1) == 1, "a swarm of two follows its other peer"
+    assert view.quorum(last_group_size=0, vouchers=0) == 1
     records = [record(p, round_no=4, digest="d") for p in "abc"] + [record("e", round_no=5, digest=""),
                                                                       record("old", round_no=4, digest="d",
                                                                              updated=NOW - FRESH_SECONDS - 1)]

@@ -148,10 +148,13 @@ def vouchers(records: Records, now: float) -> int:
 
 def quorum(last_group_size: int, vouchers: int) -> int:
     """How many distinct live peers must announce a state before this peer follows it: a majority of the last
-    group it averaged in, and never fewer than two, so that no single participant can move the swarm's reference
-    (nor lead a peer that sees only it at start-up). The bar is lowered to all but one of the `vouchers` there are
-    (peers leave; a liar's own record must not raise it past what the honest peers left can meet), but not below
-    two: a newcomer waits for a second peer rather than follow a lone one."""
+    group it averaged in, and at least two, so that no single participant can move the swarm's reference while
+    another peer is there to contradict it. The bar is lowered to all but one of the `vouchers` there are (peers
+    leave; a liar's own record must not raise it past what the honest peers left can meet), but not below two;
+    only a peer that sees a single other peer announce a state follows that one (a swarm of two, e.g. a peer
+    restarted without a checkpoint beside its partner): averaging with it would give it as much say anyway."""
+    if vouchers <= 1:
+        return 1
     return min(max(2, last_group_size // 2 + 1), max(2, vouchers - 1))
 
 
