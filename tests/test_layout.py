@@ -30,7 +30,8 @@ def imports_of(path: Path, name: str, known: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
             targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
         else:
             continue
