@@ -66,7 +66,8 @@ def test_two_peers_train_three_rounds_with_exact_averages(swarm):
         # Both peers listen on 127.0.0.1: every stream between them skips the daemons.
         stopped = peers[i].events("stopped")[0]
         direct, fallback = stopped["streams_direct"], stopped["streams_fallback"]
-        assert direct >= 3 * ROUNDS and fallback == 0, (direct, fallback)
+        # One stream goes through libp2p: the start-up dial-back to the bootstrap, which serves no direct streams.
+        assert direct >= 3 * ROUNDS and fallback <= 1, (direct, fallback)
 
     bootstrap.process.send_signal(signal.SIGTERM)
     assert bootstrap.wait(30) == 0

@@ -26,6 +26,7 @@ class Stop:
         self.event = threading.Event()
         self.deadline: Optional[float] = None  # monotonic time a stop signal must have ended us by
         self.loop = None
+        self.watchdog: Optional[threading.Timer] = None  # armed by the first signal
 
     def install(self) -> None:
         install_stop_handlers(self.signalled)
@@ -40,9 +41,9 @@ class Stop:
         self.events.emit("stopping", signal=signum)
         if self.loop is not None:
             self.loop.cancel_submitted()
-        watchdog = threading.Timer(self.seconds + 0.5, self._now)
-        watchdog.daemon = True
-        watchdog.start()
+        self.watchdog = threading.Timer(self.seconds + 0.5, self._now)
+        self.watchdog.daemon = True
+        self.watchdog.start()
 
     def _now(self) -> None:
         logger.error("did not stop within %.0f s of the signal: exiting without the final checkpoint", self.seconds)
