@@ -65,7 +65,6 @@ class Peer:
         self.rounds: Optional[Rounds] = None
         self._last_checkpoint_round = -1
         self._seen_view: Optional[list[PeerRecord]] = None  # the swarm view the data stream last looked at
-        self.clock = StepClock()
 
     # ---- start-up ------------------------------------------------------------------------------------------
     def start(self) -> None:

@@ -231,7 +231,7 @@ class Rounds:
     def resynced(self) -> None:
         """Our state is now the swarm's: a fresh round, attempts from 0."""
         with self._lock:
-            self.tokens_in_round = self.steps_in_round = 0
+            self.dropped()
             self.next_attempt = self.retry_after_tokens = self.attempt = 0
 
     def resync_failed(self, moved_on: bool) -> None:
