@@ -63,10 +63,14 @@ def test_a_second_signal_ends_a_peer_at_once(monkeypatch):
         assert stop.event.is_set() and not exits and 59 < stop.deadline - time.monotonic() <= 60
         assert stop.watchdog is not None and stop.watchdog.is_alive(), "the watchdog is armed"
         assert stop.time_left(30.0) == 30.0 and stop.time_left(100.0) <= 59.0, "shutdown steps get what is left"
+        armed = stop.watchdog
         stop.signalled(signal.SIGINT)
         assert exits == [128 + signal.SIGINT]
+        assert stop.watchdog is armed, "the second signal arms nothing more"
     finally:
-        stop.watchdog.cancel()  # it would end this test process a minute from now
+        stop.watchdog.cancel()  # it would end this test process (with the real os._exit) a minute from now
+    armed.join(5)
+    assert not armed.is_alive(), "no watchdog is left to end the test process later"
 
 
 def test_two_signals_in_a_row_end_a_real_peer_within_two_seconds(swarm):

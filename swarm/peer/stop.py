@@ -35,6 +35,7 @@ class Stop:
         if self.event.is_set():
             logger.warning("second signal (%d): stopping at once", signum)
             os._exit(128 + signum)
+            return  # (only reached where os._exit is replaced, as in a test)
         logger.info("stopping within %.0f s (signal %d); Ctrl-C again to stop at once", self.seconds, signum)
         self.deadline = time.monotonic() + self.seconds
         self.event.set()
