@@ -78,7 +78,7 @@ def worker(args: argparse.Namespace) -> None:
                                                           direct_streams=not args.libp2p_only))
     codecs = args.codec.split(",")  # round r uses codecs[r % len(codecs)]
     allreduces = {name: GroupAllReduce(node, f"bench-{name}", name, args.numel, AdaptiveDeadlines(30.0, 300.0),
-                                       ring=args.ring)
+                                       ring=args.ring, aggregator_name=args.aggregator)
                   for name in codecs}
     for allreduce in allreduces.values():
         loop.run(allreduce.start())
@@ -394,7 +394,8 @@ def run(args: argparse.Namespace, engine: str) -> dict:
                     "--rounds", str(args.rounds), "--engine", engine, "--host-maddr", host,
                     "--bandwidth-hint", str(hint), "--tcp-addresses", tcp_addresses,
                     "--tcp-bandwidths", tcp_bandwidths] + (["--save", args.save] if args.save else []) \
-                + (["--libp2p-only"] if args.libp2p_only else []) + ["--ring", args.ring]
+                + (["--libp2p-only"] if args.libp2p_only else []) + ["--ring", args.ring] \
+                + ["--aggregator", args.aggregator]
             prefix = namespaces.prefix(index) if namespaces else []
             processes.append(subprocess.Popen(prefix + argv, stdout=subprocess.PIPE, text=True,
                                               env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True))
@@ -405,7 +406,8 @@ def run(args: argparse.Namespace, engine: str) -> dict:
         if node is not None:
             node.shutdown()
         label = engine + ("-p2p" if engine == "swarm" and args.libp2p_only else "") + \
-            (f"-ring-{args.ring}" if engine == "swarm" and args.ring != "auto" else "")
+            (f"-ring-{args.ring}" if engine == "swarm" and args.ring != "auto" else "") + \
+            (f"-{args.aggregator}" if engine == "swarm" and args.aggregator != "mean" else "")
         return {"engine": label, "rows": rows}
     finally:
         kill_sessions(processes)
@@ -452,6 +454,7 @@ def main() -> None:
     w.add_argument("--tcp-bandwidths", default="")
     w.add_argument("--libp2p-only", action="store_true")
     w.add_argument("--ring", default="auto")
+    w.add_argument("--aggregator", default="mean")
     d = sub.add_parser("dht")
     d.add_argument("--host-maddr", required=True)
     for p in (parser,):
@@ -477,6 +480,8 @@ def main() -> None:
         p.add_argument("--ring", choices=("auto", "always", "never"), default="auto",
                        help="our engine's averaging.ring: auto (a lossless group with even links averages along "
                             "a ring), always, never (always a butterfly)")
+        p.add_argument("--aggregator", choices=("mean", "trimmed_mean", "centered_clip"), default="mean",
+                       help="our engine's averaging.aggregator (a robust one averages in a butterfly)")
     args = parser.parse_args()
     if args.mode == "worker":
         return worker(args)

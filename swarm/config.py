@@ -91,6 +91,10 @@ class AveragingRecipe(_Section):
     ring: Literal["auto", "always", "never"] = Field(
         "auto", description="lossless groups of 3+ average along a ring when their links are even (auto), whenever "
                             "they can (always), or always in a butterfly (never)")
+    aggregator: Literal["mean", "trimmed_mean", "centered_clip"] = Field(
+        "centered_clip", description="how a reducer combines the group's contributions: the weighted mean, or a "
+                                     "robust aggregate that bounds what one member can move it by (centered_clip, "
+                                     "trimmed_mean; weights capped at 4x the group's median; no ring)")
     min_phase_timeout: float = Field(5.0, gt=0, le=86400,
                                      description="floor of each phase's timeout; in between, timeouts follow "
                                                  "3x the slowest of the last rounds")
@@ -104,6 +108,13 @@ class AveragingRecipe(_Section):
         if codec not in CODEC_NAMES:
             raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODEC_NAMES)}")
         return codec
+
+    @model_validator(mode="after")
+    def _ring_needs_the_mean(self) -> "AveragingRecipe":
+        if self.ring == "always" and self.aggregator != "mean":
+            raise ValueError(f"averaging.ring: always needs averaging.aggregator: mean (a ring passes on partial "
+                             f"sums, which {self.aggregator} cannot combine); set one or the other")
+        return self
 
     @model_validator(mode="after")
     def _sizes(self) -> "AveragingRecipe":
@@ -350,7 +361,8 @@ class PeerSettings(_Section):
         description="for tests and drills: SIGKILL this peer at a phase (matchmaking, send, reduce, commit; ring: "
                     "while sending along a ring; serve: while answering a state request) of the first round >= ROUND "
                     "it averages in (or holds, for serve), send bad data (garbage, "
-                    "nan, short; ring-garbage: garbage along rings only) from that round on, or break its own "
+                    "nan, short; ring-garbage: garbage along rings only; scaled: its pseudo-gradient x1000, flipped: "
+                    "x-1, as a lying member would) from that round on, or break its own "
                     "training once (diverge: NaN params; explode: an absurd pseudo-gradient)")
 
 

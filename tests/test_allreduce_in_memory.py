@@ -127,10 +127,12 @@ WEIGHTS = (1.0, 2.0, 4.0)
 
 def _average(codec: str = "none", ring: str = "never", clients=(), fault: Optional[str] = None,
              weights=WEIGHTS, numel: int = 210_000, exact_from=None,
-             max_weight: float = float("inf")) -> tuple[list, list, list[tuple[str, str]]]:
-    """Every member of one group of PEERS averages its seeded vector; returns the vectors, each member's result
-    (or AllReduceError), and the (peer, reason) bad-peer reports. PEERS[2] runs `fault` (FaultPlan)."""
-    vectors = [torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(len(PEERS))]
+             max_weight: float = float("inf"), aggregator: str = "mean",
+             vectors: Optional[list] = None) -> tuple[list, list, list[tuple[str, str]]]:
+    """Every member of one group of PEERS averages its seeded vector (or its one of `vectors`); returns the
+    vectors, each member's result (or AllReduceError), and the (peer, reason) bad-peer reports. PEERS[2] runs
+    `fault` (FaultPlan)."""
+    vectors = vectors or [torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(len(PEERS))]
     reports: list[tuple[str, str]] = []
 
     async def scenario():
@@ -138,7 +140,7 @@ def _average(codec: str = "none", ring: str = "never", clients=(), fault: Option
         allreduces = [GroupAllReduce(_Node(peer, handlers), "t", codec, numel, AdaptiveDeadlines(5.0, 30.0),
                                      on_bad_peer=lambda peer, reason: reports.append((peer, reason)),
                                      faults=FaultPlan(fault if i == 2 else None), ring=ring,
-                                     max_weight=max_weight)
+                                     max_weight=max_weight, aggregator_name=aggregator)
                       for i, peer in enumerate(PEERS)]
         clients_of = clients or (False,) * len(PEERS)
         for allreduce, client in zip(allreduces, clients_of):
@@ -212,3 +214,26 @@ def test_garbage_is_rejected_and_blamed_on_its_sender_in_both_shapes(ring, fault
         assert isinstance(result, AllReduceError) and result.reason == "bad_data", result
         assert result.rejected == {"peerC"}, (result, result.rejected)
     assert isinstance(results[2], AllReduceError), "nothing is applied anywhere"
+
+
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_a_robust_aggregator_bounds_a_scaled_contribution_where_the_mean_takes_it(codec):
+    """A member sends its pseudo-gradient x1000 with an honest weight: the butterfly's reducers, with
+    centered_clip, keep every member's result near the honest members' mean (and all of them bit-identical),
+    where the plain mean moves ~300x as far. Without an attacker, centered_clip is the mean exactly."""
+    numel = 120_000
+    common = torch.randn(numel, generator=torch.Generator().manual_seed(7))
+    honest = [common + 0.5 * torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    attacked, weights = [honest[0], honest[1], 1000 * honest[2]], (2.0, 3.0, 2.5)
+    target = (honest[0] * weights[0] + honest[1] * weights[1]) / (weights[0] + weights[1])
+    errors = {}
+    for aggregator in ("mean", "centered_clip"):
+        _, results, reports = _average(codec=codec, aggregator=aggregator, vectors=attacked, numel=numel,
+                                       weights=weights)
+        assert not reports and all(not isinstance(r, Exception) for r in results), results
+        assert all(torch.equal(r.average, results[0].average) for r in results), "members end bit-identical"
+        errors[aggregator] = float((results[0].average - target).norm() / target.norm())
+    assert errors["mean"] > 100 and errors["centered_clip"] < 0.6, errors
+    _, clean, _ = _average(aggregator="centered_clip", vectors=honest, numel=numel, weights=weights)
+    _, plain, _ = _average(aggregator="mean", vectors=honest, numel=numel, weights=weights)
+    assert all(torch.equal(c.average, p.average) for c, p in zip(clean, plain)), "no attacker: the mean, exactly"

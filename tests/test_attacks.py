@@ -3,6 +3,7 @@ process, lying where it can). What honest peers end with is checked, not what th
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -10,6 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from conftest import kill_session
 from swarm.events import read_events
@@ -60,3 +63,47 @@ def test_a_forged_reference_moves_no_honest_peer(swarm, cache_dir):
         assert not taken, f"{peer.name} took the attacker's state: {taken}"
     finals = [peer.events("averaged", round=rounds - 1) for peer in honest]
     assert all(finals) and len({f[0]["digest"] for f in finals}) == 1, "the honest peers end bit-identical"
+
+
+def _traces(directory: Path) -> dict[int, tuple[dict, dict]]:
+    out = {}
+    for meta_path in sorted(directory.glob("round-*.json")):
+        meta = json.loads(meta_path.read_text())
+        out[meta["round"]] = (meta, load_file(str(meta_path.with_suffix(".safetensors"))))
+    return out
+
+
+def test_a_scaled_pseudo_gradient_moves_the_average_a_bounded_way(swarm):
+    """One of four members sends its pseudo-gradient x1000 (well-formed, finite, an honest weight) every round.
+    With the default aggregator (centered_clip) the average every member applies stays within twice the honest
+    members' spread of their own mean, where the plain mean would have been ~250x as far; the honest members
+    end bit-identical and nobody's contribution is dropped."""
+    rounds = 3
+    _, maddr = swarm.bootstrap()
+    names = ["honest0", "honest1", "honest2", "attacker"]
+    peers = [swarm.peer(maddr, "--until-round", str(rounds), "--trace-dir", str(swarm.workdir / name),
+                        *(["--inject-fault", "scaled@0"] if name == "attacker" else []), name=name)
+             for name in names]
+    for peer in peers:
+        assert peer.wait(300) == 0, peer.output()[-3000:]
+    traces = {name: _traces(swarm.workdir / name) for name in names}
+    attacked = 0
+    for round_no in range(rounds):
+        entries = {name: traces[name][round_no] for name in names if round_no in traces[name]}
+        honest = [entries[n] for n in names[:3] if n in entries]
+        assert len(honest) == 3, f"round {round_no}: every honest peer averaged"
+        metas, tensors = zip(*honest)
+        assert all(torch.equal(t["global_after"], tensors[0]["global_after"]) for t in tensors)
+        if "attacker" not in metas[0]["members"]:
+            continue  # (a round it missed: nothing to measure)
+        attacked += 1
+        weights = [m["weight"] for m in metas]
+        honest_mean = sum(t["pseudo_gradient"] * w for t, w in zip(tensors, weights)) / sum(weights)
+        spread = max(float((t["pseudo_gradient"] - honest_mean).norm()) for t in tensors)
+        lie_meta, lie = entries["attacker"]
+        with_lie = (honest_mean * sum(weights) + 1000 * lie["pseudo_gradient"] * lie_meta["weight"]) \
+            / (sum(weights) + lie_meta["weight"])
+        moved = float((tensors[0]["average"] - honest_mean).norm())
+        assert moved <= 2 * spread, f"round {round_no}: moved {moved:.4g}, honest spread {spread:.4g}"
+        assert float((with_lie - honest_mean).norm()) > 50 * spread, "the lie was big enough to matter"
+    assert attacked >= 2, "the attacker took part in too few rounds to show anything"

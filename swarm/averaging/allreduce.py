@@ -21,6 +21,7 @@ from typing import Callable, Optional
 import msgpack
 import torch
 
+from swarm.averaging.aggregate import aggregator
 from swarm.averaging.butterfly import Butterfly
 from swarm.averaging.common import CHUNK_ALIGN, COMMIT_GRACE, AllReduceError, AllReduceResult, Mailbox
 from swarm.averaging.deadlines import AdaptiveDeadlines
@@ -44,8 +45,9 @@ class GroupAllReduce:
 
     def __init__(self, node: SwarmNode, run_id: str, codec_name: str, max_numel: int, deadlines: AdaptiveDeadlines,
                  on_bad_peer: Optional[Callable[[str, str], None]] = None, faults: Optional[FaultPlan] = None,
-                 ring: str = "never", max_weight: float = float("inf")):
+                 ring: str = "never", max_weight: float = float("inf"), aggregator_name: str = "mean"):
         self.node, self.codec = node, get_codec(codec_name)
+        self.aggregator_name = aggregator_name  # how reducers combine contributions (aggregate.py)
         self.max_weight = max_weight  # a contribution declaring more tokens than this is refused as bad_weight
         self.ring = ring
         self.deadlines = deadlines
@@ -186,7 +188,7 @@ class GroupAllReduce:
         try:
             shape = Ring if self.uses_ring(group) else Butterfly
             context = RunContext(self.node.peer_id, self.codec, self.deadlines, self.faults, self.streams,
-                                 self.on_bad_peer, self.max_weight)
+                                 self.on_bad_peer, self.max_weight, aggregator(self.aggregator_name))
             result = await shape(context, group, self._mailbox(group.group_id), vector, weight, exact_from).execute()
             if not group.is_client(self.node.peer_id):  # only the last group matters (see settle)
                 self._unasked = {group.group_id: {peer for peer in group.members if group.is_client(peer)}}
@@ -212,7 +214,7 @@ class GroupAllReduce:
 
     def uses_ring(self, group: Group) -> bool:
         """Whether this group averages along a ring (ring.py): every member computes the same answer."""
-        return uses_ring(self.ring, self.codec.name, group)
+        return self.aggregator_name == "mean" and uses_ring(self.ring, self.codec.name, group)
 
 
 def _remembered(futures: dict, key, forgotten) -> asyncio.Future:

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from swarm.averaging.common import AllReduceError, Mailbox, all_or_first_failure, chunk_bounds, first_line
+from swarm.averaging.faults import LYING_VALUES
 from swarm.averaging.matchmaking import Group
 from swarm.averaging.messages import Averaged, Contribution, MessageError
 from swarm.averaging.partition import partition
@@ -102,7 +103,7 @@ class Butterfly(Run):
         alive = list(self.others)
         rejected: list[str] = []
         for k, (a, b) in enumerate(self.chunking[self.index]):
-            total, total_weight, contributors = self.vector[a:b] * self.weight, float(self.weight), [self.me]
+            parts, weights, contributors = [self.vector[a:b]], [float(self.weight)], [self.me]
             for sender in list(alive):
                 if not await self.came(self.mailbox.slot("part", sender, k), sender):
                     alive.remove(sender)  # not waited for again: later chunks go on without it
@@ -116,18 +117,18 @@ class Butterfly(Run):
                     alive.remove(sender)
                     rejected.append(sender)
                     continue
-                total += part * sender_weight
-                total_weight += sender_weight
+                parts.append(part)
+                weights.append(sender_weight)
                 contributors.append(sender)
-            if total_weight <= 0:
+            if sum(weights) <= 0:
                 raise AllReduceError("bad_data", "the group's total weight is zero: nobody trained this round", set())
-            average = total / total_weight
+            average, total_weight = self.context.aggregate(parts, weights)
             encoded = self.codec_at(a).encode(average)
             self.result[a:b] = self.codec_at(a).decode(encoded, max_numel=b - a)  # exactly what the others will hold
             self.wire[a] = (a, b, bytes(encoded))
             meta = Averaged(tuple(sorted(contributors)), tuple(sorted(rejected)), total_weight).to_wire()
             self.accounts.setdefault(self.me, []).append(meta)
-            outgoing = self.outgoing(average, self.codec_at(a)) if self.bad else encoded
+            outgoing = encoded if self.bad in (None, *LYING_VALUES) else self.outgoing(average, self.codec_at(a))
             for queue in self.queues.values():
                 queue.put_nowait((meta, outgoing))
 

@@ -14,9 +14,10 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
+from swarm.averaging.aggregate import Aggregate, mean
 from swarm.averaging.common import COMMIT_GRACE, AllReduceError, AllReduceResult, Mailbox, first_line, no_chunks
 from swarm.averaging.deadlines import AdaptiveDeadlines
-from swarm.averaging.faults import FaultPlan
+from swarm.averaging.faults import LYING_VALUES, SCALE, FaultPlan
 from swarm.averaging.matchmaking import Group
 from swarm.averaging.messages import Body, Contribution, Header, MessageError
 from swarm.averaging.streams import GroupConflict, StreamClient
@@ -36,6 +37,7 @@ class RunContext:
     streams: StreamClient
     on_bad_peer: Callable[[str, str], None]  # (peer, reason): a peer sent a bad contribution
     max_weight: float = float("inf")  # the most tokens one member's contribution may weigh (a weight is declared)
+    aggregate: Aggregate = mean  # how a reducer combines a chunk's contributions (aggregate.py)
 
 
 class Run(abc.ABC):
@@ -175,6 +177,8 @@ class Run(abc.ABC):
             return bytes(payload)
         if self.bad == "short":
             return codec.encode(part[: max(part.numel() // 2, 1)])
+        if self.bad in LYING_VALUES:
+            return codec.encode(part * (SCALE if self.bad == "scaled" else -1.0))
         return codec.encode(part)
 
     def validated(self, sender: str, contribution: Contribution | MessageError, payload: bytes, numel: int,

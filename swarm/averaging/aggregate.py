@@ -1,0 +1,102 @@
+"""How a reducer combines a group's contributions to one chunk. A contribution's values and weight are whatever its
+sender chose, so besides the plain weighted mean there are robust aggregates that bound how far any one
+contribution (or a minority of them) can move the result: CenteredClip (Karimireddy et al. 2021, as BTARD runs it
+inside a butterfly all-reduce) and the coordinate-wise trimmed mean. Every reducer of a group runs the same
+function on the same members, so all reducers agree on the weights they name."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+AGGREGATORS = ("mean", "trimmed_mean", "centered_clip")
+# A robust aggregate counts no contribution as more than this many times the group's (lower) median weight: a
+# weight is declared by its sender, and one inflated weight would otherwise outvote the rest (at 1.5, one of three
+# members holds at most 3/7 of the weight, one of four 1/3). An honest peer 10x faster than the median counts 1.5x;
+# its pseudo-gradient, from more steps, is larger anyway.
+WEIGHT_SPREAD = 1.5
+# CenteredClip's radius, in medians of the contributions' distances to their coordinate-wise median. Within it a
+# contribution counts whole; honest contributions of a group lie well inside (see tests/test_aggregate.py).
+CLIP_RADIUS = 2.0
+CLIP_ITERATIONS = 50
+CLIP_TOLERANCE = 1e-6  # stop iterating once a step moves the centre less than this fraction of the radius
+# (contributions, their declared weights) -> (the aggregate, the total weight it counts)
+Aggregate = Callable[[Sequence[torch.Tensor], Sequence[float]], tuple[torch.Tensor, float]]
+
+
+def capped_weights(weights: Sequence[float]) -> list[float]:
+    """`weights`, each at most WEIGHT_SPREAD times the lower median of them (the median of an honest majority)."""
+    ceiling = WEIGHT_SPREAD * sorted(weights)[(len(weights) - 1) // 2]
+    return [min(float(w), ceiling) for w in weights]
+
+
+def mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> tuple[torch.Tensor, float]:
+    """The weighted mean and the total weight (summed in order: every reducer gets the same bits for the same
+    inputs)."""
+    total, total_weight = parts[0] * weights[0], float(weights[0])
+    for part, weight in zip(parts[1:], weights[1:]):
+        total += part * weight
+        total_weight += weight
+    return total / total_weight, total_weight
+
+
+def trimmed_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> tuple[torch.Tensor, float]:
+    """Per coordinate, the weighted mean of what is left after dropping the `trimmed(n)` largest and smallest
+    values; weights capped (capped_weights). The total weight is that of all contributions: each took part."""
+    weights = capped_weights(weights)
+    n, cut = len(parts), trimmed(len(parts))
+    if cut == 0:
+        return mean(parts, weights)
+    stacked = torch.stack(list(parts))
+    values, order = torch.sort(stacked, dim=0)
+    kept_weights = torch.tensor(weights, dtype=stacked.dtype)[order[cut:n - cut]]
+    kept = values[cut:n - cut]
+    return (kept * kept_weights).sum(0) / kept_weights.sum(0), float(sum(weights))
+
+
+def trimmed(n: int) -> int:
+    """How many values trimmed_mean drops at each end among n: none of two, then a fifth, rounded up."""
+    return 0 if n <= 2 else -(-n // 5)
+
+
+def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> tuple[torch.Tensor, float]:
+    """CenteredClip with weights capped (capped_weights): the point v where the weighted mean of the contributions,
+    each pulled in to within radius tau of v, is v itself. tau is CLIP_RADIUS times the median distance of the
+    contributions to their coordinate-wise median, so one far contribution moves the result by at most about
+    tau times its share of the weight, however far it is. When every contribution lies within tau of the plain
+    weighted mean, that mean is the fixed point, and it is returned exactly (a group of two always is)."""
+    weights = capped_weights(weights)
+    plain, total_weight = mean(parts, weights)
+    if len(parts) <= 2:
+        return plain, total_weight
+    stacked = torch.stack(list(parts))
+    centre = coordinate_median(stacked)
+    tau = CLIP_RADIUS * float(_distances(stacked, centre).median())
+    if tau == 0.0 or float(_distances(stacked, plain).max()) <= tau * (1 + 1e-6):
+        return plain, total_weight
+    w = torch.tensor(weights, dtype=stacked.dtype).view(-1, *([1] * (stacked.dim() - 1)))
+    for _ in range(CLIP_ITERATIONS):
+        offsets = stacked - centre
+        scale = (tau / _distances(stacked, centre).clamp_min(1e-30)).clamp(max=1.0)
+        step = (offsets * (w * scale.view_as(w))).sum(0) / total_weight
+        centre = centre + step
+        if float(step.norm()) <= CLIP_TOLERANCE * tau:
+            break
+    return centre, total_weight
+
+
+def coordinate_median(stacked: torch.Tensor) -> torch.Tensor:
+    """The median of each coordinate over dimension 0 (the mean of the two middle values for an even count)."""
+    n = stacked.shape[0]
+    values = torch.sort(stacked, dim=0).values
+    return values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
+
+
+def _distances(stacked: torch.Tensor, point: torch.Tensor) -> torch.Tensor:
+    return (stacked - point).flatten(1).norm(dim=1)
+
+
+def aggregator(name: str) -> Aggregate:
+    """The aggregate named by a recipe's `averaging.aggregator`."""
+    return {"mean": mean, "trimmed_mean": trimmed_mean, "centered_clip": centered_clip}[name]

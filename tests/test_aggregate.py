@@ -1,0 +1,89 @@
+"""The reducers' aggregates (swarm/averaging/aggregate.py) on their own: the mean's bits, CenteredClip's and the
+trimmed mean's bounds against lying contributions (scaled, sign-flipped, inflated weights, 1 and 2 of 6), and that
+without a liar CenteredClip is the mean exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swarm.averaging.aggregate import (WEIGHT_SPREAD, aggregator, capped_weights, centered_clip, coordinate_median,
+                                       mean, trimmed, trimmed_mean)
+
+NUMEL = 50_000
+
+
+def _honest(n: int, noise: float = 1.0, seed: int = 0) -> list[torch.Tensor]:
+    """n pseudo-gradients that share a direction, each with its own noise (as peers' data differ)."""
+    common = torch.randn(NUMEL, generator=torch.Generator().manual_seed(1000 + seed))
+    return [common + noise * torch.randn(NUMEL, generator=torch.Generator().manual_seed(seed * 100 + i))
+            for i in range(n)]
+
+
+def _error(result: torch.Tensor, honest: list[torch.Tensor]) -> float:
+    """How far `result` is from the honest members' mean, in units of their largest distance to it."""
+    target = torch.stack(honest).mean(0)
+    return float((result - target).norm()) / max(float((h - target).norm()) for h in honest)
+
+
+def test_the_mean_sums_in_order_like_the_butterfly_always_did():
+    parts, weights = _honest(4), [1.0, 2.0, 3.0, 4.0]
+    expected = parts[0] * 1.0
+    for part, weight in zip(parts[1:], weights[1:]):
+        expected += part * weight
+    average, total = mean(parts, weights)
+    assert torch.equal(average, expected / 10.0) and total == 10.0
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 6, 8])
+@pytest.mark.parametrize("noise", [0.1, 1.0, 5.0])
+def test_without_a_liar_centered_clip_is_the_mean_exactly(n, noise):
+    parts, weights = _honest(n, noise, seed=n), [1.0 + (i % 3) * 0.25 for i in range(n)]
+    robust, total = centered_clip(parts, weights)
+    plain, plain_total = mean(parts, capped_weights(weights))
+    assert torch.equal(robust, plain) and total == plain_total
+
+
+@pytest.mark.parametrize("name", ["centered_clip", "trimmed_mean"])
+@pytest.mark.parametrize("n, liars", [(3, 1), (4, 1), (6, 1), (6, 2)])
+@pytest.mark.parametrize("lie", ["scaled", "flipped", "flipped x10"])
+def test_a_minority_of_liars_moves_a_robust_aggregate_a_bounded_way(name, n, liars, lie):
+    """Liars send a lie made from their own honest pseudo-gradient. A robust aggregate ends within about the
+    honest members' spread of their mean (the bound grows with the liars' share); the mean is taken anywhere."""
+    parts = _honest(n)
+    honest = parts[:n - liars]
+    factor = {"scaled": 1000.0, "flipped": -1.0, "flipped x10": -10.0}[lie]
+    sent = honest + [factor * p for p in parts[n - liars:]]
+    bound = 1.0 if liars / n < 0.25 else 2.0
+    robust, _ = aggregator(name)(sent, [1.0] * n)
+    assert _error(robust, honest) < bound, (name, lie, _error(robust, honest))
+    if lie == "scaled":
+        assert _error(mean(sent, [1.0] * n)[0], honest) > 50 * bound, "the lie would have moved the mean"
+
+
+def test_an_inflated_weight_counts_as_at_most_the_spread_times_the_median():
+    parts = _honest(4)
+    weights = [100.0, 120.0, 90.0, 1e9]
+    assert capped_weights(weights) == [100.0, 120.0, 90.0, WEIGHT_SPREAD * 100.0]
+    liar = parts[:3] + [parts[3] * 1000]
+    robust, total = centered_clip(liar, weights)
+    assert total == 310.0 + WEIGHT_SPREAD * 100.0, "the total weight counts the capped weight"
+    assert _error(robust, parts[:3]) < 2.0
+    assert _error(trimmed_mean(liar, weights)[0], parts[:3]) < 2.0
+
+
+def test_the_trimmed_mean_drops_each_coordinate_s_extremes():
+    parts = [torch.tensor([1.0, -5.0]), torch.tensor([2.0, 0.0]), torch.tensor([3.0, 1.0]),
+             torch.tensor([100.0, 2.0])]
+    assert trimmed(2) == 0 and trimmed(3) == 1 and trimmed(4) == 1 and trimmed(6) == 2
+    average, total = trimmed_mean(parts, [1.0, 1.0, 3.0, 1.0])
+    # Per coordinate, the middle two remain: (2, 3) with weights (1, 1.5: 3 capped at 1.5x the median 1),
+    # and (0, 1) with weights (1, 1.5).
+    torch.testing.assert_close(average, torch.tensor([(2 + 3 * 1.5) / 2.5, (0 + 1.5) / 2.5]))
+    assert total == 4.5
+
+
+def test_the_coordinate_median_of_an_even_count_is_the_middle_pair_s_mean():
+    stacked = torch.tensor([[1.0, 4.0], [3.0, 0.0], [2.0, 2.0], [10.0, 1.0]])
+    assert torch.equal(coordinate_median(stacked), torch.tensor([2.5, 1.5]))
+    assert torch.equal(coordinate_median(stacked[:3]), torch.tensor([2.0, 2.0]))
