@@ -10,6 +10,8 @@ peer runs (swarm/peer/simulation.py), at the same total tokens and the same inne
       then, as peers with `outer.overlap` do (nobody waits for the all-reduce)
   (g) as (b), but the M workers average in groups of --group-size, split as peers split themselves when more are
       online than `target_group_size` (Moshpit-style: groups of other params also average params and momentum)
+  (h), (i): as (b) and (c), with the plain weighted mean where (b)-(f) use the recipe's default aggregator
+      (centered_clip, robust to lying members; see swarm/averaging/aggregate.py)
 
 on the bundled corpus (or --data-source), and prints final validation loss and bytes each worker sent (butterfly
 all-reduce accounting), then one JSON line.
@@ -72,7 +74,7 @@ def main() -> None:
                              "whole round late)")
     parser.add_argument("--group-size", type=int, default=2,
                         help="(g): target group size, so the M workers average in several mixing groups")
-    parser.add_argument("--only", help="comma-separated subset of a,b,c,d,e,f,g")
+    parser.add_argument("--only", help="comma-separated subset of a,b,c,d,e,f,g,h,i")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     m, h, rounds = args.workers, args.inner_steps, args.rounds
@@ -119,6 +121,11 @@ def main() -> None:
               lambda: simulate_diloco(recipe, data, shards, rounds, h, "none", overlap_delay=args.overlap_delay)),
         "g": (f"DiLoCo M={m} groups of {args.group_size}",
               lambda: simulate_groups(recipe, data, shards, rounds, h, args.group_size, "none")),
+        # (b)-(f) aggregate with the recipe's default, centered_clip; these two with the plain weighted mean.
+        "h": (f"DiLoCo M={m} H={h} fp32 mean",
+              lambda: simulate_diloco(recipe, data, shards, rounds, h, "none", aggregator_name="mean")),
+        "i": (f"DiLoCo M={m} H={h} int8 mean",
+              lambda: simulate_diloco(recipe, data, shards, rounds, h, "int8", aggregator_name="mean")),
     }
     chosen = args.only.split(",") if args.only else list(configs)
     rows = []

@@ -141,6 +141,20 @@ def test_choose_members_takes_every_lineage_and_leaves_out_the_accused():
     assert choose_members({}, 16) == []
 
 
+def test_an_accusation_parts_two_peers_and_never_costs_the_others_more():
+    honest = {peer: Candidate("d", 1.0, False) for peer in "abcd"}
+    # A liar that accuses every honest peer is the one left out, not the four it accused.
+    liar = {**honest, "0": Candidate("d", 1.0, False, tuple("abcd"))}
+    assert choose_members(liar, 16) == list("abcd")
+    assert sorted(p for g in plan_groups(liar, 2, 2, 0) for p in g) == list("abcd"), "in several groups too"
+    # Caught by the two others of its group (who each accuse it), a peer that accuses them back is still out.
+    caught = {**honest, "a": Candidate("d", 1.0, False, ("z",)), "b": Candidate("d", 1.0, False, ("z",)),
+              "z": Candidate("d", 1.0, False, ("a", "b"))}
+    assert choose_members(caught, 16) == list("abcd")
+    # Unknown or self accusations count for nothing.
+    assert choose_members({**honest, "e": Candidate("d", 1.0, False, ("e", "nobody"))}, 16) == list("abcde")
+
+
 def test_plan_groups_up_to_target_is_one_group():
     c = {"a": Candidate("d1", 1e6, False), "b": Candidate("d1", 1e6, False), "c": Candidate("d2", 1e6, False)}
     assert plan_groups(c, 4, 1, 0) == [["a", "b", "c"]], "up to target size: one group of every lineage"

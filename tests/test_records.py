@@ -214,23 +214,29 @@ def test_protected_keys_refuse_plain_values_unsigned_subkeys_oversize_and_long_l
                                           signer=victim))
 
 
-def test_unprotected_keys_keep_working(identities, honest):
-    """Matchmaking writes plain subkeys under per-round keys; validation must not get in its way."""
+def test_every_key_refuses_plain_values_and_unsigned_subkeys(identities, honest):
+    """Our nodes write only owned entries. A plain value under a round's matchmaking key, with a later expiration,
+    would replace its entries and keep new ones out for as long as it lives: nobody could form that round's group."""
     victim = identities[0]
-    assert honest.validate(dht_record("swarm.some-run.group.0.0", victim.peer_id, {"digest": "ab"}))
-    assert honest.validate(dht_record("anything", None, b"plain value"))
-    # ... but an owned subkey anywhere must be genuine.
+    assert not honest.validate(dht_record("swarm.some-run.group.0.0", None, "wipe", ttl=10 ** 4))
+    assert not honest.validate(dht_record("swarm.some-run.group.0.0", victim.peer_id, {"digest": "ab"}))
+    assert not honest.validate(dht_record("anything", None, b"plain value"))
+    entry = dht_record("swarm.some-run.group.0.0", victim.owned_subkey, {"digest": "ab"}, ttl=3 * 3600,
+                       signer=victim)
+    assert honest.validate(entry), "matchmaking's own entries, for its longest timeout"
+    assert not honest.validate(dht_record("swarm.some-run.group.0.0", victim.owned_subkey, {"digest": "ab"},
+                                          ttl=10 ** 6, signer=victim)), "but not for days"
     assert not honest.validate(dht_record("anything", owned_subkey(victim.peer_id, identities[1].public_key.decode()),
-                                          1, signer=identities[1]))
+                                          1, signer=identities[1])), "an owned subkey must be genuine"
 
 
-def test_run_keys_are_protected_from_when_a_node_learns_the_run(identities):
+def test_run_keys_get_their_tighter_rules_from_when_a_node_learns_the_run(identities):
     victim = identities[0]
     validators = CompositeValidator(make_validators(identities[2], {RECIPE_KEY: RECIPE_RULE}))
-    plain = dht_record(peers_key(RUN), victim.peer_id, record().to_wire())
-    assert validators.validate(plain)
+    long_lived = dht_record(peers_key(RUN), victim.owned_subkey, record().to_wire(), ttl=3600, signer=victim)
+    assert validators.validate(long_lived)
     validators.extend([SwarmValidator(protected_keys(RUN))])  # what SwarmNode.protect does in the DHT process
-    assert not validators.validate(plain)
+    assert not validators.validate(long_lived), "a peer record lives 10 minutes at most"
     assert not validators.validate(dht_record(RECIPE_KEY, None, recipe_value(Recipe()))), "earlier rules kept"
     assert len(validators._validators) == 2, "our rules merge into one validator"
 

@@ -91,13 +91,32 @@ def group_timeout(candidates: Sequence[Candidate]) -> Optional[float]:
 
 
 def choose_members(candidates: dict[str, Candidate], target_size: int) -> list[str]:
-    """One group: the candidates sorted by peer id, capped at `target_size`, leaving out every peer that some
-    candidate caught sending bad data this round (so an honest peer that refuses a bad one is never put in a
-    group with it). Members of different state digests (lineages of earlier multi-group rounds, or a peer whose
+    """One group: the candidates left once accusations are settled (see `settled`), sorted by peer id, capped at
+    `target_size`. Members of different state digests (lineages of earlier multi-group rounds, or a peer whose
     last commit went astray) are all welcome: their group mixes params, and leaves them identical. A pure
     function: every peer with the same view picks the same members."""
-    accused = {peer for c in candidates.values() for peer in c.excluded}
-    return sorted(peer for peer in candidates if peer not in accused)[:target_size]
+    return sorted(settled(candidates))[:target_size]
+
+
+def settled(candidates: dict[str, Candidate]) -> dict[str, Candidate]:
+    """The candidates that may average together this attempt. A candidate's `excluded` are the peers it caught
+    sending bad data this round; an accusation is only a claim, so it means that the two do not average
+    together, not that the accused is out: while any two candidates left are in conflict, the one in the most
+    conflicts leaves (ties: the larger peer id). A peer caught by the members of its group (each of them
+    accuses it) leaves, and so does one that accuses every honest peer: accusing costs the accuser its place
+    beside whom it accuses, never more to the others."""
+    conflicts: dict[str, set[str]] = {peer: set() for peer in candidates}
+    for peer, candidate in candidates.items():
+        for accused in candidate.excluded:
+            if accused in conflicts and accused != peer:
+                conflicts[peer].add(accused)
+                conflicts[accused].add(peer)
+    left = set(candidates)
+    while True:
+        worst = max(left, key=lambda peer: (len(conflicts[peer] & left), peer), default=None)
+        if worst is None or not conflicts[worst] & left:
+            return {peer: candidates[peer] for peer in sorted(left)}
+        left.discard(worst)
 
 
 def bandwidth_class(bandwidth: float) -> int:
@@ -113,8 +132,7 @@ def plan_groups(candidates: dict[str, Candidate], target_size: int, min_size: in
     Odd rounds: every k-th peer in the order of (digest, bandwidth), so each group takes its members from as many
     of the previous round's groups (digests) as it can, and what each group learned spreads through the swarm:
     with n = k * g the two layouts are the rows and columns of a grid."""
-    accused = {peer for c in candidates.values() for peer in c.excluded}
-    candidates = {peer: c for peer, c in candidates.items() if peer not in accused}
+    candidates = settled(candidates)
     n = len(candidates)
     k = min(-(-n // max(target_size, 1)), n // max(min_size, 1))
     if k <= 1:
@@ -238,7 +256,7 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
     groups = plan_groups(candidates, target_size, min_size, round_no)
     members = next((group for group in groups if me in group), [])
     if not members:
-        logger.info("round %d: not in this attempt's group (accused of bad data)", round_no)
+        logger.info("round %d: not in this attempt's group (left out by accusations of bad data)", round_no)
         return None, seen
     if len(members) < min_size:
         return None, seen

@@ -1,6 +1,6 @@
 """Who may write what in the DHT. A node's libp2p identity is an RSA key; the same key signs its records, so a
-signed subkey `<peer id>[owner:<public key>]` proves the writer is that peer. Protected keys (the recipe, a run's
-peer announcements) accept only such signed entries, with a bounded size and lifetime, on every node.
+signed subkey `<peer id>[owner:<public key>]` proves the writer is that peer. Every node accepts only such signed
+entries, with a bounded size and lifetime (tighter for protected keys: the recipe, a run's peer announcements).
 """
 
 from __future__ import annotations
@@ -147,13 +147,19 @@ class KeyRule:
     max_bytes: int
 
 
+# Any key no rule names: matchmaking's per-round keys (entries live 3 x matchmaking_timeout + 30 s, at most about
+# 3 h; a group's member list of 4096 peers is ~250 kB).
+DEFAULT_RULE = KeyRule(max_ttl=6 * 3600.0, max_bytes=1 << 20)
+
+
 class SwarmValidator(RecordValidatorBase):
     """Our rules, run on every node for every record it stores or receives (after the signature check):
 
-    - any subkey that names an owner must be `<peer id>[owner:<key>]` with the peer id of that key, so nobody
-      can sign an entry in another peer's name with a key of their own;
-    - a protected key holds only such owned entries (no plain values that would replace the whole dictionary,
-      no unsigned subkeys), within its rule's size and lifetime.
+    - every record is an owned entry: a subkey `<peer id>[owner:<key>]` with the peer id of that key, which
+      hivemind signs with that key. So nobody can write in another peer's name, and there are no plain values,
+      which would replace a key's whole dictionary (a round's matchmaking entries, say) and, with a later
+      expiration, keep new entries out; our own nodes write nothing else;
+    - within its key's rule (a protected key's, or DEFAULT_RULE) for size and lifetime.
     """
 
     def __init__(self, rules: Mapping[str, KeyRule] = ()):
@@ -161,24 +167,20 @@ class SwarmValidator(RecordValidatorBase):
                                              for key, rule in dict(rules).items()}
 
     def validate(self, record: DHTRecord) -> bool:
-        rule = self._rules.get(record.key)
-        named_owner = _OWNER_MARKER.search(record.subkey) is not None
-        if rule is None and not named_owner:
-            return True
+        rule = self._rules.get(record.key, DEFAULT_RULE)
         if record.subkey in (DHTProtocol.IS_REGULAR_VALUE, DHTProtocol.IS_DICTIONARY):
-            return rule is None
+            return False
+        if _OWNER_MARKER.search(record.subkey) is None:
+            return False
         try:
             subkey = DHTProtocol.serializer.loads(record.subkey)
         except Exception:  # noqa: BLE001 - a subkey that does not decode is hostile or broken
             return False
         if subkey_owner(subkey) is None:
             return False
-        if rule is not None:
-            if len(record.value) > rule.max_bytes:
-                return False
-            if record.expiration_time > get_dht_time() + rule.max_ttl + CLOCK_SLACK:
-                return False
-        return True
+        if len(record.value) > rule.max_bytes:
+            return False
+        return record.expiration_time <= get_dht_time() + rule.max_ttl + CLOCK_SLACK
 
     @property
     def priority(self) -> int:

@@ -1,0 +1,167 @@
+#!/usr/bin/env python3
+"""What one participating attacker does to a real swarm: for each scenario, a bootstrap, honest peers and one
+attacker (processes on 127.0.0.1) train --rounds rounds of a tiny run with the int8 codec; the same swarm without
+the attacker is the baseline. Prints, per scenario, the honest peers' validation loss after the last round against
+the clean swarm's, the rounds they completed, whether any honest peer took the attacker's state, and the honest
+peers' peak resident memory (their whole process trees); then one JSON line.
+
+Scenarios (an attacker is a peer with --inject-fault, which lies in what it sends, or scripts/attackers.py):
+  clean              no attacker (the baseline)
+  scaled             a member sends its pseudo-gradient x1000 every round (finite, well-formed, an honest weight)
+  flipped            a member sends its pseudo-gradient x-1 every round
+  forged-reference   announces the swarm's round + 1 with a state of its own and serves it (attackers.py)
+  dribbling-holder   announces the swarm's state and serves it a byte every half second (attackers.py)
+
+    python scripts/attack_bench.py                                 # 4 peers (3 honest), 6 rounds, all scenarios
+    python scripts/attack_bench.py --scenarios clean,scaled --rounds 4 --aggregator mean   # what the mean does
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from swarm.events import read_events  # noqa: E402
+
+FAULTS = {"scaled": "scaled@0", "flipped": "flipped@0"}
+SCRIPTED = ("forged-reference", "dribbling-holder")
+SCENARIOS = ("clean", *FAULTS, *SCRIPTED)
+RECIPE = """run_id: attack-bench
+model: {hidden_size: 64, intermediate_size: 172, num_layers: 2, num_heads: 4, max_seq_len: 64}
+data: {vocab_size: 512, seq_len: 32, batch_size: 8}
+inner: {lr: 0.003, warmup_tokens: 2048}
+averaging: {codec: int8, aggregator: %s, min_group_size: 2, matchmaking_timeout: 10, allreduce_timeout: 30}
+tokens_per_round: 16384
+total_tokens: 1000000
+"""
+
+
+def _tree_rss(pid: int) -> int:
+    """Resident bytes of `pid` and its descendants (0 once gone)."""
+    total, pending = 0, [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            with open(f"/proc/{current}/status") as status:
+                total += next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+            with open(f"/proc/{current}/task/{current}/children") as children:
+                pending += [int(child) for child in children.read().split()]
+        except (OSError, StopIteration):
+            continue
+    return total
+
+
+def _start(argv: list[str], log: Path) -> subprocess.Popen:
+    with open(log, "w") as out:
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)})
+
+
+def _wait_for(path: Path, event: str, process: subprocess.Popen, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        found = [e for e in read_events(path) if e["event"] == event]
+        if found:
+            return found[0]
+        time.sleep(0.2)
+    raise RuntimeError(f"no {event} event in {path} within {timeout} s")
+
+
+def run_scenario(scenario: str, args: argparse.Namespace, workdir: Path) -> dict:
+    recipe = workdir / "recipe.yaml"
+    recipe.write_text(RECIPE % args.aggregator)
+    swarm = [sys.executable, "-m", "swarm"]
+    processes: list[subprocess.Popen] = []
+    try:
+        boot_events = workdir / "bootstrap.events.jsonl"
+        processes.append(_start(swarm + ["bootstrap", "--recipe", str(recipe), "--events-file", str(boot_events)],
+                                workdir / "bootstrap.log"))
+        maddr = _wait_for(boot_events, "listening", processes[0], 60)["maddrs"][0]
+        attacker_events = workdir / "attacker.events.jsonl"
+        common = ["join", "--initial-peers", maddr, "--device", "cpu", "--num-threads", "1",
+                  "--cache-dir", args.cache_dir]
+        if scenario in SCRIPTED:  # it prepares the run's data (and the shared tokenizer cache) before the others
+            attacker = _start([sys.executable, str(ROOT / "scripts" / "attackers.py"), "--initial-peers", maddr,
+                               "--scenario", scenario, "--cache-dir", args.cache_dir, "--events-file",
+                               str(attacker_events), "--seconds", str(args.timeout)], workdir / "attacker.log")
+            processes.append(attacker)
+            _wait_for(attacker_events, "ready", attacker, 180)
+        honest = args.peers - (scenario != "clean")
+        peers = []
+        for i in range(honest):
+            events = workdir / f"honest{i}.events.jsonl"
+            peers.append((_start(swarm + common + ["--until-round", str(args.rounds), "--events-file", str(events)],
+                                 workdir / f"honest{i}.log"), events))
+        processes += [process for process, _ in peers]
+        if scenario in FAULTS:
+            processes.append(_start(swarm + common + ["--inject-fault", FAULTS[scenario], "--events-file",
+                                                      str(attacker_events)], workdir / "attacker.log"))
+        peak, deadline = 0, time.monotonic() + args.timeout
+        while any(process.poll() is None for process, _ in peers) and time.monotonic() < deadline:
+            peak = max([peak] + [_tree_rss(process.pid) for process, _ in peers])
+            time.sleep(0.5)
+        finished = [process.poll() == 0 for process, _ in peers]
+        averaged = [[e for e in read_events(events) if e["event"] == "averaged"] for _, events in peers]
+        last = [max(rounds, key=lambda e: e["round"]) for rounds in averaged if rounds]
+        lies = {e.get("digest") for e in read_events(attacker_events) if e["event"] == "attacking"}
+        taken = sum(1 for _, events in peers for e in read_events(events)
+                    if e["event"] == "synced" and e.get("digest") in lies)
+        return {"scenario": scenario, "honest_peers": honest, "finished": sum(finished),
+                "rounds": min((e["round"] + 1 for e in last), default=0) if len(last) == honest else 0,
+                "val_loss": statistics.mean(e["val_loss"] for e in last) if last else None,
+                "took_attacker_state": taken, "peak_rss_mb": peak / 2**20}
+    finally:
+        for process in processes:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait(10)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated subset of {SCENARIOS}")
+    parser.add_argument("--peers", type=int, default=4, help="peers in the swarm, the attacker included")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--aggregator", default="centered_clip", choices=("mean", "trimmed_mean", "centered_clip"))
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per scenario")
+    parser.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "swarm-attack-bench-cache"))
+    args = parser.parse_args()
+    scenarios = args.scenarios.split(",")
+    unknown = set(scenarios) - set(SCENARIOS)
+    if unknown:
+        parser.error(f"unknown scenarios {sorted(unknown)}: choose from {', '.join(SCENARIOS)}")
+    if "clean" not in scenarios:
+        scenarios.insert(0, "clean")  # every row is compared with it
+    rows = []
+    for scenario in scenarios:
+        with tempfile.TemporaryDirectory(prefix=f"attack-{scenario}-") as workdir:
+            started = time.monotonic()
+            rows.append({**run_scenario(scenario, args, Path(workdir)), "seconds": time.monotonic() - started})
+            print(f"  {scenario}: {rows[-1]}", file=sys.stderr, flush=True)
+    clean = rows[0]["val_loss"]
+    print(f"{args.peers} peers (one of them the attacker), {args.rounds} rounds, int8, aggregator {args.aggregator}")
+    print(f"{'scenario':<20}{'val loss':>10}{'vs clean':>10}{'rounds':>8}{'took its state':>16}{'peak RSS MB':>13}")
+    for row in rows:
+        row["vs_clean"] = (row["val_loss"] / clean - 1) if row["val_loss"] and clean else None
+        loss = f"{row['val_loss']:.4f}" if row["val_loss"] else "-"
+        versus = f"{row['vs_clean'] * 100:+.2f}%" if row["vs_clean"] is not None else "-"
+        print(f"{row['scenario']:<20}{loss:>10}{versus:>10}{row['rounds']:>8}{row['took_attacker_state']:>16}"
+              f"{row['peak_rss_mb']:>13.0f}")
+    print(json.dumps({"peers": args.peers, "rounds": args.rounds, "aggregator": args.aggregator, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
