@@ -16,7 +16,7 @@ import torch
 
 from swarm.averaging.allreduce import GroupAllReduce
 from swarm.averaging.deadlines import AdaptiveDeadlines
-from swarm.averaging.matchmaking import Candidate, Group, choose_members, group_timeout, plan_groups
+from swarm.averaging.matchmaking import Candidate, Group, choose_members, group_timeout, leader_of, plan_groups
 from swarm.averaging.messages import Averaged, Blame, Contribution, Header, MessageError, PartialSum
 from swarm.averaging.partition import optimal_shares, partition
 from swarm.compression import get_codec
@@ -282,3 +282,12 @@ def test_messages_from_wire_refuse_bad_fields_with_a_clear_error():
             Averaged.from_wire({"contributors": ["a"], "rejected": [], "total_weight": total_weight})
     with pytest.raises(MessageError, match="contributors must be a list of peer ids"):
         Averaged.from_wire({"contributors": [["a"]], "total_weight": 1.0})
+
+
+def test_no_peer_id_leads_every_round():
+    """The smallest id led every group, so one key ground for a small id set every group's shares and members.
+    The leader now changes with the round and attempt, and every member computes the same one."""
+    members = sorted(f"Qm{i:04d}" for i in range(8))
+    leaders = [leader_of(members, round_no, attempt) for round_no in range(64) for attempt in range(2)]
+    assert len(set(leaders)) == 8 and max(leaders.count(m) for m in members) < 40
+    assert leader_of(members, 5, 1) == leader_of(list(reversed(members)), 5, 1), "the order does not matter"

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from swarm.averaging.matchmaking import GroupPush
+from swarm.averaging.matchmaking import GroupPush, leader_of
 from swarm.dht.node import NetworkOptions, SwarmNode
 from swarm.runtime import LoopThread
 
@@ -19,11 +19,10 @@ def pair():
     loop = LoopThread()
     first = SwarmNode([], NetworkOptions())
     second = SwarmNode(first.visible_maddrs(), NetworkOptions())
-    leader, member = sorted([first, second], key=lambda node: node.peer_id)  # the leader is the smallest id
-    pushes = [GroupPush(node, "push-test") for node in (leader, member)]
-    for push in pushes:
+    pushes = {node.peer_id: GroupPush(node, "push-test") for node in (first, second)}
+    for push in pushes.values():
         loop.run(push.start(), timeout=30)
-    yield loop, leader, member, pushes
+    yield loop, (first, second), pushes
     for node in (first, second):
         node.shutdown()
     loop.close()
@@ -34,9 +33,17 @@ def _final(members: list[str]) -> dict:
             "mix": False, "swarm_size": 2}
 
 
+def _roles(nodes, pushes, round_no: int, attempt: int):
+    """(members, leader id, the leader's push, the member's push) of this round and attempt (leader_of)."""
+    members = sorted(node.peer_id for node in nodes)
+    leader = leader_of(members, round_no, attempt)
+    member = next(peer for peer in members if peer != leader)
+    return members, leader, pushes[leader], pushes[member]
+
+
 def test_a_pushed_group_reaches_the_member_at_once(pair):
-    loop, leader, member, (leader_push, member_push) = pair
-    members = [leader.peer_id, member.peer_id]
+    loop, nodes, pushes = pair
+    members, leader, leader_push, member_push = _roles(nodes, pushes, 7, 0)
 
     async def scenario() -> float:
         started = time.monotonic()
@@ -47,25 +54,27 @@ def test_a_pushed_group_reaches_the_member_at_once(pair):
 
     waited = loop.run(scenario(), timeout=30)
     assert waited < 10, "a push ends the member's wait (the timeout was 20 s)"
-    assert member_push.finals(7, 0, set()) == {leader.peer_id: (members, [0.5, 0.5], None, [False, False], False, 2)}
-    assert member_push.finals(7, 0, {leader.peer_id}) == {}, "an excluded leader's group is not taken"
+    assert member_push.finals(7, 0, set()) == {leader: (members, [0.5, 0.5], None, [False, False], False, 2)}
+    assert member_push.finals(7, 0, {leader}) == {}, "an excluded leader's group is not taken"
     assert member_push.finals(7, 1, set()) == {}, "another attempt's group is another key"
 
 
 def test_a_push_of_a_group_the_sender_may_not_publish_is_dropped(pair):
-    loop, leader, member, (leader_push, member_push) = pair
-    # The member pushes a group whose smallest id (its leader) is the other peer: it may not publish that.
-    members = [leader.peer_id, member.peer_id]
+    loop, nodes, pushes = pair
 
-    async def push(pusher: GroupPush, key: tuple[int, int], final: dict) -> None:
+    async def push(pusher: GroupPush, members: list[str], key: tuple[int, int], final: dict) -> None:
         pusher.send(members, *key, final)  # (in the loop: send pushes in background tasks)
         # Until the receiver answered or dropped the stream: it has judged the push by then.
         await asyncio.wait(set(pusher._background), timeout=30)
 
-    loop.run(push(member_push, (8, 0), _final(members)), timeout=40)
-    loop.run(push(leader_push, (9, 0), {**_final(members), "shares": [0.9, 0.9]}), timeout=40)  # no distribution
+    # The member pushes a group whose leader (leader_of) is the other peer: it may not publish that.
+    members, leader, leader_push, member_push = _roles(nodes, pushes, 8, 0)
+    loop.run(push(member_push, members, (8, 0), _final(members)), timeout=40)
     assert leader_push.finals(8, 0, set()) == {}
+    members, leader, leader_push, member_push = _roles(nodes, pushes, 9, 0)
+    loop.run(push(leader_push, members, (9, 0), {**_final(members), "shares": [0.9, 0.9]}), timeout=40)  # no sum 1
     assert member_push.finals(9, 0, set()) == {}
     # ...while a good push the same way arrives (so the two above failed for what they said).
-    loop.run(push(leader_push, (9, 1), _final(members)), timeout=40)
-    assert leader.peer_id in member_push.finals(9, 1, set())
+    members, leader, leader_push, member_push = _roles(nodes, pushes, 9, 1)
+    loop.run(push(leader_push, members, (9, 1), _final(members)), timeout=40)
+    assert leader in member_push.finals(9, 1, set())

@@ -1,8 +1,9 @@
 """Group formation for one averaging attempt of an outer round: peers that reached the averaging point announce
 themselves (state digest, measured bandwidth, whether they accept connections) under the attempt's key, wait for
-the peers they expect, and adopt the member list and reduction shares published by their group's leader (its
-smallest peer id). Every member checks the same group id in the all-reduce, so a peer whose view differed fails
-that attempt cleanly instead of averaging with the wrong set.
+the peers they expect, and adopt the member list and reduction shares published by their group's leader (the
+member whose id hashes smallest with the round and attempt, see leader_of). Every member checks the same group id
+in the all-reduce, so a peer whose view differed fails that attempt cleanly instead of averaging with the wrong
+set.
 
 Up to `target_group_size` candidates form one group. With more, every peer computes
 the same split into groups from the same view (Moshpit-style): on even rounds peers of similar measured bandwidth
@@ -117,6 +118,17 @@ def settled(candidates: dict[str, Candidate]) -> dict[str, Candidate]:
         if worst is None or not conflicts[worst] & left:
             return {peer: candidates[peer] for peer in sorted(left)}
         left.discard(worst)
+
+
+def leader_of(members: Iterable[str], round_no: int, attempt: int) -> str:
+    """The member that publishes the group: the one whose id hashes smallest with the round and attempt. (The
+    smallest id led every group before, so a key ground for a small id led every round; now a key leads about
+    one round in len(members), and a key ground for one round leads that round only.)"""
+    return min(members, key=lambda peer: _rank(peer, round_no, attempt))
+
+
+def _rank(peer: str, round_no: int, attempt: int) -> bytes:
+    return hashlib.sha256(f"{round_no}|{attempt}|{peer}".encode()).digest()
 
 
 def bandwidth_class(bandwidth: float) -> int:
@@ -260,7 +272,8 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
         return None, seen
     if len(members) < min_size:
         return None, seen
-    if members[0] == me:
+    leader = leader_of(members, round_no, attempt)
+    if leader == me:
         try:
             shares = optimal_shares([candidates[m].bandwidth or 1.0 for m in members],
                                     [not candidates[m].client for m in members])
@@ -277,7 +290,7 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
 
     # Wait as long as the leader may still be waiting for its own candidates (it may have started later).
     final_deadline = time.monotonic() + timeout + 2 * SETTLE_SECONDS
-    leader, others_published = members[0], None
+    others_published = None
     poll = FIRST_POLL_SECONDS
     while time.monotonic() < final_deadline:
         pushed = push.finals(round_no, attempt, excluded) if push is not None else {}
@@ -292,7 +305,7 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
                 logger.info("round %d: groups were published, none with me", round_no)
                 return None, seen
         if leader in finals or mine:
-            if leader not in mine or min(mine) != leader:
+            if leader not in mine or leader_of(mine, round_no, attempt) != leader:
                 # Our views differ: another leader may be writing at this moment, so wait and re-read.
                 await asyncio.sleep(SETTLE_SECONDS)
                 finals = await _read_finals(node, run_id, round_no, attempt, excluded)
@@ -300,7 +313,7 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
             if not mine:
                 logger.info("round %d: leader %s formed a group without me", round_no, leader[-8:])
                 return None, seen
-            chosen, shares, phase_timeout, clients, mix, swarm_size = mine[min(mine)]
+            chosen, shares, phase_timeout, clients, mix, swarm_size = mine[leader_of(mine, round_no, attempt)]
             if len(chosen) < min_size:
                 return None, seen
             return Group.of(round_no, attempt, chosen, shares, phase_timeout, clients, mix, swarm_size), seen
@@ -319,7 +332,7 @@ async def _read_finals(node: SwarmNode, run_id: str, round_no: int, attempt: int
     raw = signed_entries(await node.get(final_key(run_id, round_no, attempt)))
     finals = {}
     for writer, value in raw.items():
-        final = _parse_final(writer, value, excluded)
+        final = _parse_final(writer, value, excluded, round_no, attempt)
         if final is not None:
             finals[writer] = final
     return finals
@@ -328,15 +341,15 @@ async def _read_finals(node: SwarmNode, run_id: str, round_no: int, attempt: int
 Final = tuple[list[str], list[float], Optional[float], list[bool], bool, int]
 
 
-def _parse_final(writer: str, value: object, excluded: set[str]) -> Optional[Final]:
-    """A group as its leader `writer` published (or pushed) it, or None if it is malformed, not the writer's to
-    publish, or names an excluded peer."""
+def _parse_final(writer: str, value: object, excluded: set[str], round_no: int, attempt: int) -> Optional[Final]:
+    """A group of this round and attempt as its leader `writer` published (or pushed) it, or None if it is
+    malformed, not the writer's to publish (see leader_of), or names an excluded peer."""
     if writer in excluded or not isinstance(value, dict):
         return None
     members, shares = value.get("members"), value.get("shares")
-    # Only a leader may publish: its own id must be the smallest member; shares must be a distribution.
+    # Only a leader may publish: it must be the group's leader_of; shares must be a distribution.
     if not (isinstance(members, list) and members and all(isinstance(m, str) for m in members)
-            and members == sorted(set(members)) and members[0] == writer
+            and members == sorted(set(members)) and leader_of(members, round_no, attempt) == writer
             and isinstance(shares, list) and len(shares) == len(members)
             and all(isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s) and s >= 0
                     for s in shares)
@@ -359,7 +372,7 @@ def _parse_final(writer: str, value: object, excluded: set[str]) -> Optional[Fin
 class GroupPush:
     """A leader's group, pushed to its members over a stream of protocol `swarm.<run>.group` as it is published,
     and the groups pushed to us. The sender is the stream's authenticated remote, and a pushed group is checked as
-    one read from the DHT (only its smallest member may publish it), so a push can do nothing a DHT entry cannot."""
+    one read from the DHT (only its leader_of may publish it), so a push can do nothing a DHT entry cannot."""
 
     def __init__(self, node: SwarmNode, run_id: str):
         self.node, self.protocol = node, f"swarm.{run_id}.group"
@@ -386,7 +399,7 @@ class GroupPush:
         key = (body.get("round"), body.get("attempt"))
         if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 40 for v in key):
             raise ValueError(f"group push from {remote} names round/attempt {key!r}")
-        final = _parse_final(remote, body.get("final"), set())
+        final = _parse_final(remote, body.get("final"), set(), *key)
         if final is None:
             raise ValueError(f"group push from {remote} is not a group it may publish")
         self._event(key).set()
