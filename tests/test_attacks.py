@@ -87,6 +87,7 @@ def test_a_scaled_pseudo_gradient_moves_the_average_a_bounded_way(swarm):
     for peer in peers:
         assert peer.wait(300) == 0, peer.output()[-3000:]
     traces = {name: _traces(swarm.workdir / name) for name in names}
+    attacker_id = peers[3].events("joined")[0]["peer_id"]
     attacked = 0
     for round_no in range(rounds):
         entries = {name: traces[name][round_no] for name in names if round_no in traces[name]}
@@ -94,7 +95,7 @@ def test_a_scaled_pseudo_gradient_moves_the_average_a_bounded_way(swarm):
         assert len(honest) == 3, f"round {round_no}: every honest peer averaged"
         metas, tensors = zip(*honest)
         assert all(torch.equal(t["global_after"], tensors[0]["global_after"]) for t in tensors)
-        if "attacker" not in metas[0]["members"]:
+        if attacker_id not in metas[0]["members"]:
             continue  # (a round it missed: nothing to measure)
         attacked += 1
         weights = [m["weight"] for m in metas]
@@ -107,3 +108,47 @@ def test_a_scaled_pseudo_gradient_moves_the_average_a_bounded_way(swarm):
         assert moved <= 2 * spread, f"round {round_no}: moved {moved:.4g}, honest spread {spread:.4g}"
         assert float((with_lie - honest_mean).norm()) > 50 * spread, "the lie was big enough to matter"
     assert attacked >= 2, "the attacker took part in too few rounds to show anything"
+
+
+def test_a_plain_value_under_a_rounds_key_does_not_stop_its_group_forming():
+    """An attacker's node without our validators stores a plain value, living an hour, under round 1's
+    matchmaking key: on nodes that accepted it, it would replace the entries and keep new ones out until it
+    expires. Every honest node refuses it, on store and in answers, and two honest nodes form their group."""
+    import asyncio
+
+    import hivemind
+    from hivemind.utils import get_dht_time
+
+    from swarm.averaging.matchmaking import Candidate, form_group
+    from swarm.dht.node import NetworkOptions, SwarmNode
+    from swarm.dht.records import group_key
+    from swarm.runtime import LoopThread
+
+    loop, nodes, attacker = LoopThread(), [], None
+    try:
+        nodes.append(SwarmNode([], NetworkOptions()))
+        attacker = hivemind.DHT(initial_peers=nodes[0].visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                use_ipfs=False, use_relay=False, use_auto_relay=False, auto_nat=False,
+                                nat_port_map=False, start=True)
+        nodes.append(SwarmNode(nodes[0].visible_maddrs(), NetworkOptions()))
+        key = group_key("wipe-run", 1, 0)
+        attacker.store(key, "wiped", get_dht_time() + 3600)
+        assert attacker.get(key, latest=True).value == "wiped", "the attacker's own node holds it"
+        assert loop.run(nodes[1].get(key)) == {}, "no honest node stores or takes it"
+        ids = {node.peer_id for node in nodes}
+
+        async def match(node):
+            return await form_group(node, "wipe-run", 1, 0, Candidate("digest", 1.0, False), ids - {node.peer_id},
+                                    2, 4, 20.0)
+
+        async def both():
+            return await asyncio.gather(*(match(node) for node in nodes))
+
+        results = loop.run(both(), timeout=60)
+        assert all(group is not None and set(group.members) == ids for group, _ in results), results
+    finally:
+        if attacker is not None:
+            attacker.shutdown()
+        for node in nodes:
+            node.shutdown()
+        loop.close()
