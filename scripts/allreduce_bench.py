@@ -69,7 +69,8 @@ def worker(args: argparse.Namespace) -> None:
         return _tcp_worker(args)
     from swarm.averaging.allreduce import AllReduceError, GroupAllReduce
     from swarm.averaging.deadlines import AdaptiveDeadlines
-    from swarm.averaging.matchmaking import Candidate, GroupPush, form_group
+    from swarm.averaging.group_push import GroupPush
+    from swarm.averaging.matchmaking import Candidate, form_group
     from swarm.dht.node import NetworkOptions, SwarmNode
     from swarm.runtime import LoopThread
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from swarm.averaging.matchmaking import GroupPush, leader_of
+from swarm.averaging.group_push import GroupPush, leader_of
 from swarm.dht.node import NetworkOptions, SwarmNode
 from swarm.runtime import LoopThread
 

@@ -9,7 +9,9 @@ import time
 
 from hivemind.utils.crypto import RSAPrivateKey
 
-from swarm.averaging.matchmaking import Candidate, form_group
+from swarm.averaging.group_push import leader_of
+from swarm.averaging.matchmaking import Candidate, form_group, group_terms
+from swarm.dht.records import final_key, group_key
 from swarm.dht.validation import Identity
 
 TIMEOUT = 20.0  # matchmaking timeout: far longer than any of these tests may take when it works
@@ -109,3 +111,29 @@ def test_a_missing_peer_still_in_the_round_is_waited_for():
 
     results = asyncio.run(main())
     assert all(group is not None and set(group.members) == ids for group, _ in results)
+
+
+def test_a_leader_s_group_is_followed_only_with_the_terms_its_members_entries_give():
+    """A leader publishes its group with itself reducing everything (the honest shares come from the members'
+    bandwidths): its members do not average with it, and learn so before the deadline. The same group with the
+    shares, deadline and mix the entries give is followed (the other tests)."""
+    board = Board()
+    nodes = [FakeNode(board) for _ in range(3)]
+    ids = sorted(n.peer_id for n in nodes)
+    leader = next(n for n in nodes if n.peer_id == leader_of(ids, 1, 0))
+    honest = [n for n in nodes if n is not leader]
+
+    async def main():
+        entry = {"digest": "digest", "bandwidth": 1.0, "client": False, "excluded": [], "phase_timeout": None}
+        await leader.store(group_key("run", 1, 0), entry, ttl=60, subkey=leader.owned_subkey)
+        greedy = {"members": ids, "shares": [1.0 if m == leader.peer_id else 0.0 for m in ids],
+                  "clients": [False] * 3, "phase_timeout": None, "mix": False, "swarm_size": 3}
+        await leader.store(final_key("run", 1, 0), greedy, ttl=60, subkey=leader.owned_subkey)
+        return await asyncio.gather(*(_match(n, set(ids) - {n.peer_id}) for n in honest))
+
+    started = time.monotonic()
+    results = asyncio.run(main())
+    assert all(group is None for group, _ in results), results
+    assert time.monotonic() - started < TIMEOUT / 2, "they waited out the deadline"
+    fair = group_terms(ids, {m: Candidate("digest", 1.0, False) for m in ids})
+    assert max(fair["shares"]) < 0.5 and not fair["mix"], "what the leader should have published"

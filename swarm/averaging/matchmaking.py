@@ -30,10 +30,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
-import msgpack
-
+from swarm.averaging.group_push import GroupPush, is_seconds, leader_of, parse_final
 from swarm.averaging.partition import optimal_shares
-from swarm.dht.frames import recv_frame, send_frame
 from swarm.dht.node import SwarmNode
 from swarm.dht.records import final_key, group_key
 from swarm.dht.validation import subkey_owner
@@ -43,8 +41,6 @@ POLL_SECONDS = 0.1  # between reads of the group's entries, once the first few c
 FIRST_POLL_SECONDS = 0.02  # ...starting here: a group of peers that finished the last round together forms at once
 SETTLE_SECONDS = 0.4
 FINAL_GRACE_SECONDS = 2.0  # how long after other groups' leaders published we still wait for ours
-MAX_PUSH_BYTES = 1 << 20  # a pushed group: its member ids, shares and flags
-PUSHED_KEYS = 16  # (round, attempt) keys whose pushed groups a peer keeps
 
 
 @dataclass(frozen=True)
@@ -120,17 +116,6 @@ def settled(candidates: dict[str, Candidate]) -> dict[str, Candidate]:
         left.discard(worst)
 
 
-def leader_of(members: Iterable[str], round_no: int, attempt: int) -> str:
-    """The member that publishes the group: the one whose id hashes smallest with the round and attempt. (The
-    smallest id led every group before, so a key ground for a small id led every round; now a key leads about
-    one round in len(members), and a key ground for one round leads that round only.)"""
-    return min(members, key=lambda peer: _rank(peer, round_no, attempt))
-
-
-def _rank(peer: str, round_no: int, attempt: int) -> bytes:
-    return hashlib.sha256(f"{round_no}|{attempt}|{peer}".encode()).digest()
-
-
 def bandwidth_class(bandwidth: float) -> int:
     """Half-octave bucket of a measured bandwidth, so that round-to-round noise does not reshuffle groups."""
     return math.floor(2 * math.log2(bandwidth)) if bandwidth > 1 else 0
@@ -187,15 +172,10 @@ def _parse_candidate(value: object) -> Optional[Candidate]:
         return None
     if not isinstance(excluded, list) or len(excluded) > 1024 or not all(isinstance(p, str) for p in excluded):
         return None
-    if timeout is not None and (not _is_seconds(timeout)):
+    if timeout is not None and (not is_seconds(timeout)):
         return None
     return Candidate(value["digest"], float(bandwidth), bool(client), tuple(excluded),
                      None if timeout is None else float(timeout))
-
-
-def _is_seconds(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and \
-        0 < value < 1e6
 
 
 def signed_entries(raw: dict) -> dict[str, object]:
@@ -219,7 +199,7 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
                      expected: set[str], min_size: int, target_size: int, timeout: float,
                      excluded: Iterable[str] = (), not_waiting_for: Iterable[str] = (),
                      still_in: Optional[Callable[[], Optional[set[str]]]] = None,
-                     push: Optional["GroupPush"] = None) -> tuple[Optional[Group], int]:
+                     push: Optional[GroupPush] = None) -> tuple[Optional[Group], int]:
     """Find this attempt's group: (group, others seen), with group None if no group of at least `min_size`
     formed within about `timeout` s. A peer that saw nobody else may retry under the same attempt number.
 
@@ -275,15 +255,11 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
     leader = leader_of(members, round_no, attempt)
     if leader == me:
         try:
-            shares = optimal_shares([candidates[m].bandwidth or 1.0 for m in members],
-                                    [not candidates[m].client for m in members])
+            final = {"members": members, **group_terms(members, candidates),
+                     "swarm_size": sum(len(group) for group in groups)}
         except ValueError as e:
             logger.warning("round %d: %s", round_no, e)
             return None, seen
-        final = {"members": members, "shares": shares, "clients": [candidates[m].client for m in members],
-                 "phase_timeout": group_timeout([candidates[m] for m in members]),
-                 "mix": len({candidates[m].digest for m in members}) > 1,
-                 "swarm_size": sum(len(group) for group in groups)}
         if push is not None:
             push.send(members, round_no, attempt, final)
         await node.store(final_key(run_id, round_no, attempt), final, ttl=ttl, subkey=node.owned_subkey)
@@ -316,6 +292,19 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
             chosen, shares, phase_timeout, clients, mix, swarm_size = mine[leader_of(mine, round_no, attempt)]
             if len(chosen) < min_size:
                 return None, seen
+            if set(chosen) - set(candidates):  # members we have not read yet (they wrote as we read)
+                candidates = {**await _read_candidates(node, key, excluded), **candidates}
+            try:
+                expected = group_terms(chosen, candidates)
+            except (KeyError, ValueError):
+                expected = None
+            if expected is None or not _same_terms(expected, shares, phase_timeout, clients, mix):
+                # The leader chose them, not its members' entries: it may be giving itself (or a slow peer) the
+                # whole reduction, or a deadline of its own. Not followed: the next attempt has another leader.
+                logger.warning("round %d: leader %s published a group whose shares, deadline or mix its members' "
+                               "entries do not give; not averaging with it", round_no, leader_of(mine, round_no,
+                                                                                                 attempt)[-8:])
+                return None, seen
             return Group.of(round_no, attempt, chosen, shares, phase_timeout, clients, mix, swarm_size), seen
         if push is not None:
             await push.wait(round_no, attempt, poll)  # a push wakes us at once
@@ -326,116 +315,29 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
     return None, seen
 
 
+def group_terms(members: Sequence[str], candidates: dict[str, Candidate]) -> dict:
+    """What a group's leader publishes besides its members, from the members' own entries alone (so every member
+    can check it): the reduction shares from their measured bandwidths, who is a client, the deadline, whether
+    params mix. Raises KeyError for a member without an entry, ValueError if nobody can reduce."""
+    entries = [candidates[m] for m in members]
+    return {"shares": optimal_shares([c.bandwidth or 1.0 for c in entries], [not c.client for c in entries]),
+            "clients": [c.client for c in entries], "phase_timeout": group_timeout(entries),
+            "mix": len({c.digest for c in entries}) > 1}
+
+
+def _same_terms(expected: dict, shares: list[float], phase_timeout: Optional[float], clients: list[bool],
+                mix: bool) -> bool:
+    return (expected["clients"] == clients and expected["mix"] == mix and expected["phase_timeout"] == phase_timeout
+            and all(abs(a - b) <= 1e-9 for a, b in zip(expected["shares"], shares)))
+
+
 async def _read_finals(node: SwarmNode, run_id: str, round_no: int, attempt: int,
                        excluded: set[str]) -> dict[str, tuple[list[str], list[float], Optional[float], list[bool],
                                                                bool, int]]:
     raw = signed_entries(await node.get(final_key(run_id, round_no, attempt)))
     finals = {}
     for writer, value in raw.items():
-        final = _parse_final(writer, value, excluded, round_no, attempt)
+        final = parse_final(writer, value, excluded, round_no, attempt)
         if final is not None:
             finals[writer] = final
     return finals
-
-
-Final = tuple[list[str], list[float], Optional[float], list[bool], bool, int]
-
-
-def _parse_final(writer: str, value: object, excluded: set[str], round_no: int, attempt: int) -> Optional[Final]:
-    """A group of this round and attempt as its leader `writer` published (or pushed) it, or None if it is
-    malformed, not the writer's to publish (see leader_of), or names an excluded peer."""
-    if writer in excluded or not isinstance(value, dict):
-        return None
-    members, shares = value.get("members"), value.get("shares")
-    # Only a leader may publish: it must be the group's leader_of; shares must be a distribution.
-    if not (isinstance(members, list) and members and all(isinstance(m, str) for m in members)
-            and members == sorted(set(members)) and leader_of(members, round_no, attempt) == writer
-            and isinstance(shares, list) and len(shares) == len(members)
-            and all(isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s) and s >= 0
-                    for s in shares)
-            and abs(sum(shares) - 1) < 1e-6 and not excluded & set(members)
-            and (value.get("phase_timeout") is None or _is_seconds(value.get("phase_timeout")))):
-        return None
-    timeout, clients = value.get("phase_timeout"), value.get("clients", [False] * len(members))
-    mix, swarm_size = value.get("mix", False), value.get("swarm_size", len(members))
-    if not isinstance(clients, list) or len(clients) != len(members) or \
-            not all(isinstance(c, bool) for c in clients) or \
-            any(c and share > 0 for c, share in zip(clients, shares)) or all(clients):
-        return None  # a client never reduces, and someone must
-    if not isinstance(mix, bool) or isinstance(swarm_size, bool) or not isinstance(swarm_size, int) or \
-            not len(members) <= swarm_size <= 1 << 20:
-        return None
-    return (members, [float(s) for s in shares], None if timeout is None else float(timeout), clients, mix,
-            swarm_size)
-
-
-class GroupPush:
-    """A leader's group, pushed to its members over a stream of protocol `swarm.<run>.group` as it is published,
-    and the groups pushed to us. The sender is the stream's authenticated remote, and a pushed group is checked as
-    one read from the DHT (only its leader_of may publish it), so a push can do nothing a DHT entry cannot."""
-
-    def __init__(self, node: SwarmNode, run_id: str):
-        self.node, self.protocol = node, f"swarm.{run_id}.group"
-        self._finals: dict[tuple[int, int], dict[str, Final]] = {}
-        self._arrived: dict[tuple[int, int], asyncio.Event] = {}
-        self._background: set[asyncio.Task] = set()  # held until done: asyncio holds tasks only weakly
-
-    async def start(self) -> None:
-        await self.node.add_stream_handler(self.protocol, self._on_stream)
-
-    def _event(self, key: tuple[int, int]) -> asyncio.Event:
-        if key not in self._arrived:
-            while len(self._arrived) >= PUSHED_KEYS:  # bounded against senders naming endless keys
-                oldest = next(iter(self._arrived))
-                del self._arrived[oldest]
-                self._finals.pop(oldest, None)
-            self._arrived[key] = asyncio.Event()
-        return self._arrived[key]
-
-    async def _on_stream(self, remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        body = msgpack.unpackb(await recv_frame(reader, MAX_PUSH_BYTES))
-        if not isinstance(body, dict):
-            raise ValueError(f"malformed group push from {remote}")
-        key = (body.get("round"), body.get("attempt"))
-        if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 40 for v in key):
-            raise ValueError(f"group push from {remote} names round/attempt {key!r}")
-        final = _parse_final(remote, body.get("final"), set(), *key)
-        if final is None:
-            raise ValueError(f"group push from {remote} is not a group it may publish")
-        self._event(key).set()
-        self._finals.setdefault(key, {})[remote] = final
-        await send_frame(writer, b"ok")
-
-    def finals(self, round_no: int, attempt: int, excluded: set[str]) -> dict[str, Final]:
-        return {writer: final for writer, final in self._finals.get((round_no, attempt), {}).items()
-                if writer not in excluded and not excluded & set(final[0])}
-
-    async def wait(self, round_no: int, attempt: int, timeout: float) -> None:
-        """Until a group is pushed to us for this round and attempt, or `timeout` s."""
-        event = self._event((round_no, attempt))
-        try:
-            await asyncio.wait_for(event.wait(), timeout)
-        except asyncio.TimeoutError:
-            pass
-        event.clear()
-
-    def send(self, members: list[str], round_no: int, attempt: int, final: dict) -> None:
-        """Push our group to its other members, in the background (best effort: the DHT entry is the record)."""
-        body = msgpack.packb({"round": round_no, "attempt": attempt, "final": final})
-
-        async def push(peer: str) -> None:
-            try:
-                reader, writer = await asyncio.wait_for(self.node.open_stream(peer, self.protocol), 5)
-                try:
-                    await send_frame(writer, body)
-                    await asyncio.wait_for(recv_frame(reader, 16), 5)
-                finally:
-                    writer.close()
-            except Exception as e:  # noqa: BLE001 - it reads the group from the DHT instead
-                logger.debug("could not push round %d's group to %s: %s", round_no, peer[-8:], e)
-
-        for peer in members:
-            if peer != self.node.peer_id:
-                task = asyncio.ensure_future(push(peer))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)

@@ -19,7 +19,7 @@ from swarm import __version__
 from swarm.averaging.allreduce import COMMIT_GRACE, GroupAllReduce
 from swarm.averaging.deadlines import AdaptiveDeadlines
 from swarm.averaging.faults import FaultPlan
-from swarm.averaging.matchmaking import GroupPush
+from swarm.averaging.group_push import GroupPush
 from swarm.compression import ErrorFeedback
 from swarm.config import PeerSettings, RecipeError, load_recipe, local_files
 from swarm.dht.node import SwarmNode

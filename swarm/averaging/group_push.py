@@ -1,0 +1,140 @@
+"""A group as its leader publishes it (see matchmaking.form_group): who may publish it (leader_of), what a member
+accepts (parse_final), and GroupPush, which sends it straight to the members over a stream as it goes into the DHT,
+so a member starts the all-reduce without waiting for the DHT write and its next read of it. The DHT entry stays
+the record; a pushed group is checked exactly as one read from there."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+from typing import Iterable, Optional
+
+import msgpack
+
+from swarm.dht.frames import recv_frame, send_frame
+from swarm.dht.node import SwarmNode
+
+logger = logging.getLogger(__name__)
+MAX_PUSH_BYTES = 1 << 20  # a pushed group: its member ids, shares and flags
+PUSHED_KEYS = 16  # (round, attempt) keys whose pushed groups a peer keeps
+
+
+def leader_of(members: Iterable[str], round_no: int, attempt: int) -> str:
+    """The member that publishes the group: the one whose id hashes smallest with the round and attempt. (The
+    smallest id led every group before, so a key ground for a small id led every round; now a key leads about
+    one round in len(members), and a key ground for one round leads that round only.)"""
+    return min(members, key=lambda peer: _rank(peer, round_no, attempt))
+
+
+def _rank(peer: str, round_no: int, attempt: int) -> bytes:
+    return hashlib.sha256(f"{round_no}|{attempt}|{peer}".encode()).digest()
+
+
+Final = tuple[list[str], list[float], Optional[float], list[bool], bool, int]
+
+
+def parse_final(writer: str, value: object, excluded: set[str], round_no: int, attempt: int) -> Optional[Final]:
+    """A group of this round and attempt as its leader `writer` published (or pushed) it, or None if it is
+    malformed, not the writer's to publish (see leader_of), or names an excluded peer."""
+    if writer in excluded or not isinstance(value, dict):
+        return None
+    members, shares = value.get("members"), value.get("shares")
+    # Only a leader may publish: it must be the group's leader_of; shares must be a distribution.
+    if not (isinstance(members, list) and members and all(isinstance(m, str) for m in members)
+            and members == sorted(set(members)) and leader_of(members, round_no, attempt) == writer
+            and isinstance(shares, list) and len(shares) == len(members)
+            and all(isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s) and s >= 0
+                    for s in shares)
+            and abs(sum(shares) - 1) < 1e-6 and not excluded & set(members)
+            and (value.get("phase_timeout") is None or is_seconds(value.get("phase_timeout")))):
+        return None
+    timeout, clients = value.get("phase_timeout"), value.get("clients", [False] * len(members))
+    mix, swarm_size = value.get("mix", False), value.get("swarm_size", len(members))
+    if not isinstance(clients, list) or len(clients) != len(members) or \
+            not all(isinstance(c, bool) for c in clients) or \
+            any(c and share > 0 for c, share in zip(clients, shares)) or all(clients):
+        return None  # a client never reduces, and someone must
+    if not isinstance(mix, bool) or isinstance(swarm_size, bool) or not isinstance(swarm_size, int) or \
+            not len(members) <= swarm_size <= 1 << 20:
+        return None
+    return (members, [float(s) for s in shares], None if timeout is None else float(timeout), clients, mix,
+            swarm_size)
+
+
+def is_seconds(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and \
+        0 < value < 1e6
+
+
+class GroupPush:
+    """A leader's group, pushed to its members over a stream of protocol `swarm.<run>.group` as it is published,
+    and the groups pushed to us. The sender is the stream's authenticated remote, and a pushed group is checked as
+    one read from the DHT (only its leader_of may publish it), so a push can do nothing a DHT entry cannot."""
+
+    def __init__(self, node: SwarmNode, run_id: str):
+        self.node, self.protocol = node, f"swarm.{run_id}.group"
+        self._finals: dict[tuple[int, int], dict[str, Final]] = {}
+        self._arrived: dict[tuple[int, int], asyncio.Event] = {}
+        self._background: set[asyncio.Task] = set()  # held until done: asyncio holds tasks only weakly
+
+    async def start(self) -> None:
+        await self.node.add_stream_handler(self.protocol, self._on_stream)
+
+    def _event(self, key: tuple[int, int]) -> asyncio.Event:
+        if key not in self._arrived:
+            while len(self._arrived) >= PUSHED_KEYS:  # bounded against senders naming endless keys
+                oldest = next(iter(self._arrived))
+                del self._arrived[oldest]
+                self._finals.pop(oldest, None)
+            self._arrived[key] = asyncio.Event()
+        return self._arrived[key]
+
+    async def _on_stream(self, remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        body = msgpack.unpackb(await recv_frame(reader, MAX_PUSH_BYTES))
+        if not isinstance(body, dict):
+            raise ValueError(f"malformed group push from {remote}")
+        key = (body.get("round"), body.get("attempt"))
+        if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 40 for v in key):
+            raise ValueError(f"group push from {remote} names round/attempt {key!r}")
+        final = parse_final(remote, body.get("final"), set(), *key)
+        if final is None:
+            raise ValueError(f"group push from {remote} is not a group it may publish")
+        self._event(key).set()
+        self._finals.setdefault(key, {})[remote] = final
+        await send_frame(writer, b"ok")
+
+    def finals(self, round_no: int, attempt: int, excluded: set[str]) -> dict[str, Final]:
+        return {writer: final for writer, final in self._finals.get((round_no, attempt), {}).items()
+                if writer not in excluded and not excluded & set(final[0])}
+
+    async def wait(self, round_no: int, attempt: int, timeout: float) -> None:
+        """Until a group is pushed to us for this round and attempt, or `timeout` s."""
+        event = self._event((round_no, attempt))
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        event.clear()
+
+    def send(self, members: list[str], round_no: int, attempt: int, final: dict) -> None:
+        """Push our group to its other members, in the background (best effort: the DHT entry is the record)."""
+        body = msgpack.packb({"round": round_no, "attempt": attempt, "final": final})
+
+        async def push(peer: str) -> None:
+            try:
+                reader, writer = await asyncio.wait_for(self.node.open_stream(peer, self.protocol), 5)
+                try:
+                    await send_frame(writer, body)
+                    await asyncio.wait_for(recv_frame(reader, 16), 5)
+                finally:
+                    writer.close()
+            except Exception as e:  # noqa: BLE001 - it reads the group from the DHT instead
+                logger.debug("could not push round %d's group to %s: %s", round_no, peer[-8:], e)
+
+        for peer in members:
+            if peer != self.node.peer_id:
+                task = asyncio.ensure_future(push(peer))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
