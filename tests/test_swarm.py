@@ -11,6 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from swarm.averaging.aggregate import aggregate_parts
+
 pytestmark = pytest.mark.slow
 ROUNDS = 3
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # the tiny recipe keeps the DiLoCo defaults
@@ -101,7 +103,8 @@ def test_overlapping_rounds_keep_peers_identical(swarm):
 def test_client_mode_peer_contributes_without_accepting_streams(swarm):
     """A peer behind NAT (`--client-mode`: it registers no stream handler at all, so any stream opened to it would
     fail the round) takes part in every average: it reduces nothing, pulls the averaged parts and asks the others
-    for their decision; its tokens are in the exact weighted mean every member applies."""
+    for their decision; its contribution is in what every member applies: the recipe's aggregate, recomputed
+    here from every member's trace."""
     _, maddr = swarm.bootstrap(recipe=Path(__file__).parent / "recipes" / "three.yaml")  # groups of exactly 3
     rounds = 3
     names = ["server0", "server1", "client"]
@@ -120,8 +123,13 @@ def test_client_mode_peer_contributes_without_accepting_streams(swarm):
         assert len(members) == 3 and all(m["members"] == members for m in metas)
         client_index = members.index(client_id)
         assert metas[0]["clients"][client_index] and metas[0]["shares"][client_index] == 0, "a client reduces nothing"
-        total = sum(m["weight"] for m in metas)
-        expected = sum(t["pseudo_gradient"] * m["weight"] for t, m in zip(tensors, metas)) / total
+        # What the recipe's aggregator (centered_clip: weights capped at 1.5x the median, then clipped where
+        # needed) makes of every member's contribution, the client's included, chunk by chunk as reducers do.
+        order = [members.index(m["peer_id"]) for m in metas]
+        vectors = [tensors[order.index(i)]["pseudo_gradient"] for i in range(3)]
+        weights = [metas[order.index(i)]["weight"] for i in range(3)]
+        expected, total = aggregate_parts("centered_clip", vectors, weights, metas[0]["shares"])
+        assert total == metas[0]["total_weight"]
         torch.testing.assert_close(tensors[0]["average"], expected, rtol=1e-5, atol=1e-7)
         assert all(torch.equal(t["global_after"], tensors[0]["global_after"]) for t in tensors)
 

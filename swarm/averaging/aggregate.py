@@ -10,6 +10,9 @@ from typing import Callable, Sequence
 
 import torch
 
+from swarm.averaging.common import chunk_bounds
+from swarm.averaging.partition import partition
+
 AGGREGATORS = ("mean", "trimmed_mean", "centered_clip")
 # A robust aggregate counts no contribution as more than this many times the group's (lower) median weight: a
 # weight is declared by its sender, and one inflated weight would otherwise outvote the rest (at 1.5, one of three
@@ -26,7 +29,10 @@ Aggregate = Callable[[Sequence[torch.Tensor], Sequence[float]], tuple[torch.Tens
 
 
 def capped_weights(weights: Sequence[float]) -> list[float]:
-    """`weights`, each at most WEIGHT_SPREAD times the lower median of them (the median of an honest majority)."""
+    """`weights`, each at most WEIGHT_SPREAD times the lower median of them (the median of an honest majority).
+    Two weights are left as they are: of two members neither is a majority, and either could send any values."""
+    if len(weights) <= 2:
+        return [float(w) for w in weights]
     ceiling = WEIGHT_SPREAD * sorted(weights)[(len(weights) - 1) // 2]
     return [min(float(w), ceiling) for w in weights]
 
@@ -95,6 +101,17 @@ def coordinate_median(stacked: torch.Tensor) -> torch.Tensor:
 
 def _distances(stacked: torch.Tensor, point: torch.Tensor) -> torch.Tensor:
     return (stacked - point).flatten(1).norm(dim=1)
+
+
+def aggregate_parts(name: str, vectors: Sequence[torch.Tensor], weights: Sequence[float],
+                    shares: Sequence[float]) -> tuple[torch.Tensor, float]:
+    """What a butterfly's reducers make of the members' `vectors` (no lossless tail): reducer j aggregates each
+    chunk of part j (the chunks of butterfly.py) with the aggregate `name`. Returns the average and total weight."""
+    aggregate, average, total = aggregator(name), torch.empty_like(vectors[0]), 0.0
+    for start, end in partition(vectors[0].numel(), list(shares)):
+        for a, b in chunk_bounds(start, end):
+            average[a:b], total = aggregate([vector[a:b] for vector in vectors], weights)
+    return average, total
 
 
 def aggregator(name: str) -> Aggregate:

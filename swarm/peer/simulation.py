@@ -11,9 +11,7 @@ from typing import Optional
 
 import torch
 
-from swarm.averaging.aggregate import aggregator
-from swarm.averaging.common import chunk_bounds
-from swarm.averaging.partition import partition
+from swarm.averaging.aggregate import aggregate_parts
 from swarm.compression import ErrorFeedback, get_codec
 from swarm.config import Recipe
 from swarm.peer.data import RunData
@@ -43,7 +41,7 @@ def simulate_diloco(recipe: Recipe, data: RunData, shards: list[int], rounds: in
                     codec_name: Optional[str] = None, device: str = "cpu",
                     overlap_delay: Optional[int] = None, aggregator_name: Optional[str] = None) -> SimulationResult:
     """M = len(shards) workers, each `inner_steps` AdamW steps on its shard per round, then the token-weighted
-    aggregate (the recipe's `averaging.aggregator`, or `aggregator_name`; see reduce) of their pseudo-gradients
+    aggregate (the recipe's `averaging.aggregator`, or `aggregator_name`, chunk by chunk as reducers do) of their pseudo-gradients
     (through `codec_name`, with error feedback) and the outer step.
 
     With `overlap_delay` = d (outer.overlap, as the peers run it): workers never wait for the average; round t's
@@ -104,9 +102,9 @@ def simulate_diloco(recipe: Recipe, data: RunData, shards: list[int], rounds: in
             delivered = codec.decode(payload) if codec.name != "none" else to_send
             feedback[index].update(to_send, delivered)
             contributions.append((delivered, inner_steps * tokens_per_step, len(payload)))
-        average, total_weight = reduce(aggregator_name or recipe.averaging.aggregator,
-                                       [vector for vector, _, _ in contributions],
-                                       [weight for _, weight, _ in contributions])
+        average, total_weight = aggregate_parts(aggregator_name or recipe.averaging.aggregator,
+                                                [vector for vector, _, _ in contributions],
+                                                [weight for _, weight, _ in contributions], [1.0] * len(shards))
         total_weight = int(total_weight)
         if codec.name != "none":
             average = codec.decode(codec.encode(average))  # the reducers send the average through the codec too
@@ -126,16 +124,6 @@ def simulate_diloco(recipe: Recipe, data: RunData, shards: list[int], rounds: in
         result.val_losses.append(validation_loss(evaluator, data.eval_batches, torch.device(device)))
         logger.info("diloco M=%d round %d: val loss %.4f", len(shards), round_no, result.val_losses[-1])
     return result
-
-
-def reduce(aggregator_name: str, vectors: list[torch.Tensor], weights: list[float]) -> tuple[torch.Tensor, float]:
-    """What a butterfly of len(vectors) equal members makes of `vectors`: each reducer aggregates each chunk of
-    its part (the same chunks as swarm/averaging/butterfly.py). Returns the average and the total weight."""
-    aggregate, average, total = aggregator(aggregator_name), torch.empty_like(vectors[0]), 0.0
-    for start, end in partition(vectors[0].numel(), len(vectors)):
-        for a, b in chunk_bounds(start, end):
-            average[a:b], total = aggregate([vector[a:b] for vector in vectors], weights)
-    return average, total
 
 
 def simulate_groups(recipe: Recipe, data: RunData, shards: list[int], rounds: int, inner_steps: int,
