@@ -97,7 +97,7 @@ def run_scenario(scenario: str, args: argparse.Namespace, workdir: Path) -> dict
                                str(attacker_events), "--seconds", str(args.timeout)], workdir / "attacker.log")
             processes.append(attacker)
             _wait_for(attacker_events, "ready", attacker, 180)
-        honest = args.peers - (scenario != "clean")
+        honest = args.peers - 1  # the clean swarm is the same honest peers, without the attacker
         peers = []
         for i in range(honest):
             events = workdir / f"honest{i}.events.jsonl"
@@ -133,7 +133,8 @@ def run_scenario(scenario: str, args: argparse.Namespace, workdir: Path) -> dict
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated subset of {SCENARIOS}")
-    parser.add_argument("--peers", type=int, default=4, help="peers in the swarm, the attacker included")
+    parser.add_argument("--peers", type=int, default=4, help="peers in the swarm, the attacker included (the clean "
+                                                                 "swarm runs the others alone)")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--aggregator", default="centered_clip", choices=("mean", "trimmed_mean", "centered_clip"))
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per scenario")
@@ -152,7 +153,7 @@ def main() -> None:
             rows.append({**run_scenario(scenario, args, Path(workdir)), "seconds": time.monotonic() - started})
             print(f"  {scenario}: {rows[-1]}", file=sys.stderr, flush=True)
     clean = rows[0]["val_loss"]
-    print(f"{args.peers} peers (one of them the attacker), {args.rounds} rounds, int8, aggregator {args.aggregator}")
+    print(f"{args.peers - 1} honest peers and one attacker, {args.rounds} rounds, int8, aggregator {args.aggregator}")
     print(f"{'scenario':<20}{'val loss':>10}{'vs clean':>10}{'rounds':>8}{'took its state':>16}{'peak RSS MB':>13}")
     for row in rows:
         row["vs_clean"] = (row["val_loss"] / clean - 1) if row["val_loss"] and clean else None

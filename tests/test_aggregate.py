@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swarm.averaging.aggregate import (WEIGHT_SPREAD, aggregator, capped_weights, centered_clip, coordinate_median,
-                                       mean, trimmed, trimmed_mean)
+from swarm.averaging.aggregate import WEIGHT_SPREAD, aggregator, capped_weights, centered_clip, mean, trimmed, trimmed_mean
 
 NUMEL = 50_000
 
@@ -81,9 +80,3 @@ def test_the_trimmed_mean_drops_each_coordinate_s_extremes():
     # and (0, 1) with weights (1, 1.5).
     torch.testing.assert_close(average, torch.tensor([(2 + 3 * 1.5) / 2.5, (0 + 1.5) / 2.5]))
     assert total == 4.5
-
-
-def test_the_coordinate_median_of_an_even_count_is_the_middle_pair_s_mean():
-    stacked = torch.tensor([[1.0, 4.0], [3.0, 0.0], [2.0, 2.0], [10.0, 1.0]])
-    assert torch.equal(coordinate_median(stacked), torch.tensor([2.5, 1.5]))
-    assert torch.equal(coordinate_median(stacked[:3]), torch.tensor([2.0, 2.0]))

@@ -19,10 +19,11 @@ AGGREGATORS = ("mean", "trimmed_mean", "centered_clip")
 # members holds at most 3/7 of the weight, one of four 1/3). An honest peer 10x faster than the median counts 1.5x;
 # its pseudo-gradient, from more steps, is larger anyway.
 WEIGHT_SPREAD = 1.5
-# CenteredClip's radius, in medians of the contributions' distances to their coordinate-wise median. Within it a
-# contribution counts whole; honest contributions of a group lie well inside (see tests/test_aggregate.py).
-CLIP_RADIUS = 2.0
-CLIP_ITERATIONS = 50
+# CenteredClip's radius, in medians of the distances between the medoid and the other contributions. Within it a
+# contribution counts whole; honest contributions lie well inside (an honest one is about 0.7 of these distances
+# from the group's mean: see tests/test_aggregate.py).
+CLIP_RADIUS = 1.5
+CLIP_ITERATIONS = 20
 CLIP_TOLERANCE = 1e-6  # stop iterating once a step moves the centre less than this fraction of the radius
 # (contributions, their declared weights) -> (the aggregate, the total weight it counts)
 Aggregate = Callable[[Sequence[torch.Tensor], Sequence[float]], tuple[torch.Tensor, float]]
@@ -68,39 +69,36 @@ def trimmed(n: int) -> int:
 
 def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> tuple[torch.Tensor, float]:
     """CenteredClip with weights capped (capped_weights): the point v where the weighted mean of the contributions,
-    each pulled in to within radius tau of v, is v itself. tau is CLIP_RADIUS times the median distance of the
-    contributions to their coordinate-wise median, so one far contribution moves the result by at most about
-    tau times its share of the weight, however far it is. When every contribution lies within tau of the plain
-    weighted mean, that mean is the fixed point, and it is returned exactly (a group of two always is)."""
+    each pulled in to within radius tau of v, is v itself. tau is CLIP_RADIUS times the median distance from the
+    medoid (the contribution closest, in sum, to all others: an honest one while they are a majority) to the
+    others, so one far contribution moves the result by at most about tau times its share of the weight, however
+    far it is. When every contribution lies within tau of the plain weighted mean, that mean is the fixed point,
+    and it is returned exactly (a group of two always is). Deciding that costs one Gram matrix of the
+    contributions (about what the mean costs); only a group with a far contribution iterates."""
     weights = capped_weights(weights)
     plain, total_weight = mean(parts, weights)
     if len(parts) <= 2:
         return plain, total_weight
-    stacked = torch.stack(list(parts))
-    centre = coordinate_median(stacked)
-    tau = CLIP_RADIUS * float(_distances(stacked, centre).median())
-    if tau == 0.0 or float(_distances(stacked, plain).max()) <= tau * (1 + 1e-6):
+    stacked = torch.stack(list(parts)).flatten(1)
+    offsets = stacked - plain.flatten()
+    gram = (offsets @ offsets.T).double()  # of the offsets from the mean, so that distances do not cancel
+    to_mean = gram.diagonal().clamp_min(0).sqrt()
+    pairwise = (gram.diagonal()[:, None] + gram.diagonal()[None, :] - 2 * gram).clamp_min(0).sqrt()
+    medoid = int(pairwise.sum(1).argmin())
+    others = torch.cat([pairwise[medoid, :medoid], pairwise[medoid, medoid + 1:]])
+    tau = CLIP_RADIUS * float(others.median())
+    if tau == 0.0 or float(to_mean.max()) <= tau * (1 + 1e-6):
         return plain, total_weight
-    w = torch.tensor(weights, dtype=stacked.dtype).view(-1, *([1] * (stacked.dim() - 1)))
+    w = torch.tensor(weights, dtype=stacked.dtype)[:, None]
+    centre = stacked[medoid].clone()
     for _ in range(CLIP_ITERATIONS):
-        offsets = stacked - centre
-        scale = (tau / _distances(stacked, centre).clamp_min(1e-30)).clamp(max=1.0)
-        step = (offsets * (w * scale.view_as(w))).sum(0) / total_weight
-        centre = centre + step
+        differences = stacked - centre
+        scale = (tau / differences.norm(dim=1).clamp_min(1e-30)).clamp(max=1.0)[:, None]
+        step = (differences * (w * scale)).sum(0) / total_weight
+        centre += step
         if float(step.norm()) <= CLIP_TOLERANCE * tau:
             break
-    return centre, total_weight
-
-
-def coordinate_median(stacked: torch.Tensor) -> torch.Tensor:
-    """The median of each coordinate over dimension 0 (the mean of the two middle values for an even count)."""
-    n = stacked.shape[0]
-    values = torch.sort(stacked, dim=0).values
-    return values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
-
-
-def _distances(stacked: torch.Tensor, point: torch.Tensor) -> torch.Tensor:
-    return (stacked - point).flatten(1).norm(dim=1)
+    return centre.view_as(plain), total_weight
 
 
 def aggregate_parts(name: str, vectors: Sequence[torch.Tensor], weights: Sequence[float],
