@@ -5,6 +5,9 @@ protocol wherever that helps it and lying wherever it can. Each scenario is a co
                      that state to whoever asks: without a quorum, every peer re-synced to it
   dribbling-holder   announce the swarm's current state as if we held it, and answer every state request with the
                      right header and then one byte every half second, never silent for a whole stall
+  uninvited          in a private swarm, without an invite: write a peer record and matchmaking entries with our
+                     own key (carrying an invite we forged, signed by us in the owner's name), and open all-reduce
+                     streams to every peer presenting it; our own node keeps no rules of the run
 
 Run as a process: python scripts/attackers.py --initial-peers MADDR --scenario NAME --cache-dir DIR [--events-file F]
 It writes `ready` once it can attack and `attacking` events (scenario, round, digest) to --events-file while it
@@ -18,17 +21,21 @@ import asyncio
 import logging
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import msgpack
 import torch
 
 from swarm import __version__
+from swarm.config import Recipe
 from swarm.dht import view
+from swarm.dht.admission import Admission, Invite
 from swarm.dht.frames import recv_frame, send_frame
 from swarm.dht.node import NetworkOptions, SwarmNode
 from swarm.dht.recipes import fetch_recipe
-from swarm.dht.records import PeerRecord, parse_peer_records, peers_key
+from swarm.dht.records import RECIPE_KEY, PeerRecord, group_key, parse_peer_records, parse_recipes, peers_key
+from swarm.dht.validation import subkey_owner_key
 from swarm.events import EventLog
 from swarm.peer.data import prepare_run_data
 from swarm.peer.diloco import DiLoCo
@@ -38,7 +45,7 @@ from swarm.peer.state_wire import protocol
 from swarm.runtime import LoopThread
 
 logger = logging.getLogger("attacker")
-SCENARIOS = ("forged-reference", "dribbling-holder")
+SCENARIOS = ("forged-reference", "dribbling-holder", "uninvited")
 
 
 class DribblingServer(StateServer):
@@ -62,14 +69,66 @@ class Attacker:
         self.scenario, self.events = scenario, events
         self.loop = LoopThread()
         self.node = SwarmNode(initial_peers, NetworkOptions(direct_streams=False))
-        self.recipe = self.loop.run(fetch_recipe(self.node, timeout=30), timeout=60)
-        r = self.recipe
+        self._streamed: set[str] = set()  # peers we opened an all-reduce stream to
+        if scenario == "uninvited":  # read the recipe without taking on the run's rules: we keep what we write
+            self.recipe = self.loop.run(self.recipe_without_rules(), timeout=60)
+            self.key = peers_key(self.recipe.run_id)
+            return  # it needs no data, model or state server: it only writes and knocks
+        self.recipe = r = self.loop.run(fetch_recipe(self.node, timeout=30), timeout=60)
         data = prepare_run_data(r.data.source, r.data.tokenizer, r.data.vocab_size, r.data.val_fraction,
                                 r.data.seq_len, r.data.batch_size, r.data.seed, cache_dir)
         self.diloco = DiLoCo(build_model(r.model, data.vocab_size), r.outer)
         self.key = peers_key(r.run_id)
         self.server = DribblingServer(self.diloco) if scenario == "dribbling-holder" else StateServer(self.diloco)
         self.loop.run(self.node.add_stream_handler(protocol(r.run_id), self.server.handle), timeout=30)
+
+    async def recipe_without_rules(self) -> Recipe:
+        """Our --initial-peers' recipe; for a private run, `node.admission` with an invite we forged (signed by us
+        in the owner's name), which our node then adds to every entry and presents on every stream."""
+        while True:
+            for subkey, value in (await self.node.get(RECIPE_KEY)).items():
+                owned = subkey_owner_key(subkey)
+                recipes, _ = parse_recipes({subkey: value})
+                if owned is not None and owned[0] in self.node.initial_peer_ids and owned[0] in recipes:
+                    self.node.admission = Admission(*owned)
+                    forged = Invite.sign(self.node.identity, self.node.peer_id, 1.0)
+                    self.node.admission.token = replace(forged, owner=owned[0]).token()
+                    return recipes[owned[0]]
+            await asyncio.sleep(0.5)
+
+    async def intrude(self) -> None:
+        """Announce ourselves as a training peer at the swarm's round, enter its next attempts' matchmaking, and
+        open an all-reduce stream to every peer; say what became of each stream."""
+        honest = await self.swarm()
+        reference = view.reference(honest, self.node.now(), quorum=1)
+        if not reference.holders:
+            return
+        await self.announce(reference.round, reference.digest)
+        entry = {"digest": reference.digest, "bandwidth": 1e9, "client": False, "excluded": [],
+                 "phase_timeout": None}
+        for round_no in (reference.round, reference.round + 1):
+            for attempt in range(3):
+                await self.node.store(group_key(self.recipe.run_id, round_no, attempt), entry, ttl=60.0,
+                                      subkey=self.node.owned_subkey)
+        self.events.emit("attacking", scenario=self.scenario, round=reference.round, digest=reference.digest)
+        for peer in honest:
+            if peer.peer_id in self._streamed:
+                continue
+            self._streamed.add(peer.peer_id)
+            try:
+                reader, writer = await asyncio.wait_for(
+                    self.node.open_stream(peer.peer_id, f"swarm.{self.recipe.run_id}.allreduce"), 10)
+                try:
+                    await send_frame(writer, msgpack.packb({"round": reference.round, "attempt": 0}))
+                    await asyncio.wait_for(recv_frame(reader, 1 << 16), 10)
+                    outcome = "answered"
+                finally:
+                    writer.close()
+            except (asyncio.IncompleteReadError, ConnectionError):
+                outcome = "closed"
+            except Exception as e:  # noqa: BLE001 - whatever else, the test reads it
+                outcome = f"failed: {e!r}"
+            self.events.emit("stream", peer_id=peer.peer_id, outcome=outcome)
 
     async def swarm(self) -> list[PeerRecord]:
         records, _ = parse_peer_records(await self.node.get(self.key))
@@ -97,6 +156,10 @@ class Attacker:
     async def run(self, seconds: float) -> None:
         deadline, forged_round, digest = time.monotonic() + seconds, -1, ""
         while time.monotonic() < deadline:
+            if self.scenario == "uninvited":
+                await self.intrude()
+                await asyncio.sleep(1.0)
+                continue
             reference = view.reference(await self.swarm(), self.node.now(), quorum=2)
             if reference.holders and self.scenario == "forged-reference" and reference.round + 1 != forged_round:
                 # A state of our making one round ahead of the swarm's: random params, no momentum.

@@ -11,10 +11,12 @@ import threading
 from prometheus_client import CollectorRegistry, ProcessCollector
 
 from swarm import __version__
-from swarm.config import BootstrapSettings, Recipe, load_recipe
+from swarm.config import BootstrapSettings, Recipe, RecipeError, load_recipe
+from swarm.dht.admission import InviteError, allowlist_invites
 from swarm.dht.dialback import serve_dialback
 from swarm.dht.node import NetworkOptions, NodeError, SwarmNode
 from swarm.dht.recipes import publish_recipe
+from swarm.dht.records import RECIPE_RULE
 from swarm.events import EventLog
 from swarm.monitoring.http import MonitoringServer
 from swarm.monitoring.metrics import ProcessTreeMemory, SwarmGauges
@@ -26,10 +28,16 @@ logger = logging.getLogger("swarm.bootstrap")
 RECIPE_TTL = 600.0
 REPUBLISH_SECONDS = 60.0
 VIEW_SECONDS = REFRESH_SECONDS  # the status page re-reads as often as we re-read the DHT
+ALLOWLIST_DAYS = 30.0  # lifetime of the invites a bootstrap signs for its --allowlist at each start
 
 
 def run_bootstrap(settings: BootstrapSettings) -> int:
     recipe = load_recipe(settings.recipe_file) if settings.recipe_file else Recipe()
+    if settings.private:
+        recipe = recipe.model_copy(update={"admission": "invite"})
+    if recipe.admission == "invite" and settings.network.identity_path is None:
+        raise RecipeError("the recipe makes the run private (admission: invite): start the bootstrap with "
+                          "--identity-path FILE, the key its invites are signed with")
     metrics = settings.metrics
     events = EventLog(settings.events_file)
     stop = threading.Event()
@@ -44,7 +52,17 @@ def run_bootstrap(settings: BootstrapSettings) -> int:
         return 1
     server = None
     try:
-        loop.run(publish_recipe(node, recipe, RECIPE_TTL), timeout=30)
+        try:
+            invites = allowlist_invites(node.identity, settings.allowlist, ALLOWLIST_DAYS) if settings.allowlist \
+                else {}
+        except InviteError as e:
+            logger.error("%s", e)
+            return 1
+        if sum(len(peer) + len(token) + 8 for peer, token in invites.items()) > RECIPE_RULE.max_bytes // 2:
+            logger.error("allowlist %s is too long (%d peers) to publish with the recipe: list at most a few "
+                         "hundred and send the others tokens (swarm-peer invite)", settings.allowlist, len(invites))
+            return 1
+        loop.run(publish_recipe(node, recipe, RECIPE_TTL, invites), timeout=30)
         loop.run(serve_dialback(node, __version__), timeout=30)  # peers learn whether the swarm can dial them
         view = SwarmMonitor(StatusBoard(recipe.run_id, recipe.digest(), node.peer_id))
         if metrics.port is not None:
@@ -58,12 +76,16 @@ def run_bootstrap(settings: BootstrapSettings) -> int:
         maddrs = node.visible_maddrs()
         logger.info("bootstrap of run %s (recipe %s) is up as %s", recipe.run_id, recipe.digest()[:12],
                     node.peer_id)
+        invite_flag = " --invite TOKEN" if recipe.admission == "invite" and not invites else ""
         print("Peers join this swarm with:", flush=True)
         for maddr in maddrs:
-            print(f"  swarm-peer join --initial-peers {maddr}", flush=True)
+            print(f"  swarm-peer join --initial-peers {maddr}{invite_flag}", flush=True)
+        if recipe.admission == "invite":
+            print(f"This run is private ({len(invites)} peers on the allowlist). Invite a peer with:\n"
+                  f"  swarm-peer invite PEER_ID --identity-path {settings.network.identity_path}", flush=True)
         events.emit("listening", peer_id=node.peer_id, maddrs=[str(m) for m in maddrs], run_id=recipe.run_id,
                     metrics_port=server.port if server is not None else None)
-        loop.submit(_maintain(node, recipe, view))
+        loop.submit(_maintain(node, recipe, view, invites))
         stop.wait()
         logger.info("stopping")
         return 0
@@ -99,12 +121,12 @@ class SwarmMonitor:
         self.board.update(summary)
 
 
-async def _maintain(node: SwarmNode, recipe: Recipe, view: SwarmMonitor) -> None:
+async def _maintain(node: SwarmNode, recipe: Recipe, view: SwarmMonitor, invites: dict[str, str]) -> None:
     since_publish = 0.0
     while True:
         try:
             if since_publish >= REPUBLISH_SECONDS:
-                await publish_recipe(node, recipe, RECIPE_TTL)
+                await publish_recipe(node, recipe, RECIPE_TTL, invites)
                 since_publish = 0.0
             await view.refresh(node, recipe)
         except asyncio.CancelledError:

@@ -16,7 +16,8 @@ from swarm.settings_cli import FlagError, add_flags, settings_from_args
 
 logger = logging.getLogger("swarm")
 # join's flags that change nothing doctor checks: how long it trains, what it traces, where its data stream starts.
-DOCTOR_SKIPS = ("num_threads", "max_rounds", "until_round", "data_shard", "trace_dir", "events_file", "inject_fault")
+DOCTOR_SKIPS = ("num_threads", "max_rounds", "until_round", "data_shard", "trace_dir", "events_file", "inject_fault",
+                "invite")
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -65,6 +66,21 @@ def build_parser() -> argparse.ArgumentParser:
                         help="multiaddr(s) of any peer of the swarm")
     status.add_argument("--json", action="store_true", help="print JSON for scripts")
 
+    invite = sub.add_parser("invite", help="sign an invite to your private run for one peer",
+                            description="Print a one-line token that admits PEER_ID to the private runs of the "
+                                        "bootstrap whose key is --identity-path; the peer joins with --invite TOKEN.")
+    invite.add_argument("peer_id", metavar="PEER_ID", help="the peer's id (it prints it with `swarm-peer id`)")
+    invite.add_argument("--identity-path", "--identity", required=True, metavar="FILE",
+                        help="the run owner's key: the file the bootstrap runs with as --identity-path")
+    invite.add_argument("--days", type=float, default=30.0, metavar="N",
+                        help="days until the invite expires (default 30)")
+
+    ident = sub.add_parser("id", help="print the peer id of an identity key",
+                           description="Print the peer id of the key in --identity-path (created if missing): the "
+                                       "id a private run's owner invites. Join with the same --identity-path.")
+    ident.add_argument("--identity-path", "--identity", required=True, metavar="FILE",
+                       help="private key file (the one you pass to join)")
+
     demo = sub.add_parser("demo", help="run a bootstrap and N peers on this machine",
                           description="Start a bootstrap and N peers on 127.0.0.1 that train the embedded demo "
                                       "run together, print their progress, and stop after R rounds.")
@@ -97,6 +113,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _status(args)
         if args.command == "doctor":
             return _doctor(args)
+        if args.command in ("invite", "id"):
+            return _identity_command(args)
         if args.command == "demo":
             from swarm.demo import run_demo
 
@@ -140,6 +158,24 @@ def _join(args: argparse.Namespace) -> int:
         return 1
     finally:
         peer.shutdown()
+
+
+def _identity_command(args: argparse.Namespace) -> int:
+    """`id` prints the peer id of a key (made if missing); `invite` prints an invite signed with an existing one."""
+    from swarm.dht.admission import Invite, InviteError
+    from swarm.dht.validation import Identity, IdentityError
+
+    if args.command == "invite" and not os.path.exists(args.identity_path):
+        logger.error("no identity file %s: pass the key your bootstrap runs with (its --identity-path)",
+                     args.identity_path)
+        return 2
+    try:
+        identity = Identity.load_or_create(args.identity_path)
+        print(identity.peer_id if args.command == "id" else Invite.sign(identity, args.peer_id, args.days).token())
+    except (IdentityError, InviteError) as e:
+        logger.error("%s", e)
+        return 2
+    return 0
 
 
 def _doctor(args: argparse.Namespace) -> int:

@@ -138,6 +138,9 @@ class Recipe(_Section):
                                 "DiLoCo, reproducible) instead of when the swarm reaches tokens_per_round")
     total_tokens: int = Field(50_000_000, gt=0, description="length of the run, for the lr schedule")
     checkpoint_every: int = Field(1, gt=0, description="write a checkpoint every this many rounds")
+    admission: Literal["open", "invite"] = Field(
+        "open", description="open: anyone may take part; invite: only the run owner and peers it invited (a "
+                            "private swarm, `swarm-peer bootstrap --private`)")
 
     @model_validator(mode="after")
     def _lengths(self) -> "Recipe":
@@ -153,7 +156,10 @@ class Recipe(_Section):
         return 4 * max(self.tokens_per_round, steps)
 
     def canonical_json(self) -> str:
-        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        fields = self.model_dump(mode="json")
+        if fields["admission"] == "open":  # left out: open runs keep the digest (and JSON) of older versions
+            del fields["admission"]
+        return json.dumps(fields, sort_keys=True, separators=(",", ":"))
 
     def digest(self) -> str:
         """sha256 of the canonical JSON: two peers with the same digest train the same run."""
@@ -356,6 +362,10 @@ class PeerSettings(_Section):
         None, json_schema_extra={"metavar": "FILE"},
         description="append one JSON line per event a script or test waits on (joined, averaged, synced, ...; "
                     "see swarm/events.py)")
+    invite: Optional[str] = Field(
+        None, json_schema_extra={"metavar": "TOKEN"},
+        description="the invite the owner of a private run gave you (`swarm-peer invite <your peer id>` prints it; "
+                    "keep the same --identity-path: it is bound to your peer id)")
     inject_fault: Optional[str] = Field(
         None, json_schema_extra={"metavar": "PHASE@ROUND"},
         description="for tests and drills: SIGKILL this peer at a phase (matchmaking, send, reduce, commit; ring: "
@@ -375,6 +385,22 @@ class BootstrapSettings(_Section):
         description="run recipe (.yaml/.json); default: the embedded demo run (small Llama on the bundled "
                     "Shakespeare corpus)")
     metrics: MetricsSettings = MetricsSettings()
+    private: bool = Field(
+        False, description="a private run: only peers with an invite signed by this bootstrap's --identity-path "
+                           "key (`swarm-peer invite PEER_ID`), or listed in --allowlist, may take part")
+    allowlist: Optional[str] = Field(
+        None, json_schema_extra={"metavar": "FILE"},
+        description="with --private: peer ids (one a line) admitted without a token; the bootstrap signs their "
+                    "invites and publishes them with the recipe")
     events_file: Optional[str] = Field(
         None, json_schema_extra={"metavar": "FILE"},
         description="append one JSON line per event a script or test waits on (listening; see swarm/events.py)")
+
+    @model_validator(mode="after")
+    def _private_needs_a_lasting_key(self) -> "BootstrapSettings":
+        if self.allowlist is not None and not self.private:
+            raise ValueError("--allowlist admits peers to a private run: add --private")
+        if self.private and self.network.identity_path is None:
+            raise ValueError("--private needs --identity-path FILE: invites are signed with that key, and peers "
+                             "trust the run's owner by the peer id it gives")
+        return self

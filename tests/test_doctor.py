@@ -50,7 +50,7 @@ class LoopbackNode:
         self.peer_id, self.handlers, self.port = peer_id, {}, None
         LoopbackNode.nodes[peer_id] = self
 
-    async def add_stream_handler(self, name: str, handler) -> None:
+    async def add_stream_handler(self, name: str, handler, admitted_only: bool = True) -> None:
         if self.port is None:
             server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
             self.port = server.sockets[0].getsockname()[1]
@@ -61,7 +61,7 @@ class LoopbackNode:
         await self.handlers[name](opener, reader, writer)
         writer.close()
 
-    async def open_stream(self, peer_id: str, name: str):
+    async def open_stream(self, peer_id: str, name: str, admitted_only: bool = True):
         reader, writer = await asyncio.open_connection("127.0.0.1", LoopbackNode.nodes[peer_id].port)
         writer.write(f"{self.peer_id} {name}\n".encode())
         return reader, writer

@@ -117,7 +117,8 @@ class DialBackServer:
         self._in_flight = 0
 
     async def start(self) -> None:
-        await self.node.add_stream_handler(DIALBACK_PROTOCOL, self._on_stream)
+        # Open to peers not (yet) admitted to a private run: a joiner asks before it knows the run is private.
+        await self.node.add_stream_handler(DIALBACK_PROTOCOL, self._on_stream, admitted_only=False)
 
     async def _on_stream(self, remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         request = msgpack.unpackb(await asyncio.wait_for(recv_frame(reader, MAX_FRAME), REQUEST_SECONDS))
@@ -185,7 +186,8 @@ async def request_dialback(node: SwarmNode, server: str, maddrs: Sequence[str], 
                            timeout: float = CONNECT_SECONDS + REQUEST_SECONDS) -> DialBack:
     """Ask peer `server` to dial `maddrs` back. Raises DialBackError if it cannot answer (see DialBackError)."""
     try:
-        reader, writer = await asyncio.wait_for(node.open_stream(server, DIALBACK_PROTOCOL), timeout)
+        reader, writer = await asyncio.wait_for(node.open_stream(server, DIALBACK_PROTOCOL, admitted_only=False),
+                                                timeout)
     except Exception as e:  # noqa: BLE001 - libp2p says "protocol not supported" in several ways
         raise DialBackError(f"peer {server} does not answer dial-back requests ({str(e)[:120] or type(e).__name__};"
                             " an older swarm-peer?)") from None

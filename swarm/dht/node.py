@@ -15,17 +15,20 @@ import msgpack
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
+from swarm.dht.admission import INVITE_FIELD, Admission, AdmissionValidator
 from swarm.dht.direct import HELLO_PROTOCOL, DirectStreams, listen_hosts
 from swarm.dht.frames import FRAME_HEADER, MAX_FRAME_BYTES, recv_frame, send_frame  # noqa: F401 - re-exported
 from swarm.dht.lifeline import identity_held_here
 from swarm.dht.process import DHTProcess, rejoin_initial_peers
 from swarm.dht.records import RECIPE_KEY, RECIPE_RULE
-from swarm.dht.validation import Identity, IdentityError, KeyRule, SwarmValidator, make_validators
+from swarm.dht.validation import Identity, IdentityError, KeyRule, SwarmValidator, make_validators, subkey_owner
 
 logger = logging.getLogger(__name__)
 
 REJOIN_SECONDS = 5.0  # how often a node checks that its initial peers are still in its routing table
 HOLDER_EXIT_SECONDS = 3.0  # how long a start waits for a crashed peer's p2pd holding our identity to exit
+ADMISSION_SECONDS = 10.0  # how long a stream of a private run may take to present its opener's invite
+MAX_INVITE_FRAME = 4096
 
 
 class NodeError(RuntimeError):
@@ -110,6 +113,8 @@ class SwarmNode:
         # Our entries under protected keys go here: hivemind signs them with our key, others cannot forge them.
         self.owned_subkey: str = self.identity.owned_subkey
         self._protected: set[str] = {RECIPE_KEY}
+        self.admission: Optional[Admission] = None  # set once we know the run is private (see private_run)
+        self.refused_streams = 0  # streams of peers not admitted to our private run, closed unread
         self._p2p: Optional[P2P] = None
         self._p2p_lock: Optional[asyncio.Lock] = None
         self.direct: Optional[DirectStreams] = None
@@ -124,16 +129,28 @@ class SwarmNode:
 
     # ---- records -------------------------------------------------------------------------------------------
     async def store(self, key: str, value: Any, ttl: float, subkey: Optional[str] = None) -> bool:
+        """Store `value`; in a private run, our entries under our owned subkey carry our invite (a mapping gets
+        it as INVITE_FIELD), without which no node accepts them."""
+        admission = self.admission
+        if admission is not None and admission.token and subkey == self.owned_subkey and isinstance(value, dict):
+            value = {**value, INVITE_FIELD: admission.token}
         return bool(await self.dht.store(key, value, get_dht_time() + ttl, subkey=subkey))
 
     async def get(self, key: str) -> dict[str, Any]:
-        """Subkey -> value of a dictionary record (empty if absent); a plain value is returned under key ''."""
+        """Subkey -> value of a dictionary record (empty if absent); a plain value is returned under key ''. In a
+        private run, owned entries of peers not admitted are left out (a node that stored them before it knew the
+        run was private may still hold them)."""
         found = await self.dht.get(key, latest=True)
         if found is None:
             return {}
         value = found.value
         if isinstance(value, dict) and value and all(isinstance(v, ValueWithExpiration) for v in value.values()):
-            return {str(sub): item.value for sub, item in value.items()}  # a dictionary record (subkeys)
+            entries = {str(sub): item.value for sub, item in value.items()}  # a dictionary record (subkeys)
+            admission = self.admission
+            if admission is not None:
+                entries = {sub: item for sub, item in entries.items()
+                           if (writer := subkey_owner(sub)) is None or admission.entry_admitted(writer, item)}
+            return entries
         return {"": value}
 
     def protect(self, rules: Mapping[str, KeyRule]) -> None:
@@ -142,6 +159,15 @@ class SwarmNode:
         if new:
             self.dht.add_validators([SwarmValidator(new)])
             self._protected.update(new)
+
+    def private_run(self, owner: str, owner_key: str) -> Admission:
+        """From now on, take part in a private run of `owner` (public key `owner_key`, OpenSSH form): every entry
+        and stream of a peer without its invite is refused. Returns the admission, where the peer's own invite goes
+        (Admission.join_with)."""
+        if self.admission is None or self.admission.owner != owner:
+            self.dht.add_validators([AdmissionValidator(owner, owner_key)])
+            self.admission = Admission(owner, owner_key)
+        return self.admission
 
     async def rejoin(self) -> list[str]:
         """Reconnect to initial peers that dropped out of our routing table, e.g. a bootstrap that restarted: it
@@ -172,13 +198,18 @@ class SwarmNode:
                     self._p2p = p2p
         return self._p2p
 
-    async def add_stream_handler(self, name: str, handler: StreamHandler) -> None:
+    async def add_stream_handler(self, name: str, handler: StreamHandler, admitted_only: bool = True) -> None:
         """Serve protocol `name`, over libp2p and direct streams alike; the handler gets (remote peer id, reader,
-        writer), the remote authenticated either way."""
+        writer), the remote authenticated either way. In a private run, a stream of an `admitted_only` protocol
+        starts with its opener's invite, and one from a peer not admitted is closed before the handler sees it."""
         p2p = await self.p2p()
 
         async def _guarded(remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             try:
+                if admitted_only and self.admission is not None and not await self._admitted(remote, reader):
+                    logger.info("refused a %s stream from %s: not admitted to this private run", name, remote)
+                    self.refused_streams += 1
+                    return
                 await handler(remote, reader, writer)
             except (asyncio.IncompleteReadError, ConnectionError) as e:
                 logger.debug("stream %s from %s ended early: %r", name, remote, e)
@@ -194,16 +225,29 @@ class SwarmNode:
         if self.direct is not None:
             self.direct.handlers[name] = _guarded
 
-    async def open_stream(self, peer_id: str, name: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def open_stream(self, peer_id: str, name: str,
+                          admitted_only: bool = True) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """A byte stream to `peer_id`'s handler of protocol `name`: direct when the peer can be reached so,
-        through p2pd otherwise."""
+        through p2pd otherwise. In a private run, an `admitted_only` protocol's stream starts with our invite (the
+        owner's, with none)."""
         p2p = await self.p2p()
+        opened = None
         if self.direct is not None:
             opened = await self.direct.open(peer_id, name, self._ask_hello)
-            if opened is not None:
-                return opened
-        _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), name)
-        return reader, writer
+        if opened is None:
+            _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), name)
+            opened = reader, writer
+        if admitted_only and self.admission is not None:
+            await send_frame(opened[1], (self.admission.token or "").encode())  # no wait for an answer
+        return opened
+
+    async def _admitted(self, remote: str, reader: asyncio.StreamReader) -> bool:
+        """Read the invite a stream of a private run starts with; whether it admits `remote`."""
+        try:
+            token = (await asyncio.wait_for(recv_frame(reader, MAX_INVITE_FRAME), ADMISSION_SECONDS)).decode()
+        except (asyncio.TimeoutError, ValueError):  # a frame too long or not text: not an invite
+            return False
+        return self.admission.admits(remote, token or None)
 
     async def _on_hello(self, _info, _reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

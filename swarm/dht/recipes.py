@@ -1,20 +1,24 @@
 """The run owner's recipe in the DHT: the bootstrap publishes it under its owned subkey, and every peer (and the
-status command) fetches the one its --initial-peers signed, from which the node protects the run's keys."""
+status command) fetches the one its --initial-peers signed, from which the node protects the run's keys and, for a
+private run, admits only the owner's invitees (swarm/dht/admission.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from typing import Any, Mapping, Optional
 
 from swarm.config import Recipe, RecipeError
 from swarm.dht.node import SwarmNode
 from swarm.dht.records import RECIPE_KEY, choose_recipe, parse_recipes, protected_keys, recipe_value
+from swarm.dht.validation import subkey_owner_key
 
 logger = logging.getLogger(__name__)
 
 
 TRUSTED_WAIT = 10.0  # s to wait for our --initial-peers' recipe before following a lone one of another owner
+INVITES = "invites"  # the recipe record's field of invites the owner signed for its --allowlist
 
 
 async def fetch_recipe(node: SwarmNode, timeout: float, trusted_wait: float = TRUSTED_WAIT) -> Recipe:
@@ -22,11 +26,13 @@ async def fetch_recipe(node: SwarmNode, timeout: float, trusted_wait: float = TR
     published one for `trusted_wait` seconds (they may be ordinary peers, not the bootstrap), the only one
     published (see records.choose_recipe): anyone can publish a recipe, so a lone one is not followed at once.
     RecipeError if none appears within `timeout`, or it is invalid or ambiguous. From then on this node protects
-    the run's keys."""
+    the run's keys, and in a private run admits only the owner and its invitees (node.admission; a peer then
+    takes its own invite with Admission.join_with)."""
     started = time.monotonic()
     deadline = started + timeout
     while True:
-        recipes, problems = parse_recipes(await node.get(RECIPE_KEY))
+        raw = await node.get(RECIPE_KEY)
+        recipes, problems = parse_recipes(raw)
         chosen = choose_recipe(recipes, problems, node.initial_peer_ids,
                                accept_untrusted=time.monotonic() - started >= min(trusted_wait, timeout / 2))
         if chosen is not None:
@@ -35,6 +41,8 @@ async def fetch_recipe(node: SwarmNode, timeout: float, trusted_wait: float = TR
                 logger.info("following the recipe of %s, the only run owner in the DHT (not one of "
                             "--initial-peers)", owner)
             node.protect(protected_keys(recipe.run_id))
+            if recipe.admission == "invite":
+                _enter_private_run(node, owner, raw)
             return recipe
         if time.monotonic() >= deadline:
             raise RecipeError("found no run recipe in the DHT: is --initial-peers a `swarm-peer bootstrap` node "
@@ -42,7 +50,34 @@ async def fetch_recipe(node: SwarmNode, timeout: float, trusted_wait: float = TR
         await asyncio.sleep(1.0)
 
 
-async def publish_recipe(node: SwarmNode, recipe: Recipe, ttl: float) -> None:
-    """Publish the recipe under our owned subkey: this node becomes the run owner (peers trust it by peer id)."""
+def _enter_private_run(node: SwarmNode, owner: str, raw: Mapping[str, Any]) -> None:
+    for subkey, value in raw.items():
+        owned = subkey_owner_key(subkey)
+        if owned is not None and owned[0] == owner:
+            admission = node.private_run(owner, owned[1])
+            offered = value.get(INVITES) if isinstance(value, dict) else None
+            if isinstance(offered, dict):
+                admission.offered = {peer: token for peer, token in offered.items()
+                                     if isinstance(peer, str) and isinstance(token, str)}
+            return
+
+
+async def publish_recipe(node: SwarmNode, recipe: Recipe, ttl: float, invites: Mapping[str, str] = ()) -> None:
+    """Publish the recipe under our owned subkey: this node becomes the run owner (peers trust it by peer id). A
+    private run's recipe also carries `invites` ({peer id: token}, see admission.allowlist_invites)."""
     node.protect(protected_keys(recipe.run_id))
-    await node.store(RECIPE_KEY, recipe_value(recipe), ttl=ttl, subkey=node.owned_subkey)
+    value = recipe_value(recipe)
+    if recipe.admission == "invite":
+        node.private_run(node.peer_id, node.identity.public_key.decode())
+        if invites:
+            value[INVITES] = dict(invites)
+    await node.store(RECIPE_KEY, value, ttl=ttl, subkey=node.owned_subkey)
+
+
+def take_part(node: SwarmNode, recipe: Recipe, invite: Optional[str]) -> None:
+    """This peer's admission to the run it fetched: in a private run `invite` (else the owner's allowlist invite for
+    us) must admit us, or AdmissionError says what to do; an open run needs none."""
+    if node.admission is not None:
+        node.admission.join_with(node.identity, invite)
+    elif invite:
+        logger.warning("--invite is not needed: run %s is open to everyone", recipe.run_id)

@@ -127,13 +127,19 @@ def subkey_owner(subkey: object) -> Optional[str]:
     """The peer id that an owned subkey names, if its public key really gives that id; None otherwise.
 
     Together with hivemind's signature check this means: only that peer wrote the entry."""
+    owner = subkey_owner_key(subkey)
+    return owner[0] if owner is not None else None
+
+
+def subkey_owner_key(subkey: object) -> Optional[tuple[str, str]]:
+    """(peer id, public key in OpenSSH form) of an owned subkey whose key gives that id; None otherwise."""
     if not isinstance(subkey, str):
         return None
     match = _OWNED_SUBKEY.match(subkey)
     if match is None:
         return None
     try:
-        return match.group(1) if peer_id_of(match.group(2)) == match.group(1) else None
+        return (match.group(1), match.group(2)) if peer_id_of(match.group(2)) == match.group(1) else None
     except Exception:  # noqa: BLE001 - cryptography raises several types for a key that does not parse
         return None
 
