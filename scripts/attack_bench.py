@@ -41,10 +41,12 @@ RECIPE = """run_id: attack-bench
 model: {hidden_size: 64, intermediate_size: 172, num_layers: 2, num_heads: 4, max_seq_len: 64}
 data: {vocab_size: 512, seq_len: 32, batch_size: 8}
 inner: {lr: 0.003, warmup_tokens: 2048}
-averaging: {codec: int8, aggregator: %s, min_group_size: 2, matchmaking_timeout: 10, allreduce_timeout: 30}
-tokens_per_round: 16384
+averaging: {codec: int8, aggregator: %s, min_group_size: 3, matchmaking_timeout: 30, allreduce_timeout: 30}
+inner_steps_per_round: 16
 total_tokens: 1000000
 """
+# Fixed inner steps per round (min_group_size: the honest peers): every scenario trains the same tokens, so the
+# losses compare what the attacker did, not how long rounds took.
 
 
 def _tree_rss(pid: int) -> int:
