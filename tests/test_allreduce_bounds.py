@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_allreduce_in_memory import PEERS, _Node, _Writer
 
-from swarm.averaging.allreduce import MAX_EARLY_PER_PEER, MAX_STREAMS_PER_PEER, GroupAllReduce
+from swarm.averaging.allreduce import MAX_EARLY_PER_PEER, MAX_STREAMS, MAX_STREAMS_PER_PEER, GroupAllReduce
 from swarm.averaging.common import StreamBound, chunk_bounds, max_encoded_len
 from swarm.averaging.deadlines import AdaptiveDeadlines
 from swarm.averaging.matchmaking import Group
@@ -155,6 +155,27 @@ def test_streams_over_the_per_peer_cap_are_closed_at_once_and_silent_ones_at_the
     asyncio.run(scenario())
 
 
+def test_strangers_filling_the_total_cap_do_not_shut_out_a_member_of_our_group():
+    async def scenario():
+        server = _server()
+        sybils = [_Stream(server, f"sybil{k}") for k in range(MAX_STREAMS // MAX_STREAMS_PER_PEER)
+                  for _ in range(MAX_STREAMS_PER_PEER)]
+        await asyncio.sleep(0.05)
+        assert not any(s.task.done() for s in sybils), "all served: the total cap is full"
+        assert await _Stream(server, "peerC").reply() == b"" and server.refused["busy"] == 1
+        group = Group.of(0, 0, ("peerA", "peerB"), [0.5, 0.5], 5.0)
+        running = asyncio.ensure_future(server.run(group, torch.randn(NUMEL), 1.0))
+        await asyncio.sleep(0.05)
+        commit = _Stream(server, "peerB").header(group_id=group.group_id, phase="commit")
+        assert await commit.reply() == b"ok", "a member of our group is served over the total cap"
+        assert server.refused["busy"] == 1
+        running.cancel()
+        for stream in sybils:
+            stream.task.cancel()
+
+    asyncio.run(scenario())
+
+
 def test_early_streams_wait_for_our_matchmaking_within_a_small_bound():
     """A member that found the group before us starts streaming at once: such streams wait for our decision, but
     only MAX_EARLY_PER_PEER per peer; the rest are closed unanswered (the sender retries a moment later)."""
@@ -180,3 +201,5 @@ def test_stream_gate_caps_per_peer_and_in_all():
     assert gate.admit("b") and not gate.admit("c"), "the total cap holds for a peer with no stream yet"
     gate.release("a")
     assert gate.admit("c") and gate.count == 3 and gate.serving == {"a": 1, "b": 1, "c": 1}
+    assert not gate.admit("d") and gate.admit("d", over_total=True)
+    assert gate.admit("d", over_total=True) and not gate.admit("d", over_total=True), "the per-peer cap still holds"

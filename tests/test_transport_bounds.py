@@ -90,7 +90,7 @@ def test_idle_streams_from_one_peer_are_closed_and_do_not_stop_the_round():
             async def closed(reader: asyncio.StreamReader) -> float:
                 try:
                     await reader.read()  # EOF: the peer closed it (it never answers an idle stream)
-                except ConnectionError:
+                except OSError:  # (a TLS stream may end in an SSL error rather than EOF)
                     pass
                 return time.monotonic() - opened_at
 
@@ -103,7 +103,10 @@ def test_idle_streams_from_one_peer_are_closed_and_do_not_stop_the_round():
             seconds = await asyncio.wait_for(closing, 15)
             assert max(seconds) < servers[0].header_timeout + 8, f"idle streams lasted up to {max(seconds):.1f} s"
             refused = servers[0].refused
-            assert refused["busy"] >= IDLE_STREAMS - MAX_STREAMS_PER_PEER and refused["slow"] >= 1, refused
+            # Those past the server's cap are refused unread (a few may meet the node's own cap first); the others
+            # are dropped at their header deadline.
+            assert refused["busy"] >= IDLE_STREAMS - dht_node.MAX_STREAMS_PER_PEER - MAX_STREAMS_PER_PEER, refused
+            assert 1 <= refused["slow"] <= MAX_STREAMS_PER_PEER, refused
             assert _rss_bytes() - rss_before < 64 << 20, "the attack must not grow the peer's memory"
             for _, writer in idle:
                 writer.close()

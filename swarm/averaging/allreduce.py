@@ -142,9 +142,12 @@ class GroupAllReduce:
 
     async def _on_stream(self, remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One stream = a header, then `chunks` chunks (a meta frame and a payload frame each). A stream over the
-        caps (StreamGate) is closed at once, unread; one that outlives every deadline a real one can have is
+        caps (StreamGate; members of a group we average in are held to the per-peer one only) is closed at once,
+        unread; one that outlives every deadline a real one can have is
         dropped (each read has its own deadline too), and the reason counted in `refused`."""
-        if not self._streams.admit(remote):
+        # Members of a group we average in get past the total cap: strangers filling it cannot stall our round.
+        running = (self._groups[g].group.members for g in self._running.values() if g in self._groups)
+        if not self._streams.admit(remote, over_total=any(remote in members for members in running)):
             self.refused["busy"] += 1
             return
         try:
@@ -306,7 +309,9 @@ class GroupAllReduce:
             # A straggler of a leader race may still write to us about this round: answer "conflict" at once.
             self._finished[(group.round, group.attempt)] = group.group_id
             while len(self._finished) > 4 * MAX_PENDING_GROUPS:
-                self._groups.pop(self._finished.pop(next(iter(self._finished))), None)
+                del self._finished[next(iter(self._finished))]
+            remembered = set(self._running.values()) | set(self._finished.values())
+            self._groups = {gid: expected for gid, expected in self._groups.items() if gid in remembered}
         self.deadlines.record(result.seconds)
         return result
 

@@ -77,8 +77,10 @@ class StreamGate:
         self.serving: dict[str, int] = {}  # peer -> its streams being served (peers with none are left out)
         self.count = 0
 
-    def admit(self, peer: str) -> bool:
-        if self.serving.get(peer, 0) >= self.per_peer or self.count >= self.total:
+    def admit(self, peer: str, over_total: bool = False) -> bool:
+        """Count one more stream from `peer`, or return False if it is over a cap (`over_total`: only the
+        per-peer one, for a peer we know we need)."""
+        if self.serving.get(peer, 0) >= self.per_peer or (self.count >= self.total and not over_total):
             return False
         self.serving[peer] = self.serving.get(peer, 0) + 1
         self.count += 1
