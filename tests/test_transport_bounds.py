@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 HOLD_PROTOCOL = "swarm.t.hold"
 IDLE_STREAMS = 200
 NUMEL = 1 << 18
-ROUNDS = 3  # rounds averaged before the attack, and during it
+ROUNDS = 3  # rounds averaged before the attack (the honest pair then averages until the attacker is done)
 
 
 def _rss_bytes() -> int:
