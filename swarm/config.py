@@ -246,6 +246,9 @@ class NetworkSettings(_Section):
     nat_traversal: bool = Field(
         False, description="enable UPnP port mapping, AutoNAT and circuit relays (off by default; local swarms and "
                            "tests do not need them)")
+    relay_service: bool = Field(
+        False, description="serve as a circuit relay for other peers (e.g. on a public bootstrap, for peers behind "
+                           "NAT): off by default, since a relay carries anyone's traffic at its own bandwidth's cost")
     client_mode: bool = Field(
         False, description="for peers that cannot accept inbound connections (behind NAT, no port forwarding): open "
                            "every stream yourself; the peer still contributes to every average but reduces no part "

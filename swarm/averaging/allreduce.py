@@ -9,6 +9,10 @@ confirmed it holds all of them (commit phase, run.py); otherwise nothing is appl
 bytes, so they end with bit-identical averages. Client members (they accept no inbound streams) send their
 commits, and instead of receiving the others' commits ask each non-client member for its decision ("decision"),
 applying only if every one of them applies, which those do only once every member, clients included, committed.
+
+What a peer can make the server spend is bounded: streams served at once (per peer and in all, fewer for streams
+that wait for our matchmaking), a deadline on every read, only members of our group get past the header, and a
+member's chunks may be no larger than its part's chunks encode to (Expected).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import msgpack
@@ -23,21 +29,42 @@ import torch
 
 from swarm.averaging.aggregate import aggregator
 from swarm.averaging.butterfly import Butterfly
-from swarm.averaging.common import CHUNK_ALIGN, COMMIT_GRACE, AllReduceError, AllReduceResult, Mailbox
+from swarm.averaging.common import (CHUNK_ALIGN, COMMIT_GRACE, AllReduceError, AllReduceResult, Mailbox, StreamBound,
+                                    chunk_bounds, max_encoded_len)
 from swarm.averaging.deadlines import AdaptiveDeadlines
 from swarm.averaging.faults import FaultPlan
 from swarm.averaging.matchmaking import Group
 from swarm.averaging.messages import Blame, Contribution, Header, MessageError
-from swarm.averaging.ring import Ring, uses_ring
+from swarm.averaging.partition import partition
+from swarm.averaging.ring import Ring, ring_schedule, uses_ring
 from swarm.averaging.run import RunContext
-from swarm.averaging.streams import MAX_HEADER_BYTES, GroupConflict, StreamClient, read_chunk
+from swarm.averaging.streams import MAX_HEADER_BYTES, GroupConflict, OversizedChunk, StreamClient, read_chunk
 from swarm.compression import get_codec
-from swarm.dht.node import SwarmNode, recv_frame, send_frame
+from swarm.dht.node import StreamGate, SwarmNode, recv_frame, send_frame
 
 logger = logging.getLogger(__name__)
 MAX_PENDING_GROUPS = 8
 MAX_DECISIONS = 64  # (round, attempt) keys whose group we remember, for answering streams about them
+# Inbound streams served at once (tighter than SwarmNode's caps for any protocol). A member opens about five to us
+# per attempt (part, avg, commit, abort, ping); more are closed unread at once, so one peer (or a few) cannot hold
+# the server's memory or sockets.
+MAX_STREAMS_PER_PEER = 16
+MAX_STREAMS = 256
+# ...of which streams about a round and attempt we have not decided yet (their sender found the group before us):
+# they wait for our matchmaking, unread, so they are capped lower.
+MAX_EARLY_PER_PEER = 4
+MAX_EARLY_STREAMS = 64
+HEADER_SECONDS = 10.0  # a stream's header must arrive whole within this
+_REFUSED = object()  # (what _decided returns for an early stream over the caps)
 __all__ = ["COMMIT_GRACE", "AllReduceError", "AllReduceResult", "GroupAllReduce"]  # (the first three: common.py)
+
+
+@dataclass(frozen=True)
+class Expected:
+    """A group we average in, and the chunk streams its members send us: (phase, sender) -> StreamBound."""
+
+    group: Group
+    streams: dict[tuple[str, str], StreamBound]
 
 
 class GroupAllReduce:
@@ -54,8 +81,15 @@ class GroupAllReduce:
         self.faults = faults or FaultPlan()
         self.protocol = f"swarm.{run_id}.allreduce"
         self.max_numel = max_numel
-        self.max_payload = 16 + 8 * max_numel + MAX_HEADER_BYTES  # the largest chunk any codec makes, with slack
+        # The largest frame we read from a stream we opened (a reducer's averaged chunks, which we pull); the
+        # streams others open to us are bounded by what their part's chunks encode to (Expected).
+        self.max_payload = max_encoded_len(get_codec("none"), max_numel)
         self.streams = StreamClient(node, self.protocol, self.max_payload, self.faults)
+        self.header_timeout = HEADER_SECONDS
+        self._streams = StreamGate(MAX_STREAMS_PER_PEER, MAX_STREAMS)
+        self._early = StreamGate(MAX_EARLY_PER_PEER, MAX_EARLY_STREAMS)
+        self.refused: Counter[str] = Counter()  # inbound streams refused or dropped, by reason
+        self._groups: dict[str, Expected] = {}  # the groups we average in or recently did, by id
         self.on_bad_peer = on_bad_peer or (lambda peer, reason: None)
         self._mailboxes: dict[str, Mailbox] = {}
         self._running: dict[tuple[int, int], str] = {}  # (round, attempt) -> group id we are averaging in
@@ -109,25 +143,55 @@ class GroupAllReduce:
             await asyncio.sleep(0.05)
 
     async def _on_stream(self, remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One stream = a header, then `chunks` chunks (a meta frame and a payload frame each). Every chunk goes
-        to its mailbox slot as it arrives, so the all-reduce can use it while the rest is still in flight. A client
-        member's "pull" and "decision" streams go the other way: we write what it asked for."""
-        raw = msgpack.unpackb(await recv_frame(reader, MAX_HEADER_BYTES))
+        """One stream = a header, then `chunks` chunks (a meta frame and a payload frame each). A stream over the
+        caps (StreamGate; members of a group we average in are held to the per-peer one only) is closed at once,
+        unread; one that outlives every deadline a real one can have is
+        dropped (each read has its own deadline too), and the reason counted in `refused`."""
+        # Members of a group we average in get past the total cap: strangers filling it cannot stall our round.
+        running = (self._groups[g].group.members for g in self._running.values() if g in self._groups)
+        if not self._streams.admit(remote, over_total=any(remote in members for members in running)):
+            self.refused["busy"] += 1
+            return
+        try:
+            await asyncio.wait_for(self._serve(remote, reader, writer), self.stream_deadline())
+        except asyncio.TimeoutError:
+            self.refused["slow"] += 1
+            logger.debug("dropped a slow all-reduce stream from %s", remote[-8:])
+        finally:
+            self._streams.release(remote)
+
+    def stream_deadline(self) -> float:
+        """The longest a stream can be legitimately served: its header, waiting for our matchmaking, and an
+        attempt (the caller of run() gives an attempt the ceiling and 10 s)."""
+        return self.header_timeout + 2 * self.deadlines.ceiling + 10
+
+    async def _serve(self, remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Every chunk goes to its mailbox slot as it arrives, so the all-reduce can use it while the rest is still
+        in flight. A client member's "pull" and "decision" streams go the other way: we write what it asked for.
+        Non-members, and members sending what their part cannot hold, are refused before any chunk is read."""
+        raw = msgpack.unpackb(await asyncio.wait_for(recv_frame(reader, MAX_HEADER_BYTES), self.header_timeout))
         try:
             header = Header.from_wire(raw, self.max_numel // CHUNK_ALIGN + 2)
         except MessageError as e:
             raise ValueError(f"malformed all-reduce header from {remote}: {e}") from None
         group_id, phase = header.group_id, header.phase
-        try:
-            # Wait until our own matchmaking for this round and attempt is over (bounded by the ceiling).
-            decided = await asyncio.wait_for(asyncio.shield(self._decision((header.round, header.attempt))),
-                                             self.deadlines.ceiling)
-        except asyncio.TimeoutError:
-            decided = None
-        if decided != group_id:
-            # We average this round and attempt in another group, or in none: tell the sender at once, so it
-            # does not wait out its deadline for a group that leader races made inconsistent.
+        decided = await self._decided(remote, (header.round, header.attempt))
+        if decided is _REFUSED:
+            return
+        expected = self._groups.get(group_id)
+        if decided != group_id or (expected is not None and remote not in expected.group.members):
+            # We average this round and attempt in another group, or in none (or the sender is not a member of
+            # ours): tell the sender at once, so it does not wait out its deadline for a group that leader races
+            # made inconsistent.
+            if decided == group_id:
+                self.refused["non_member"] += 1
             await send_frame(writer, b"conflict")
+            return
+        bound = expected.streams.get((phase, remote)) if expected is not None else None
+        if header.chunks and (bound is None or header.chunks > bound.chunks):
+            self.refused["unexpected"] += 1  # chunks nobody of our group sends us in this phase, or too many
+            logger.warning("%s opened a %s stream of %d chunks that its part does not have: refused", remote[-8:],
+                           phase, header.chunks)
             return
         await send_frame(writer, b"ok")
         if phase == "ping":  # a sender whose stream lost its confirmation checks that we are still here
@@ -163,18 +227,56 @@ class GroupAllReduce:
         if not header_slot.done():
             # A part's reducer judges its weight (Run.validated): a bad one costs the sender its contribution.
             header_slot.set_result(_contribution(raw) if phase == "part" else header)
-        for index in range(header.chunks):
+        if not header.chunks or await self._read_chunks(remote, reader, box, phase, header.chunks, bound,
+                                                        expected.group):
+            await send_frame(writer, b"done")
+
+    async def _decided(self, remote: str, key: tuple[int, int]):
+        """The group we average `key` (round, attempt) in, or None. A stream about a key we have not decided yet
+        waits for our matchmaking (bounded by the ceiling), if the caps on such early streams let it (a member
+        that found the group before us starts sending at once); else _REFUSED (closed unanswered: the sender
+        retries a moment later)."""
+        if key in self._running:
+            return self._running[key]
+        future = self._decisions.get(key)
+        if future is not None and future.done():
+            return future.result()
+        if not self._early.admit(remote):
+            self.refused["early"] += 1
+            return _REFUSED
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._decision(key)), self.deadlines.ceiling)
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            self._early.release(remote)
+
+    async def _read_chunks(self, remote: str, reader: asyncio.StreamReader, box: Mailbox, phase: str, chunks: int,
+                           bound: StreamBound, group: Group) -> bool:
+        """A member's chunks into their slots; whether all of them came. Each frame must come within twice the
+        group's phase deadline (a sender may wait up to one for an average before its next chunk, then the chunk
+        takes its time on the link). A payload over what its chunk encodes to is not read: its slot gets an empty
+        payload, which its reader rejects as undecodable (the sender is left out of the round), and the stream
+        ends."""
+        timeout = 2 * self.deadlines.phase_timeout(group.phase_timeout)
+        for index in range(chunks):
+            slot = box.slot(phase, remote, index)
             try:
-                chunk = await read_chunk(reader, self.max_payload)
+                chunk = await read_chunk(reader, bound.payload, timeout)
+            except OversizedChunk as e:
+                self.refused["oversized"] += 1
+                logger.warning("%s sent an oversized %s chunk: %s", remote[-8:], phase, e)
+                if not slot.done():
+                    slot.set_result(({}, b""))
+                return False
             except Exception:
                 lost = box.slot("lost", remote)  # its stream broke: a ring member waiting for it fails now
                 if not lost.done():
                     lost.set_result(True)
                 raise
-            slot = box.slot(phase, remote, index)
             if not slot.done():
                 slot.set_result(chunk)
-        await send_frame(writer, b"done")
+        return True
 
     async def run(self, group: Group, vector: torch.Tensor, weight: float,
                   exact_from: Optional[int] = None) -> AllReduceResult:
@@ -182,6 +284,7 @@ class GroupAllReduce:
         naming the members suspected of causing it, so the caller can retry at once without them. Elements from
         `exact_from` on travel uncompressed (global params and momentum of a mixing group: a lossy codec would
         move the params themselves); every member must pass the same layout."""
+        self._groups[group.group_id] = Expected(group, self.expected_streams(group, vector.numel(), exact_from))
         self._running[(group.round, group.attempt)] = group.group_id
         await self.decide(group.round, group.attempt, group.group_id)
         outcome = self._outcome(group.group_id)
@@ -209,6 +312,8 @@ class GroupAllReduce:
             self._finished[(group.round, group.attempt)] = group.group_id
             while len(self._finished) > 4 * MAX_PENDING_GROUPS:
                 del self._finished[next(iter(self._finished))]
+            remembered = set(self._running.values()) | set(self._finished.values())
+            self._groups = {gid: expected for gid, expected in self._groups.items() if gid in remembered}
         self.deadlines.record(result.seconds)
         return result
 
@@ -216,15 +321,44 @@ class GroupAllReduce:
         """Whether this group averages along a ring (ring.py): every member computes the same answer."""
         return self.aggregator_name == "mean" and uses_ring(self.ring, self.codec.name, group)
 
+    def expected_streams(self, group: Group, numel: int, exact_from: Optional[int] = None) \
+            -> dict[tuple[str, str], StreamBound]:
+        """The chunk streams `group`'s members send us when we average a vector of `numel` elements in it, as the
+        runs cut and encode it (butterfly.py, ring.py): (phase, sender) -> how many chunks, how large each."""
+        me, members, exact = self.node.peer_id, group.members, get_codec("none")
+        n, i = len(members), members.index(me)
+        if self.uses_ring(group):  # only our predecessor streams to us, everything lossless
+            chunking = [chunk_bounds(a, b) for a, b in partition(numel, n)]
+            largest = max(b - a for part in chunking for a, b in part)
+            return {("ring", members[i - 1]): StreamBound(len(ring_schedule((i - 1) % n, chunking)),
+                                                          max_encoded_len(exact, largest))}
+        split = numel if exact_from is None else min(max(int(exact_from), 0), numel)
+        chunking = [chunk_bounds(a, b, split) for a, b in partition(numel, group.shares)]
+
+        def bound(part: list[tuple[int, int]]) -> StreamBound:
+            return StreamBound(len(part), max(max_encoded_len(self.codec if a < split else exact, b - a)
+                                              for a, b in part))
+
+        client = bool(group.clients) and group.clients[i]
+        streams = {}
+        for j, sender in enumerate(members):
+            if sender != me and chunking[i]:  # its contribution to the part we reduce
+                streams[("part", sender)] = bound(chunking[i])
+            if sender != me and chunking[j] and not client:  # the average of the part it reduces (clients pull)
+                streams[("avg", sender)] = bound(chunking[j])
+        return streams
+
 
 def _remembered(futures: dict, key, forgotten) -> asyncio.Future:
     """The future under `key`, made if new; the table is bounded (against senders naming endless keys), and a
     future dropped from it while pending resolves to `forgotten`."""
     if key not in futures:
         while len(futures) >= MAX_DECISIONS:
-            oldest = futures.pop(next(iter(futures)))
-            if not oldest.done():
-                oldest.set_result(forgotten)
+            # Answered ones go first: a sender naming new keys should not cut a wait that is still useful short.
+            oldest = next((k for k, future in futures.items() if future.done()), next(iter(futures)))
+            dropped = futures.pop(oldest)
+            if not dropped.done():
+                dropped.set_result(forgotten)
         futures[key] = asyncio.get_running_loop().create_future()
     return futures[key]
 

@@ -1,20 +1,25 @@
 """What the group all-reduce's server (allreduce.py) and its runs (run.py, butterfly.py, ring.py) share: how a part
-is cut into chunks, how an attempt ends (AllReduceError, AllReduceResult), where a group's messages wait (Mailbox),
-and how an attempt's concurrent tasks are run."""
+is cut into chunks and how large an encoded chunk can be, how an attempt ends (AllReduceError, AllReduceResult),
+where a group's messages wait (Mailbox), and how an attempt's concurrent tasks are run."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
+from swarm.compression import Codec
+
 COMMIT_GRACE = 2.0  # s to wait for the commit of a member our own commit could not reach (it is likely dead)
 MIN_CHUNK = 1 << 16  # elements; chunk sizes are multiples of CHUNK_ALIGN so codec blocks never straddle chunks
 CHUNK_ALIGN = 4096
 CHUNKS_PER_PART = 64
+FRAME_SLACK = 4096  # bytes a chunk's frame may exceed its codec's size by (float rounding of bytes_per_param)
+TOPK_INDEX_BYTES = 4  # the most bytes top-k spends on one kept position (it picks the smallest index coding)
 
 
 def chunk_bounds(start: int, end: int, split: Optional[int] = None) -> list[tuple[int, int]]:
@@ -24,6 +29,26 @@ def chunk_bounds(start: int, end: int, split: Optional[int] = None) -> list[tupl
         return chunk_bounds(start, split) + chunk_bounds(split, end)
     size = max(MIN_CHUNK, CHUNK_ALIGN * -(-(end - start) // (CHUNKS_PER_PART * CHUNK_ALIGN)))
     return [(a, min(a + size, end)) for a in range(start, end, size)]
+
+
+def max_encoded_len(codec: Codec, numel: int) -> int:
+    """The most bytes an honest member's chunk of `numel` elements takes on the wire under `codec` (header
+    included), plus FRAME_SLACK: a larger frame is refused before it is read."""
+    if numel <= 0:
+        return FRAME_SLACK
+    size = math.ceil(codec.bytes_per_param(numel) * numel)
+    if codec.name == "topk":  # bytes_per_param expects spread positions; clustered ones take up to 4 bytes each
+        size += TOPK_INDEX_BYTES * codec.kept_count(numel)
+    return size + FRAME_SLACK
+
+
+@dataclass(frozen=True)
+class StreamBound:
+    """What one member may send us in one stream of one phase: at most `chunks` chunks, each payload frame at
+    most `payload` bytes (the largest chunk of the part it sends, encoded)."""
+
+    chunks: int
+    payload: int
 
 
 class AllReduceError(RuntimeError):

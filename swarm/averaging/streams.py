@@ -13,7 +13,7 @@ import asyncio
 import logging
 import random
 from dataclasses import replace
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional
 
 import msgpack
 from hivemind.p2p import P2PDaemonError
@@ -32,10 +32,20 @@ class GroupConflict(RuntimeError):
     """A member is averaging the same round and attempt in a different group."""
 
 
-async def read_chunk(reader: asyncio.StreamReader, max_payload: int) -> tuple[dict, bytes]:
-    """One chunk of a stream: its meta (a dict; anything else reads as empty) and its payload."""
-    meta = msgpack.unpackb(await recv_frame(reader, MAX_HEADER_BYTES))
-    payload = await recv_frame(reader, max_bytes=max_payload)
+class OversizedChunk(ValueError):
+    """A chunk's payload frame announced more bytes than the chunk can take; nothing of it was read."""
+
+
+async def read_chunk(reader: asyncio.StreamReader, max_payload: int,
+                     timeout: Optional[float] = None) -> tuple[dict, bytes]:
+    """One chunk of a stream: its meta (a dict; anything else reads as empty) and its payload. Each frame must
+    arrive whole within `timeout` s (None: no limit), so a sender that dribbles is dropped; raises OversizedChunk
+    for a payload over `max_payload` bytes, asyncio.TimeoutError for a late frame."""
+    meta = msgpack.unpackb(await asyncio.wait_for(recv_frame(reader, MAX_HEADER_BYTES), timeout))
+    try:
+        payload = await asyncio.wait_for(recv_frame(reader, max_bytes=max_payload), timeout)
+    except ValueError as e:  # (recv_frame's over-the-limit length; nothing else it raises is a ValueError)
+        raise OversizedChunk(str(e)) from None
     return (meta if isinstance(meta, dict) else {}), payload
 
 

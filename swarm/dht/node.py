@@ -1,5 +1,6 @@
 """Our handle on the hivemind DHT: start a node (loopback-safe defaults) whose RSA identity also signs its
-records, store and read typed records under the swarm's validation rules, and open peer-to-peer byte streams.
+records, store and read typed records under the swarm's validation rules, and open and serve peer-to-peer byte
+streams (a bounded number at once per peer).
 The rest of swarm never imports hivemind; it talks to `SwarmNode`.
 """
 
@@ -26,6 +27,10 @@ from swarm.dht.validation import Identity, IdentityError, KeyRule, SwarmValidato
 logger = logging.getLogger(__name__)
 
 REJOIN_SECONDS = 5.0  # how often a node checks that its initial peers are still in its routing table
+# Streams one protocol's handler serves at once, from one peer and from all: more are closed at once, unread, so a
+# peer cannot pile up tasks and sockets (a process has about a thousand descriptors). Honest peers open a few.
+MAX_STREAMS_PER_PEER = 64
+MAX_STREAMS = 512
 HOLDER_EXIT_SECONDS = 3.0  # how long a start waits for a crashed peer's p2pd holding our identity to exit
 ADMISSION_SECONDS = 10.0  # how long a stream of a private run may take to present its opener's invite
 MAX_INVITE_FRAME = 4096
@@ -43,6 +48,7 @@ class NetworkOptions:
     announce_maddrs: tuple[str, ...] = ()
     identity_path: Optional[str] = None  # RSA key: fixes the peer id and signs this node's records
     nat_traversal: bool = False  # port mapping, AutoNAT, relays: off for local swarms, on for real deployments
+    relay_service: bool = False  # relay others' connections (p2pd would serve anyone whenever relays are on)
     client_mode: bool = False  # cannot accept inbound connections
     direct_streams: bool = True  # bulk streams over our own TLS connections, not through p2pd (libp2p fallback)
     direct_port: int = 0  # TCP port for direct streams (0: any free one; fix it to forward it through a NAT)
@@ -52,10 +58,11 @@ class NetworkOptions:
             host_maddrs=list(self.host_maddrs),
             nat_port_map=self.nat_traversal,
             auto_nat=self.nat_traversal,
-            use_relay=self.nat_traversal,
+            use_relay=self.nat_traversal or self.relay_service,
             use_auto_relay=self.nat_traversal,
             use_ipfs=False,  # never contact public IPFS bootstrap nodes
             client_mode=self.client_mode,
+            relay_service=self.relay_service,  # (not hivemind's: the DHT process passes it to p2pd, see process.py)
         )
         if self.announce_maddrs:
             kwargs["announce_maddrs"] = list(self.announce_maddrs)
@@ -63,6 +70,30 @@ class NetworkOptions:
 
 
 StreamHandler = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+class StreamGate:
+    """Counts streams being served, per remote peer and in all; `admit` refuses one over either cap."""
+
+    def __init__(self, per_peer: int, total: int):
+        self.per_peer, self.total = per_peer, total
+        self.serving: dict[str, int] = {}  # peer -> its streams being served (peers with none are left out)
+        self.count = 0
+
+    def admit(self, peer: str, over_total: bool = False) -> bool:
+        """Count one more stream from `peer`, or return False if it is over a cap (`over_total`: only the
+        per-peer one, for a peer we know we need)."""
+        if self.serving.get(peer, 0) >= self.per_peer or (self.count >= self.total and not over_total):
+            return False
+        self.serving[peer] = self.serving.get(peer, 0) + 1
+        self.count += 1
+        return True
+
+    def release(self, peer: str) -> None:
+        left = self.serving.pop(peer) - 1
+        if left:
+            self.serving[peer] = left
+        self.count -= 1
 
 
 class SwarmNode:
@@ -201,10 +232,16 @@ class SwarmNode:
     async def add_stream_handler(self, name: str, handler: StreamHandler, admitted_only: bool = True) -> None:
         """Serve protocol `name`, over libp2p and direct streams alike; the handler gets (remote peer id, reader,
         writer), the remote authenticated either way. In a private run, a stream of an `admitted_only` protocol
-        starts with its opener's invite, and one from a peer not admitted is closed before the handler sees it."""
+        starts with its opener's invite, and one from a peer not admitted is closed before the handler sees it.
+        Streams over MAX_STREAMS_PER_PEER or MAX_STREAMS being served are closed at once."""
         p2p = await self.p2p()
+        gate = StreamGate(MAX_STREAMS_PER_PEER, MAX_STREAMS)
 
         async def _guarded(remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            if not gate.admit(remote):
+                logger.debug("refused a %s stream from %s: too many being served", name, remote)
+                writer.close()
+                return
             try:
                 if admitted_only and self.admission is not None and not await self._admitted(remote, reader):
                     logger.info("refused a %s stream from %s: not admitted to this private run", name, remote)
@@ -216,6 +253,7 @@ class SwarmNode:
             except Exception:  # noqa: BLE001 - a bad request must never take the peer down
                 logger.exception("handler %s failed for a request from %s", name, remote)
             finally:
+                gate.release(remote)
                 writer.close()
 
         async def _on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

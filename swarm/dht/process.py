@@ -289,15 +289,20 @@ class _NodeServer:
         self._orphaned = threading.Lock()
 
     async def run(self, settings: dict) -> None:
+        import hivemind.dht.node
         from hivemind.dht.node import DEFAULT_NUM_WORKERS, DHTNode
         from hivemind.dht.validation import CompositeValidator
 
         self.loop, self.requests = asyncio.get_running_loop(), asyncio.Queue()
         threading.Thread(target=self._read_requests, name="dht-requests", daemon=True).start()
+        node_kwargs = dict(settings["node_kwargs"])
+        relay_service = node_kwargs.pop("relay_service", None)
         try:
+            if relay_service is not None:  # this process starts one p2pd, through DHTNode.create's P2P
+                hivemind.dht.node.P2P = daemon_with_relay_service(relay_service)
             self.node = await DHTNode.create(initial_peers=settings["initial_peers"], num_workers=DEFAULT_NUM_WORKERS,
                                              record_validator=CompositeValidator(settings["validators"]),
-                                             **settings["node_kwargs"])
+                                             **node_kwargs)
         except Exception as e:  # noqa: BLE001 - the parent raises it
             logger.debug("the DHT node did not start", exc_info=True)
             self._send(("failed", _pickled_exception(e)))
@@ -381,6 +386,19 @@ class _NodeServer:
             time.sleep(0.05)
         end_children(self.children, grace=0.3)
         os._exit(0)
+
+
+def daemon_with_relay_service(relay_service: bool) -> type:
+    """hivemind's P2P, starting p2pd with its circuit relay service (relaying other peers' connections) on or off.
+    p2pd serves as a relay for anyone whenever relays are on (-relay), and P2P.create has no option for it."""
+    from hivemind.p2p import P2P
+
+    class RelayServiceP2P(P2P):
+        @staticmethod
+        def _make_process_args(*args: Any, **kwargs: Any) -> list[str]:
+            return P2P._make_process_args(*args, relayService=relay_service, **kwargs)
+
+    return RelayServiceP2P
 
 
 def _pickled_exception(error: BaseException) -> bytes:
