@@ -86,8 +86,8 @@ def test_the_dht_process_loads_no_torch_and_the_helpers_stay_under_150_mb(node):
 
 def test_the_dht_process_answers_and_fails_requests_after_it_dies(node):
     async def scenario():
-        assert await node.store("footprint", {"x": 1}, ttl=60)
-        assert await node.get("footprint") == {"": {"x": 1}}
+        assert await node.store("footprint", {"x": 1}, ttl=60, subkey=node.owned_subkey)  # (nodes take no other)
+        assert await node.get("footprint") == {node.owned_subkey: {"x": 1}}
         os.kill(node.dht.pid, 9)
         with pytest.raises(DHTProcessError):
             await asyncio.wait_for(node.get("footprint"), 10)  # fails at once, it does not hang
