@@ -3,7 +3,6 @@ process, lying where it can). What honest peers end with is checked, not what th
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -12,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from conftest import kill_session
 from swarm.events import read_events
+from test_swarm import _traces
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,14 +62,6 @@ def test_a_forged_reference_moves_no_honest_peer(swarm, cache_dir):
         assert not taken, f"{peer.name} took the attacker's state: {taken}"
     finals = [peer.events("averaged", round=rounds - 1) for peer in honest]
     assert all(finals) and len({f[0]["digest"] for f in finals}) == 1, "the honest peers end bit-identical"
-
-
-def _traces(directory: Path) -> dict[int, tuple[dict, dict]]:
-    out = {}
-    for meta_path in sorted(directory.glob("round-*.json")):
-        meta = json.loads(meta_path.read_text())
-        out[meta["round"]] = (meta, load_file(str(meta_path.with_suffix(".safetensors"))))
-    return out
 
 
 def test_a_scaled_pseudo_gradient_moves_the_average_a_bounded_way(swarm):
