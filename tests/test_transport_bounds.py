@@ -72,6 +72,7 @@ def test_p2pd_serves_as_a_relay_only_with_relay_service():
             node.shutdown()
 
 
+@pytest.mark.slow  # an attacker process and two averaging nodes: about a minute on 2 cores
 def test_idle_streams_from_one_peer_are_closed_and_do_not_stop_the_round():
     """An attacker process opens IDLE_STREAMS all-reduce streams to a peer and sends nothing; the peer closes those
     over MAX_STREAMS_PER_PEER at once and the others at the header deadline, while it averages with an honest peer,
