@@ -162,6 +162,7 @@ def test_an_allowlist_becomes_invites_and_a_bad_line_is_named(keys, tmp_path):
         allowlist_invites(keys["owner"], str(listed), days=1)
 
 
+@pytest.mark.slow  # starts real nodes or CLI processes (the quick subset runs none)
 def test_id_and_invite_commands(keys, tmp_path, caplog):
     volunteer = tmp_path / "volunteer.key"
     made = subprocess.run([sys.executable, "-m", "swarm", "id", "--identity-path", str(volunteer)],
@@ -184,6 +185,7 @@ def test_id_and_invite_commands(keys, tmp_path, caplog):
 STREAM = "test.admitted"
 
 
+@pytest.mark.slow  # starts real nodes or CLI processes (the quick subset runs none)
 def test_nodes_of_a_private_run_refuse_entries_and_streams_of_peers_not_admitted(tmp_path):
     """Real nodes on 127.0.0.1: the owner's node, an invited peer (direct streams) and a stranger (libp2p only):
     the stranger's entry is in nobody's read and its streams, with no invite or a forged one, never reach the

@@ -61,6 +61,7 @@ def test_relay_service_follows_the_flag_and_relays_stay_on_for_it():
     assert args[0] == "p2pd" and sorted(args[1:]) == ["-relay=1", "-relayService=0"]
 
 
+@pytest.mark.slow  # starts two real nodes (the quick subset runs none)
 def test_p2pd_serves_as_a_relay_only_with_relay_service():
     """p2pd's own default is to relay for anyone whenever relays are on (-relay=1 -relayService absent)."""
     for options, service in ((NetworkOptions(nat_traversal=True), "0"), (NetworkOptions(relay_service=True), "1")):
