@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from swarm.averaging.allreduce import MAX_STREAMS_PER_PEER, GroupAllReduce
