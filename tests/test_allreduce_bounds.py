@@ -56,6 +56,14 @@ class _Stream:
             return b""
 
 
+async def _until(condition, timeout: float = 5.0) -> None:
+    """Wait for the handlers' tasks until `condition()` holds (fails the test past `timeout` s)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "the condition never held"
+        await asyncio.sleep(0.01)
+
+
 async def _silent(remote, reader, writer) -> None:
     await asyncio.sleep(60)  # a member that accepts our streams and never answers: our run waits for it
 
@@ -107,7 +115,7 @@ def test_a_non_member_is_refused_and_a_members_oversized_chunk_is_not_read():
         await server.start()
         group = Group.of(0, 0, ("peerA", "peerB"), [0.5, 0.5], 5.0)
         running = asyncio.ensure_future(server.run(group, torch.randn(NUMEL), 1.0))
-        await asyncio.sleep(0.05)
+        await _until(lambda: (0, 0) in server._running)
         bound = server.expected_streams(group, NUMEL)[("part", "peerB")]
         # A non-member naming our group hears "conflict" before it can send a byte of payload.
         outsider = _Stream(server, "mallory").header(group_id=group.group_id, chunks=bound.chunks)
@@ -137,7 +145,7 @@ def test_streams_over_the_per_peer_cap_are_closed_at_once_and_silent_ones_at_the
         server = _server()
         server.header_timeout = 0.3
         idle = [_Stream(server, "mallory") for _ in range(MAX_STREAMS_PER_PEER + 5)]
-        await asyncio.sleep(0.05)
+        await _until(lambda: server.refused["busy"] == 5)
         assert server.refused["busy"] == 5 and sum(s.task.done() for s in idle) == 5
         honest = _Stream(server, "peerB").header(group_id="g", chunks=0)  # another peer is still served
         await server.decide(0, 0, "g")
@@ -160,12 +168,12 @@ def test_strangers_filling_the_total_cap_do_not_shut_out_a_member_of_our_group()
         server = _server()
         sybils = [_Stream(server, f"sybil{k}") for k in range(MAX_STREAMS // MAX_STREAMS_PER_PEER)
                   for _ in range(MAX_STREAMS_PER_PEER)]
-        await asyncio.sleep(0.05)
+        await _until(lambda: server._streams.count == len(sybils))
         assert not any(s.task.done() for s in sybils), "all served: the total cap is full"
         assert await _Stream(server, "peerC").reply() == b"" and server.refused["busy"] == 1
         group = Group.of(0, 0, ("peerA", "peerB"), [0.5, 0.5], 5.0)
         running = asyncio.ensure_future(server.run(group, torch.randn(NUMEL), 1.0))
-        await asyncio.sleep(0.05)
+        await _until(lambda: (0, 0) in server._running)
         commit = _Stream(server, "peerB").header(group_id=group.group_id, phase="commit")
         assert await commit.reply() == b"ok", "a member of our group is served over the total cap"
         assert server.refused["busy"] == 1
@@ -183,7 +191,7 @@ def test_early_streams_wait_for_our_matchmaking_within_a_small_bound():
     async def scenario():
         server = _server()
         early = [_Stream(server, "peerB").header(group_id="g", round=7) for _ in range(MAX_EARLY_PER_PEER + 3)]
-        await asyncio.sleep(0.05)
+        await _until(lambda: server.refused["early"] == 3)
         assert server.refused["early"] == 3 and sum(s.task.done() for s in early) == 3
         await server.decide(7, 0, "g")
         replies = [await s.reply() for s in early]
