@@ -128,10 +128,11 @@ WEIGHTS = (1.0, 2.0, 4.0)
 def _average(codec: str = "none", ring: str = "never", clients=(), fault: Optional[str] = None,
              weights=WEIGHTS, numel: int = 210_000, exact_from=None,
              max_weight: float = float("inf"), aggregator: str = "mean",
-             vectors: Optional[list] = None) -> tuple[list, list, list[tuple[str, str]]]:
+             vectors: Optional[list] = None, declared: Optional[tuple] = None) -> tuple[list, list, list[tuple[str, str]]]:
     """Every member of one group of PEERS averages its seeded vector (or its one of `vectors`); returns the
     vectors, each member's result (or AllReduceError), and the (peer, reason) bad-peer reports. PEERS[2] runs
-    `fault` (FaultPlan)."""
+    `fault` (FaultPlan). With `declared` (the weights the members' matchmaking entries declare), the group names
+    them and every member's nonce commitment, so reducers are verified where the aggregator allows."""
     vectors = vectors or [torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(len(PEERS))]
     reports: list[tuple[str, str]] = []
 
@@ -147,7 +148,8 @@ def _average(codec: str = "none", ring: str = "never", clients=(), fault: Option
             if not client:
                 await allreduce.start()
         servers = sum(not c for c in clients_of)
-        group = Group.of(0, 0, PEERS, [0.0 if c else 1 / servers for c in clients_of], 5.0, clients_of)
+        group = Group.of(0, 0, PEERS, [0.0 if c else 1 / servers for c in clients_of], 5.0, clients_of,
+                         weights=declared or (), commitments=[a.commitment() for a in allreduces] if declared else ())
         results = await asyncio.gather(*(a.run(group, v, w, exact_from) for a, v, w in zip(allreduces, vectors,
                                                                                            weights)),
                                        return_exceptions=True)
@@ -237,3 +239,37 @@ def test_a_robust_aggregator_bounds_a_scaled_contribution_where_the_mean_takes_i
     _, clean, _ = _average(aggregator="centered_clip", vectors=honest, numel=numel, weights=weights)
     _, plain, _ = _average(aggregator="mean", vectors=honest, numel=numel, weights=weights)
     assert all(torch.equal(c.average, p.average) for c, p in zip(clean, plain)), "no attacker: the mean, exactly"
+
+
+@pytest.mark.parametrize("codec, clients", [("none", ()), ("int8", ()), ("fp16", (False, False, True))])
+def test_verified_reducers_give_the_same_average_as_unverified_ones(codec, clients):
+    """With every member's weight and nonce commitment in the group, members check each reducer's CenteredClip
+    (verify.py) before applying: an honest group passes and ends with the very bits an unchecked one does."""
+    vectors, checked, reports = _average(codec=codec, clients=clients, aggregator="centered_clip", declared=WEIGHTS,
+                                         exact_from=150_000)
+    assert not reports and all(not isinstance(r, Exception) for r in checked), checked
+    _, unchecked, _ = _average(codec=codec, clients=clients, aggregator="centered_clip", exact_from=150_000)
+    assert all(torch.equal(c.average, u.average) for c, u in zip(checked, unchecked))
+
+
+def test_a_lying_reducer_is_refused_by_every_honest_member_and_accused():
+    """peerC reduces its part x1000 and makes up its own verification term to cancel the rest as best it can: the
+    honest members apply nothing and accuse it (their next attempt parts them from it)."""
+    vectors, results, _ = _average(codec="int8", aggregator="centered_clip", declared=WEIGHTS,
+                                   fault="lying-reducer@0")
+    for result in results[:2]:
+        assert isinstance(result, AllReduceError) and result.reason == "unverified", result
+        assert result.rejected == {"peerC"}, (result, result.rejected)
+    # The same lie where nobody checks (no commitments): every member applies it.
+    _, unchecked, _ = _average(codec="int8", aggregator="centered_clip", fault="lying-reducer@0")
+    assert not any(isinstance(r, Exception) for r in unchecked)
+    assert float(unchecked[0].average.abs().max()) > 100 * float(_exact(vectors).abs().max())
+
+
+def test_a_member_declaring_another_weight_to_a_reducer_than_to_the_group_is_refused():
+    """Weights come from the members' signed matchmaking entries: a part header that declares another weight
+    (to outweigh the group at one reducer) costs its sender its contribution."""
+    _, results, reports = _average(aggregator="centered_clip", declared=(1.0, 2.0, 1.0))
+    assert set(reports) == {("peerC", "bad_weight")}, reports
+    for result in results[:2]:
+        assert isinstance(result, AllReduceError) and result.rejected == {"peerC"}, result

@@ -54,7 +54,7 @@ def test_a_pushed_group_reaches_the_member_at_once(pair):
 
     waited = loop.run(scenario(), timeout=30)
     assert waited < 10, "a push ends the member's wait (the timeout was 20 s)"
-    assert member_push.finals(7, 0, set()) == {leader: (members, [0.5, 0.5], None, [False, False], False, 2)}
+    assert member_push.finals(7, 0, set()) == {leader: (members, [0.5, 0.5], None, [False, False], False, 2, [], [])}
     assert member_push.finals(7, 0, {leader}) == {}, "an excluded leader's group is not taken"
     assert member_push.finals(7, 1, set()) == {}, "another attempt's group is another key"
 

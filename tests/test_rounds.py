@@ -279,6 +279,9 @@ class FakeAllReduce:
         self.runs, self.decided = [], []
         self.deadlines = SimpleNamespace(measured=lambda: None)
 
+    def commitment(self):
+        return ""  # (this run's reducers are not checked)
+
     async def run(self, group, vector, weight, exact_from):
         self.runs.append((group.attempt, group.members, vector.numel(), exact_from))
         if self.failures:

@@ -6,12 +6,14 @@ function on the same members, so all reducers agree on the weights they name."""
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 import torch
 
 from swarm.averaging.common import chunk_bounds
 from swarm.averaging.partition import partition
+from swarm.averaging.verify import RADIUS_CEILING, RADIUS_FLOOR
 
 AGGREGATORS = ("mean", "trimmed_mean", "centered_clip")
 # A robust aggregate counts no contribution as more than this many times the group's (lower) median weight: a
@@ -23,7 +25,7 @@ WEIGHT_SPREAD = 1.5
 # contribution counts whole; honest contributions lie well inside (an honest one is about 0.7 of these distances
 # from the group's mean: see tests/test_aggregate.py).
 CLIP_RADIUS = 1.5
-CLIP_ITERATIONS = 20
+CLIP_ITERATIONS = 100  # (it stops long before, at CLIP_TOLERANCE, in groups seen so far)
 CLIP_TOLERANCE = 1e-6  # stop iterating once a step moves the centre less than this fraction of the radius
 # (contributions, their declared weights) -> (the aggregate, the total weight it counts)
 Aggregate = Callable[[Sequence[torch.Tensor], Sequence[float]], tuple[torch.Tensor, float]]
@@ -75,10 +77,21 @@ def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> tu
     far it is. When every contribution lies within tau of the plain weighted mean, that mean is the fixed point,
     and it is returned exactly (a group of two always is). Deciding that costs one Gram matrix of the
     contributions (about what the mean costs); only a group with a far contribution iterates."""
+    average, total_weight, _ = centered_clip_radius(parts, weights)
+    return average, total_weight
+
+
+def centered_clip_radius(parts: Sequence[torch.Tensor],
+                         weights: Sequence[float]) -> tuple[torch.Tensor, float, float]:
+    """centered_clip, and the radius tau it used (inf for a group of two, which takes the plain mean). tau stays
+    within the bounds members check it against (verify.py): at most RADIUS_CEILING times the lower median of the
+    contributions' norms, at least RADIUS_FLOOR times the lower median of their distances to the result (it is
+    raised to twice that, and the point found again, in the rare group where the medoid's distances fall short:
+    two contributions that coincide)."""
     weights = capped_weights(weights)
     plain, total_weight = mean(parts, weights)
     if len(parts) <= 2:
-        return plain, total_weight
+        return plain, total_weight, math.inf
     stacked = torch.stack(list(parts)).flatten(1)
     offsets = stacked - plain.flatten()
     gram = (offsets @ offsets.T).double()  # of the offsets from the mean, so that distances do not cancel
@@ -86,11 +99,24 @@ def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> tu
     pairwise = (gram.diagonal()[:, None] + gram.diagonal()[None, :] - 2 * gram).clamp_min(0).sqrt()
     medoid = int(pairwise.sum(1).argmin())
     others = torch.cat([pairwise[medoid, :medoid], pairwise[medoid, medoid + 1:]])
-    tau = CLIP_RADIUS * float(others.median())
-    if tau == 0.0 or float(to_mean.max()) <= tau * (1 + 1e-6):
-        return plain, total_weight
+    ceiling = RADIUS_CEILING * _lower_median(stacked.double().norm(dim=1))
+    tau = min(CLIP_RADIUS * float(others.median()), ceiling)
+    if float(to_mean.max()) <= tau * (1 + 1e-6):
+        return plain, total_weight, tau
+    centre = _clip_point(stacked, weights, total_weight, stacked[medoid].clone(), tau)
+    floor = RADIUS_FLOOR * _lower_median((stacked - centre).double().norm(dim=1))
+    if tau < 2 * floor:
+        tau = min(4 * floor, ceiling)
+        centre = _clip_point(stacked, weights, total_weight, centre, tau)
+    return centre.view_as(plain), total_weight, tau
+
+
+def _clip_point(stacked: torch.Tensor, weights: Sequence[float], total_weight: float, centre: torch.Tensor,
+                tau: float) -> torch.Tensor:
+    """CenteredClip's iteration from `centre`, until a step moves it less than CLIP_TOLERANCE of tau."""
+    if tau <= 0.0:
+        return centre
     w = torch.tensor(weights, dtype=stacked.dtype)[:, None]
-    centre = stacked[medoid].clone()
     for _ in range(CLIP_ITERATIONS):
         differences = stacked - centre
         scale = (tau / differences.norm(dim=1).clamp_min(1e-30)).clamp(max=1.0)[:, None]
@@ -98,7 +124,11 @@ def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> tu
         centre += step
         if float(step.norm()) <= CLIP_TOLERANCE * tau:
             break
-    return centre.view_as(plain), total_weight
+    return centre
+
+
+def _lower_median(values: torch.Tensor) -> float:
+    return float(values.sort().values[(values.numel() - 1) // 2])
 
 
 def aggregate_parts(name: str, vectors: Sequence[torch.Tensor], weights: Sequence[float],

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -39,11 +40,14 @@ from swarm.averaging.partition import partition
 from swarm.averaging.ring import Ring, ring_schedule, uses_ring
 from swarm.averaging.run import RunContext
 from swarm.averaging.streams import MAX_HEADER_BYTES, GroupConflict, OversizedChunk, StreamClient, read_chunk
+from swarm.averaging.verify import VERIFIABLE_CODECS, nonce_commitment
+from swarm.averaging.verifying import report_bound
 from swarm.compression import get_codec
 from swarm.dht.node import StreamGate, SwarmNode, recv_frame, send_frame
 
 logger = logging.getLogger(__name__)
 MAX_PENDING_GROUPS = 8
+MAX_NONCES = 64  # the nonces behind our latest matchmaking entries' commitments
 MAX_DECISIONS = 64  # (round, attempt) keys whose group we remember, for answering streams about them
 # Inbound streams served at once (tighter than SwarmNode's caps for any protocol). A member opens about five to us
 # per attempt (part, avg, commit, abort, ping); more are closed unread at once, so one peer (or a few) cannot hold
@@ -100,6 +104,25 @@ class GroupAllReduce:
         self._decisions: dict[tuple[int, int], asyncio.Future] = {}
         self._outcomes: dict[str, asyncio.Future] = {}  # group id -> whether we applied it (for client members)
         self._unasked: dict[str, set[str]] = {}  # group id -> client members that have not asked our decision yet
+        self._nonces: dict[str, bytes] = {}  # commitment -> the nonce behind it (verify.py), latest last
+
+    @property
+    def verifiable(self) -> bool:
+        """Whether this run's reducers are checked (verify.py): CenteredClip, with a codec whose rounding members can
+        bound from what they decode."""
+        return self.aggregator_name == "centered_clip" and self.codec.name in VERIFIABLE_CODECS
+
+    def commitment(self) -> str:
+        """A fresh nonce's commitment, for a matchmaking entry: the nonce is revealed, in the commit phase, only by
+        a group whose members' entries name it ("" where this run's reducers are not checked)."""
+        if not self.verifiable:
+            return ""
+        nonce = os.urandom(16)
+        commitment = nonce_commitment(nonce)
+        self._nonces[commitment] = nonce
+        while len(self._nonces) > MAX_NONCES:
+            del self._nonces[next(iter(self._nonces))]
+        return commitment
 
     async def start(self) -> None:
         await self.node.add_stream_handler(self.protocol, self._on_stream)
@@ -226,7 +249,8 @@ class GroupAllReduce:
         header_slot = box.slot(phase, remote)  # keyed by the authenticated sender, not a claimed one
         if not header_slot.done():
             # A part's reducer judges its weight (Run.validated): a bad one costs the sender its contribution.
-            header_slot.set_result(_contribution(raw) if phase == "part" else header)
+            # (a commit's body, a nonce's reveal, is read by a run that verifies its reducers: see verifying.py)
+            header_slot.set_result(_contribution(raw) if phase == "part" else raw if phase == "commit" else header)
         if not header.chunks or await self._read_chunks(remote, reader, box, phase, header.chunks, bound,
                                                         expected.group):
             await send_frame(writer, b"done")
@@ -291,7 +315,8 @@ class GroupAllReduce:
         try:
             shape = Ring if self.uses_ring(group) else Butterfly
             context = RunContext(self.node.peer_id, self.codec, self.deadlines, self.faults, self.streams,
-                                 self.on_bad_peer, self.max_weight, aggregator(self.aggregator_name))
+                                 self.on_bad_peer, self.max_weight, aggregator(self.aggregator_name),
+                                 self.verifiable, self._nonces.get)
             result = await shape(context, group, self._mailbox(group.group_id), vector, weight, exact_from).execute()
             if not group.is_client(self.node.peer_id):  # only the last group matters (see settle)
                 self._unasked = {group.group_id: {peer for peer in group.members if group.is_client(peer)}}
@@ -340,12 +365,16 @@ class GroupAllReduce:
                                               for a, b in part))
 
         client = bool(group.clients) and group.clients[i]
+        verified = self.verifiable and len(members) >= 3 and bool(group.weights) and bool(group.commitments)
+        report = StreamBound(1, report_bound(n, max(len(part) for part in chunking)))
         streams = {}
         for j, sender in enumerate(members):
             if sender != me and chunking[i]:  # its contribution to the part we reduce
                 streams[("part", sender)] = bound(chunking[i])
             if sender != me and chunking[j] and not client:  # the average of the part it reduces (clients pull)
                 streams[("avg", sender)] = bound(chunking[j])
+            if sender != me and verified and not client and not (group.clients or (False,) * n)[j]:  # its report
+                streams[("verify", sender)] = report
         return streams
 
 

@@ -15,13 +15,15 @@ from typing import Optional
 
 import torch
 
+from swarm.averaging.aggregate import centered_clip_radius
 from swarm.averaging.common import AllReduceError, Mailbox, all_or_first_failure, chunk_bounds, first_line
-from swarm.averaging.faults import LYING_VALUES
+from swarm.averaging.faults import LYING_VALUES, SCALE
 from swarm.averaging.matchmaking import Group
 from swarm.averaging.messages import Averaged, Contribution, MessageError
 from swarm.averaging.partition import partition
 from swarm.averaging.run import Run, RunContext
 from swarm.averaging.streams import GroupConflict
+from swarm.averaging.verifying import Verifying
 from swarm.compression import Codec
 
 logger = logging.getLogger(__name__)
@@ -32,7 +34,7 @@ logger = logging.getLogger(__name__)
 SCATTER_AHEAD = 8
 
 
-class Butterfly(Run):
+class Butterfly(Verifying, Run):
     """Every member sends part j to member j and gets its average back. Elements from `exact_from` on travel
     uncompressed (global params and momentum of a mixing group: a lossy codec would move the params themselves)."""
 
@@ -47,6 +49,8 @@ class Butterfly(Run):
         self.reducers = [self.members[j] for j in range(len(self.members)) if j != self.index and self.reduces(j)]
         self.bad_reducers: set[str] = set()  # their averages did not decode: every member rejects them alike
         self.queues = {peer: asyncio.Queue() for peer in self.others}  # our part's averaged chunks, to each member
+        self.verifying = (context.verifiable and len(self.members) >= 3 and bool(group.weights)
+                          and bool(group.commitments))
 
     def reduces(self, j: int) -> bool:
         return self.bounds[j][1] > self.bounds[j][0]
@@ -87,7 +91,7 @@ class Butterfly(Run):
                     throttled = False  # it is gone or late: its stream (or receive_from) tells the rest
             codec = self.codec_at(a)
             payload = self.outgoing(self.vector[a:b], codec)
-            if codec.name != "none" and not self.bad:
+            if codec.name != "none" and self.bad in (None, "lying-reducer"):
                 self.delivered[a:b] = codec.decode(payload)
             yield {}, payload
             await asyncio.sleep(0)  # let other streams interleave
@@ -103,7 +107,8 @@ class Butterfly(Run):
         alive = list(self.others)
         rejected: list[str] = []
         for k, (a, b) in enumerate(self.chunking[self.index]):
-            parts, weights, contributors = [self.vector[a:b]], [float(self.weight)], [self.me]
+            own_weight = self.group.weights[self.index] if self.group.weights else float(self.weight)
+            parts, weights, contributors = [self.vector[a:b]], [own_weight], [self.me]
             for sender in list(alive):
                 if not await self.came(self.mailbox.slot("part", sender, k), sender):
                     alive.remove(sender)  # not waited for again: later chunks go on without it
@@ -122,11 +127,17 @@ class Butterfly(Run):
                 contributors.append(sender)
             if sum(weights) <= 0:
                 raise AllReduceError("bad_data", "the group's total weight is zero: nobody trained this round", set())
-            average, total_weight = self.context.aggregate(parts, weights)
+            radius = None
+            if self.verifying:  # (then the aggregate is CenteredClip, whose radius the members check)
+                average, total_weight, radius = centered_clip_radius(parts, weights)
+            else:
+                average, total_weight = self.context.aggregate(parts, weights)
+            if self.bad == "lying-reducer":
+                average = average * SCALE
             encoded = self.codec_at(a).encode(average)
             self.result[a:b] = self.codec_at(a).decode(encoded, max_numel=b - a)  # exactly what the others will hold
             self.wire[a] = (a, b, bytes(encoded))
-            meta = Averaged(tuple(sorted(contributors)), tuple(sorted(rejected)), total_weight).to_wire()
+            meta = Averaged(tuple(sorted(contributors)), tuple(sorted(rejected)), total_weight, radius).to_wire()
             self.accounts.setdefault(self.me, []).append(meta)
             outgoing = encoded if self.bad in (None, *LYING_VALUES) else self.outgoing(average, self.codec_at(a))
             for queue in self.queues.values():

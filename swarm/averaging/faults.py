@@ -15,8 +15,10 @@ from typing import Optional
 logger = logging.getLogger(__name__)
 KILL_PHASES = ("matchmaking", "send", "reduce", "commit", "ring", "serve")  # ring: while sending along a ring only;
 # serve: while answering another peer's state request
-BAD_DATA = ("garbage", "nan", "short", "ring-garbage", "scaled", "flipped")  # ring-garbage: garbage along a ring
-# only; scaled (x SCALE) and flipped (x -1): a well-formed contribution of lying values, averages left honest
+BAD_DATA = ("garbage", "nan", "short", "ring-garbage", "scaled", "flipped", "lying-reducer")  # ring-garbage: garbage
+# along a ring only; scaled (x SCALE) and flipped (x -1): a well-formed contribution of lying values, averages left
+# honest; lying-reducer: honest contributions, but the part it reduces averaged x SCALE, with the most convincing
+# verification reports it can make (every member's term as it is, its own made up to cancel the rest)
 LYING_VALUES = ("scaled", "flipped")
 SCALE = 1000.0
 LOCAL = ("diverge", "explode")  # the peer's own training goes wrong: NaN params, or an absurd pseudo-gradient

@@ -32,7 +32,8 @@ def _rank(peer: str, round_no: int, attempt: int) -> bytes:
     return hashlib.sha256(f"{round_no}|{attempt}|{peer}".encode()).digest()
 
 
-Final = tuple[list[str], list[float], Optional[float], list[bool], bool, int]
+# (members, shares, phase_timeout, clients, mix, swarm_size, weights, commitments)
+Final = tuple[list[str], list[float], Optional[float], list[bool], bool, int, list[float], list[str]]
 
 
 def parse_final(writer: str, value: object, excluded: set[str], round_no: int, attempt: int) -> Optional[Final]:
@@ -59,8 +60,21 @@ def parse_final(writer: str, value: object, excluded: set[str], round_no: int, a
     if not isinstance(mix, bool) or isinstance(swarm_size, bool) or not isinstance(swarm_size, int) or \
             not len(members) <= swarm_size <= 1 << 20:
         return None
+    weights, commitments = value.get("weights", []), value.get("commitments", [])
+    if not isinstance(weights, list) or len(weights) not in (0, len(members)) or \
+            not all(is_weight(w) for w in weights):
+        return None
+    if not isinstance(commitments, list) or len(commitments) not in (0, len(members)) or \
+            not all(isinstance(c, str) and 0 < len(c) <= 64 for c in commitments):
+        return None
     return (members, [float(s) for s in shares], None if timeout is None else float(timeout), clients, mix,
-            swarm_size)
+            swarm_size, [float(w) for w in weights], list(commitments))
+
+
+def is_weight(value: object) -> bool:
+    """A contribution's declared weight (tokens): a finite number >= 0 (reducers refuse one over the run's bound)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and \
+        0 <= value < 1e18
 
 
 def is_seconds(value: object) -> bool:

@@ -27,10 +27,10 @@ import hashlib
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Optional, Sequence
 
-from swarm.averaging.group_push import GroupPush, is_seconds, leader_of, parse_final
+from swarm.averaging.group_push import Final, GroupPush, is_seconds, is_weight, leader_of, parse_final
 from swarm.averaging.partition import optimal_shares
 from swarm.dht.node import SwarmNode
 from swarm.dht.records import final_key, group_key
@@ -50,6 +50,9 @@ class Candidate:
     client: bool  # cannot accept inbound connections: it contributes but reduces nothing
     excluded: tuple[str, ...] = ()  # peers this one caught sending bad data in this round
     phase_timeout: Optional[float] = None  # the all-reduce deadline its recent rounds measured (None: none yet)
+    # The weight (tokens) its contribution declares, to every reducer alike (None: not declared here; an older peer)
+    weight: Optional[float] = None
+    commitment: str = ""  # sha256 of the nonce it reveals once it holds the average (verify.py); "" for none
 
 
 @dataclass(frozen=True)
@@ -63,18 +66,26 @@ class Group:
     clients: tuple[bool, ...] = ()  # per member: accepts no inbound streams (it pulls what it needs)
     mix: bool = False  # members hold different global params: average params and outer momentum too
     swarm_size: int = 0  # candidates the leader split into groups (its estimate of the peers in this round)
+    # Per member, from their own entries: the weight its contribution declares (reducers take this one, so a member
+    # cannot weigh differently at different reducers), and its nonce commitment. Empty where not every member gave
+    # one (then reducers take the weight a part's header declares, and nobody's reduction is verified).
+    weights: tuple[float, ...] = ()
+    commitments: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, round_no: int, attempt: int, members: Sequence[str], shares: Sequence[float],
            phase_timeout: Optional[float] = None, clients: Sequence[bool] = (), mix: bool = False,
-           swarm_size: int = 0) -> "Group":
+           swarm_size: int = 0, weights: Sequence[float] = (), commitments: Sequence[str] = ()) -> "Group":
         ordered = tuple(members)
         clients = tuple(bool(c) for c in clients) or (False,) * len(ordered)
         swarm_size = max(int(swarm_size), len(ordered))
+        weights = tuple(float(w) for w in weights) if len(weights) == len(ordered) else ()
+        commitments = tuple(commitments) if len(commitments) == len(ordered) and all(commitments) else ()
         text = (f"{round_no}|{attempt}|{'|'.join(ordered)}|{','.join(f'{s:.9f}' for s in shares)}|{phase_timeout}"
-                f"|{''.join('c' if c else 's' for c in clients)}|{int(mix)}|{swarm_size}")
+                f"|{''.join('c' if c else 's' for c in clients)}|{int(mix)}|{swarm_size}"
+                f"|{','.join(repr(w) for w in weights)}|{','.join(commitments)}")
         return cls(round_no, attempt, ordered, tuple(shares), hashlib.sha256(text.encode()).hexdigest()[:32],
-                   phase_timeout, clients, bool(mix), swarm_size)
+                   phase_timeout, clients, bool(mix), swarm_size, weights, commitments)
 
     def is_client(self, peer: str) -> bool:
         return self.clients[self.members.index(peer)]
@@ -174,8 +185,14 @@ def _parse_candidate(value: object) -> Optional[Candidate]:
         return None
     if timeout is not None and (not is_seconds(timeout)):
         return None
+    weight, commitment = value.get("weight"), value.get("commitment", "")
+    if weight is not None and not is_weight(weight):
+        return None
+    if not isinstance(commitment, str) or len(commitment) > 64:
+        return None
     return Candidate(value["digest"], float(bandwidth), bool(client), tuple(excluded),
-                     None if timeout is None else float(timeout))
+                     None if timeout is None else float(timeout), None if weight is None else float(weight),
+                     commitment)
 
 
 def signed_entries(raw: dict) -> dict[str, object]:
@@ -219,9 +236,10 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
     deadline = time.monotonic() + timeout
     key = group_key(run_id, round_no, attempt)
     ttl = 3 * timeout + 30
-    me_as = Candidate(me_as.digest, me_as.bandwidth, me_as.client, tuple(sorted(excluded)), me_as.phase_timeout)
+    me_as = replace(me_as, excluded=tuple(sorted(excluded)))
     await node.store(key, {"digest": me_as.digest, "bandwidth": me_as.bandwidth, "client": me_as.client,
-                           "excluded": list(me_as.excluded), "phase_timeout": me_as.phase_timeout},
+                           "excluded": list(me_as.excluded), "phase_timeout": me_as.phase_timeout,
+                           "weight": me_as.weight, "commitment": me_as.commitment},
                      ttl=ttl, subkey=node.owned_subkey)
 
     poll = FIRST_POLL_SECONDS
@@ -289,7 +307,8 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
             if not mine:
                 logger.info("round %d: leader %s formed a group without me", round_no, leader[-8:])
                 return None, seen
-            chosen, shares, phase_timeout, clients, mix, swarm_size = mine[leader_of(mine, round_no, attempt)]
+            chosen, shares, phase_timeout, clients, mix, swarm_size, weights, commitments = \
+                mine[leader_of(mine, round_no, attempt)]
             if len(chosen) < min_size:
                 return None, seen
             if set(chosen) - set(candidates):  # members we have not read yet (they wrote as we read)
@@ -298,14 +317,16 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
                 expected = group_terms(chosen, candidates)
             except (KeyError, ValueError):
                 expected = None
-            if expected is None or not _same_terms(expected, shares, phase_timeout, clients, mix):
+            if expected is None or not _same_terms(expected, shares, phase_timeout, clients, mix, weights,
+                                                   commitments):
                 # The leader chose them, not its members' entries: it may be giving itself (or a slow peer) the
                 # whole reduction, or a deadline of its own. Not followed: the next attempt has another leader.
                 logger.warning("round %d: leader %s published a group whose shares, deadline or mix its members' "
                                "entries do not give; not averaging with it", round_no, leader_of(mine, round_no,
                                                                                                  attempt)[-8:])
                 return None, seen
-            return Group.of(round_no, attempt, chosen, shares, phase_timeout, clients, mix, swarm_size), seen
+            return Group.of(round_no, attempt, chosen, shares, phase_timeout, clients, mix, swarm_size, weights,
+                            commitments), seen
         if push is not None:
             await push.wait(round_no, attempt, poll)  # a push wakes us at once
         else:
@@ -320,20 +341,24 @@ def group_terms(members: Sequence[str], candidates: dict[str, Candidate]) -> dic
     can check it): the reduction shares from their measured bandwidths, who is a client, the deadline, whether
     params mix. Raises KeyError for a member without an entry, ValueError if nobody can reduce."""
     entries = [candidates[m] for m in members]
+    declared = all(c.weight is not None for c in entries)
+    committed = all(c.commitment for c in entries)
     return {"shares": optimal_shares([c.bandwidth or 1.0 for c in entries], [not c.client for c in entries]),
             "clients": [c.client for c in entries], "phase_timeout": group_timeout(entries),
-            "mix": len({c.digest for c in entries}) > 1}
+            "mix": len({c.digest for c in entries}) > 1,
+            "weights": [c.weight for c in entries] if declared else [],
+            "commitments": [c.commitment for c in entries] if committed else []}
 
 
 def _same_terms(expected: dict, shares: list[float], phase_timeout: Optional[float], clients: list[bool],
-                mix: bool) -> bool:
+                mix: bool, weights: list[float], commitments: list[str]) -> bool:
     return (expected["clients"] == clients and expected["mix"] == mix and expected["phase_timeout"] == phase_timeout
-            and all(abs(a - b) <= 1e-9 for a, b in zip(expected["shares"], shares)))
+            and all(abs(a - b) <= 1e-9 for a, b in zip(expected["shares"], shares))
+            and expected["weights"] == weights and expected["commitments"] == commitments)
 
 
 async def _read_finals(node: SwarmNode, run_id: str, round_no: int, attempt: int,
-                       excluded: set[str]) -> dict[str, tuple[list[str], list[float], Optional[float], list[bool],
-                                                               bool, int]]:
+                       excluded: set[str]) -> dict[str, Final]:
     raw = signed_entries(await node.get(final_key(run_id, round_no, attempt)))
     finals = {}
     for writer, value in raw.items():

@@ -9,11 +9,11 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-PHASES = ("part", "avg", "commit", "pull", "decision", "abort", "ping", "ring")
+PHASES = ("part", "avg", "commit", "pull", "decision", "abort", "ping", "ring", "verify")
 MAX_ROUND = 1 << 40  # bound on round and attempt numbers, far above any real run
 MAX_WEIGHT = 1e18  # bound on one member's weight (tokens processed)
 # Where each field stands in a header on the wire: the order peers have always written them in.
-HEADER_ORDER = ("group_id", "round", "attempt", "phase", "weight", "chunks", "suspects", "rejected")
+HEADER_ORDER = ("group_id", "round", "attempt", "phase", "weight", "chunks", "suspects", "rejected", "nonce", "hashes")
 
 
 class MessageError(ValueError):
@@ -52,7 +52,35 @@ class Blame:
         return cls(_peers(value.get("suspects", []), "suspects"), _peers(value.get("rejected", []), "rejected"))
 
 
-Body = Union[Contribution, Blame]
+@dataclass(frozen=True)
+class Reveal:
+    """The body of a "commit" header in a verified group (verify.py): the nonce the member committed to in its
+    matchmaking entry, and the sha256 of each part's averaged bytes as it received them (empty for a part with no
+    elements), so members see at once whether a reducer sent them different averages."""
+
+    nonce: bytes
+    hashes: tuple[str, ...]
+
+    def to_wire(self) -> dict:
+        return {"nonce": self.nonce.hex(), "hashes": list(self.hashes)}
+
+    @classmethod
+    def from_wire(cls, value: Any, parts: int) -> "Reveal":
+        value = _mapping(value, "header")
+        nonce, hashes = value.get("nonce"), value.get("hashes")
+        if not isinstance(nonce, str) or len(nonce) > 128:
+            raise MessageError(f"nonce must be a hex string, got {nonce!r:.80}")
+        try:
+            raw = bytes.fromhex(nonce)
+        except ValueError:
+            raise MessageError(f"nonce must be a hex string, got {nonce!r:.80}") from None
+        if not isinstance(hashes, list) or len(hashes) != parts or \
+                not all(isinstance(h, str) and len(h) <= 64 for h in hashes):
+            raise MessageError(f"hashes must be {parts} hex strings")
+        return cls(raw, tuple(hashes))
+
+
+Body = Union[Contribution, Blame, Reveal]
 
 
 @dataclass(frozen=True)
@@ -116,15 +144,20 @@ class PartialSum:
 @dataclass(frozen=True)
 class Averaged:
     """The meta of an averaged chunk (its reducer's accounts): whose contributions it averages, whose data it
-    refused, and the total weight. Every member reads the same accounts, so all agree on the outcome."""
+    refused, the total weight, and CenteredClip's radius (None for other aggregates). Every member reads the same
+    accounts, so all agree on the outcome."""
 
     contributors: tuple[str, ...]
     rejected: tuple[str, ...]
     total_weight: float
+    radius: Optional[float] = None
 
     def to_wire(self) -> dict:
-        return {"contributors": sorted(self.contributors), "rejected": sorted(self.rejected),
+        wire = {"contributors": sorted(self.contributors), "rejected": sorted(self.rejected),
                 "total_weight": float(self.total_weight)}
+        if self.radius is not None:
+            wire["radius"] = float(self.radius)
+        return wire
 
     @classmethod
     def from_wire(cls, value: Any) -> "Averaged":
@@ -132,8 +165,11 @@ class Averaged:
         total_weight = value.get("total_weight")
         if not isinstance(total_weight, float) or not math.isfinite(total_weight) or total_weight < 0:
             raise MessageError(f"total_weight must be a finite float >= 0, got {total_weight!r}")
+        radius = value.get("radius")
+        if radius is not None and (not isinstance(radius, float) or not radius >= 0):  # (inf: a group of two)
+            raise MessageError(f"radius must be a float >= 0, got {radius!r}")
         return cls(_peers(value.get("contributors"), "contributors"), _peers(value.get("rejected", []), "rejected"),
-                   total_weight)
+                   total_weight, radius)
 
 
 def _mapping(value: Any, what: str) -> dict:

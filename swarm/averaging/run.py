@@ -38,6 +38,10 @@ class RunContext:
     on_bad_peer: Callable[[str, str], None]  # (peer, reason): a peer sent a bad contribution
     max_weight: float = float("inf")  # the most tokens one member's contribution may weigh (a weight is declared)
     aggregate: Aggregate = mean  # how a reducer combines a chunk's contributions (aggregate.py)
+    # Whether reducers' CenteredClip is checked (verify.py): the run's aggregate and codec allow it. A group is
+    # verified when this holds, it has three or more members, and every member declared its weight and nonce.
+    verifiable: bool = False
+    nonce_for: Callable[[str], Optional[bytes]] = lambda commitment: None  # our nonce behind a commitment
 
 
 class Run(abc.ABC):
@@ -126,7 +130,8 @@ class Run(abc.ABC):
         acknowledgement is not a lost commit; the rare peer left behind re-syncs through the state digest)."""
         round_no = self.group.round
         self.faults.maybe_die("commit", round_no)
-        await asyncio.gather(*(self.send(peer, self.header("commit"), no_chunks()) for peer in self.servers))
+        await asyncio.gather(*(self.send(peer, self.header("commit", body=self.reveal()), no_chunks())
+                               for peer in self.servers))
         if self.i_am_client:
             # We cannot receive commits: ask every non-client member whether it applies (it does only once every
             # member committed), and apply only if all of them do.
@@ -151,6 +156,15 @@ class Run(abc.ABC):
                 self.context.deadlines.record_timeout(self.phase_timeout)
             raise AllReduceError("commit", f"round {round_no}: {len(unconfirmed)} member(s) did not confirm; "
                                  "nothing applied", unconfirmed)
+        await self.committed(commits)
+
+    def reveal(self):
+        """The body of our commit header (a subclass that verifies reducers reveals its nonce), or None."""
+        return None
+
+    async def committed(self, commits: dict) -> None:
+        """Every member committed (`commits`: sender -> its commit header as received, a dict): a subclass may still
+        check the averages before we apply them, raising AllReduceError if it does not accept them."""
 
     async def collect(self, phase: str, senders: list[str], timeout: float) -> dict:
         """Headers of `phase` from `senders` that arrive within `timeout` s: {sender: header}."""
@@ -181,16 +195,27 @@ class Run(abc.ABC):
             return codec.encode(part * (SCALE if self.bad == "scaled" else -1.0))
         return codec.encode(part)
 
+    def declared_weight(self, member: str, said: float) -> Optional[float]:
+        """The weight `member` declared in its matchmaking entry (the group's), which must be what its header `said`
+        (None if it is not: it declared another weight to us than to the group); its header's where the group names
+        no weights."""
+        if not self.group.weights:
+            return said
+        declared = self.group.weights[self.members.index(member)]
+        return declared if declared == said else None
+
     def validated(self, sender: str, contribution: Contribution | MessageError, payload: bytes, numel: int,
                   codec: Codec) -> tuple[Optional[torch.Tensor], float]:
         """A contribution's decoded part and weight, or (None, 0) if it is bad: the sender is then left out of
         this part, which every member sees in the contributor list, so the round is redone without it.
         `contribution` is what its header said (a Contribution, or the MessageError its weight failed with)."""
-        if isinstance(contribution, MessageError) or contribution.weight > self.context.max_weight:
+        weight = None if isinstance(contribution, MessageError) else \
+            self.declared_weight(sender, contribution.weight)
+        if weight is None or weight > self.context.max_weight:
             self.context.on_bad_peer(sender, "bad_weight")  # an inflated weight would outvote the whole group
             return None, 0.0
         try:
-            return self.decode(sender, payload, numel, codec), contribution.weight
+            return self.decode(sender, payload, numel, codec), weight
         except AllReduceError:
             return None, 0.0
 

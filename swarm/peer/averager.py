@@ -107,7 +107,8 @@ class Averager:
         r, round_no = self.recipe.averaging, contribution.round_no
         rejected, unresponsive = self.rounds.excluded(round_no)
         me_as = Candidate(contribution.digest, self.link.bandwidth, client=self.client_mode,
-                          phase_timeout=self.allreduce.deadlines.measured())
+                          phase_timeout=self.allreduce.deadlines.measured(), weight=float(contribution.weight),
+                          commitment=self.allreduce.commitment())
         try:
             return self.loop.run(self.matchmaking(
                 self.node, self.recipe.run_id, round_no, attempt, me_as, self.in_round(round_no), r.min_group_size,

@@ -274,6 +274,6 @@ class Rounds:
                 self._exclusions = _Exclusions(round_no)
             self._exclusions.rejected |= rejected
             self._exclusions.unresponsive = set(suspects)
-        if not (suspects | rejected) and reason != "conflict":
-            return False
+        if not (suspects | rejected) and reason not in ("conflict", "unverified"):
+            return False  # (an unverified average whose blame we cannot place: its culprits' accusations part them)
         return retries <= MAX_IMMEDIATE_RETRIES

@@ -1,0 +1,192 @@
+"""Checking a reducer's CenteredClip without its inputs (issue 24: a lying reducer). A reducer's averaged part is
+the point v where the weighted sum of the members' contributions, each pulled in to within radius tau of v, is zero
+(chunk by chunk, see aggregate.centered_clip). Every member can compute its own term of that sum (it knows its
+contribution and v) but no other's; so each member sends a random sketch of its own term, the reducer sends the
+sketches of every member's term as it computed them, and every member checks that (1) the reducer's sketch of each
+member's term is the one that member sent (a mismatch parts the two, as an accusation does), (2) the reducer's
+sketches sum to zero within what its codec and the iteration leave, and (3) its radius and the terms it alone
+knows (its own contribution's) are within the bounds an honest group keeps. The sketch's randomness comes from
+nonces every member committed to in its matchmaking entry and reveals only once it holds every averaged part, so a
+reducer cannot shape its lie to the sketch.
+
+A count sketch (every element goes to one of SKETCH_BUCKETS buckets with a random sign) preserves a fixed vector's
+norm within a few percent, costs one pass, and is the same on every member for the same seed. Pure functions: the
+butterfly (butterfly.py) moves the reports."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from swarm.compression import Codec
+
+SKETCH_BUCKETS = 1024
+# ||S u||^2 <= SKETCH_SLACK * ||u||^2 for a vector u fixed before the sketch S is drawn, but for a vanishing chance
+# (the sketched squared norm deviates by about sqrt(2 / SKETCH_BUCKETS) = 4% of it).
+SKETCH_SLACK = 1.5
+# The radius a reducer may name for a chunk: at most RADIUS_CEILING times the lower median of the contributions'
+# norms (a radius past every contribution would let its own far contribution through whole), at least RADIUS_FLOOR
+# times the lower median of their distances to its result (a radius near zero would make every term, and the check,
+# vanish). Honest radii lie well inside (aggregate.py keeps them there).
+RADIUS_CEILING = 4.0
+RADIUS_FLOOR = 0.25
+# What an honest reducer's result may leave of the sum, besides its codec's rounding: CenteredClip stops iterating
+# once a step moves less than aggregate.CLIP_TOLERANCE of the radius; this is far above that, and far below a lie.
+CONVERGENCE = 1e-3
+FLOAT_SLACK = 1e-5  # relative: members compute in different orders (and on different hardware)
+# Codecs whose error bound, read off a decoded vector, bounds what decoding changed (top-k's dropped elements decode
+# to zero, so its bound cannot be read off the result).
+VERIFIABLE_CODECS = ("none", "fp16", "bf16", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class Term:
+    """One member's term of one part's sum, as sketched: the sketch of its clipped offsets from the result, and per
+    chunk the norm of its contribution and its distance to the result."""
+
+    sketch: tuple[float, ...]
+    norms: tuple[float, ...]
+    distances: tuple[float, ...]
+
+    def to_wire(self) -> list:
+        return [list(self.sketch), list(self.norms), list(self.distances)]
+
+    @classmethod
+    def from_wire(cls, value, chunks: int) -> Optional["Term"]:
+        """The term a peer sent, or None if it is malformed."""
+        if not (isinstance(value, list) and len(value) == 3 and all(isinstance(v, list) for v in value)):
+            return None
+        sketch, norms, distances = value
+        if len(sketch) != SKETCH_BUCKETS or len(norms) != chunks or len(distances) != chunks:
+            return None
+        numbers = [*sketch, *norms, *distances]
+        if not all(isinstance(x, float) and math.isfinite(x) for x in numbers) or min(norms + distances,
+                                                                                      default=0) < 0:
+            return None
+        return cls(tuple(sketch), tuple(norms), tuple(distances))
+
+
+def nonce_commitment(nonce: bytes) -> str:
+    return hashlib.sha256(nonce).hexdigest()[:32]
+
+
+def part_seed(group_id: str, nonces: Sequence[bytes], part: int) -> bytes:
+    """The seed of part `part`'s sketch: the group's id and every member's nonce (in member order)."""
+    digest = hashlib.sha256(group_id.encode())
+    for nonce in nonces:
+        digest.update(hashlib.sha256(nonce).digest())
+    digest.update(part.to_bytes(4, "little"))
+    return digest.digest()
+
+
+@dataclass(frozen=True)
+class Sketch:
+    """Where each element of a part goes (bucket) and with which sign."""
+
+    buckets: torch.Tensor  # int64
+    signs: torch.Tensor  # float64, +-1
+
+    @classmethod
+    def of(cls, seed: bytes, numel: int) -> "Sketch":
+        generator = np.random.Generator(np.random.PCG64(int.from_bytes(seed[:16], "little")))
+        drawn = generator.integers(0, 2 * SKETCH_BUCKETS, size=numel, dtype=np.int64)
+        return cls(torch.from_numpy(drawn % SKETCH_BUCKETS), torch.from_numpy(1.0 - 2.0 * (drawn // SKETCH_BUCKETS)))
+
+    def apply(self, values: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(SKETCH_BUCKETS, dtype=torch.float64).index_add_(0, self.buckets,
+                                                                           values.double() * self.signs)
+
+
+def term(contribution: torch.Tensor, result: torch.Tensor, chunks: Sequence[tuple[int, int]],
+         radii: Sequence[float], sketch: Sketch) -> Term:
+    """A member's term of a part: `contribution` and `result` are the part's values (what the reducer decoded of the
+    member's payload, and what every member decoded of the reducer's), `chunks` the chunk bounds relative to the
+    part, `radii` the reducer's radius of each chunk."""
+    offsets = (contribution.double() - result.double())
+    clipped = torch.empty_like(offsets)
+    norms, distances = [], []
+    for (a, b), radius in zip(chunks, radii):
+        distance = float(offsets[a:b].norm())
+        scale = 1.0 if distance <= radius else radius / distance
+        clipped[a:b] = offsets[a:b] * scale
+        norms.append(float(contribution[a:b].double().norm()))
+        distances.append(distance)
+    return Term(tuple(float(x) for x in sketch.apply(clipped)), tuple(norms), tuple(distances))
+
+
+def lower_median(values: Sequence[float]) -> float:
+    return sorted(values)[(len(values) - 1) // 2]
+
+
+def rounding(codecs: Sequence[Codec], result: torch.Tensor, chunks: Sequence[tuple[int, int]]) -> float:
+    """The norm of the most that decoding can have moved the part's result: each chunk's codec's bound read off
+    the decoded result (nothing for lossless chunks), with 1% to spare for the bound's own rounding."""
+    squares = sum(float(codec.error_bound(result[a:b]).double().square().sum())
+                  for codec, (a, b) in zip(codecs, chunks) if codec.name != "none")
+    return 1.01 * math.sqrt(squares)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What one member concludes about one part: whether it verified, and whom that member itself accuses
+    (the reducer, or a member whose term it knows firsthand to be misreported)."""
+
+    ok: bool
+    accused: frozenset[str] = frozenset()
+    why: str = ""
+
+
+def judge(me: str, reducer: str, members: Sequence[str], weights: Sequence[float], radii: Sequence[float],
+          claims: dict[str, Term], own: dict[str, Term], result_norm: float, rounding_norm: float) -> Verdict:
+    """`me`'s verdict on `reducer`'s part. `weights` are the members' capped weights (in member order), `radii`
+    the reducer's radius of each chunk, `claims` the reducer's sketch of every member's term, `own` the terms
+    members sent of themselves (missing for a member that could not send one, e.g. a client: its term is then held
+    to the bound on length only, as the reducer's own is). `result_norm` is the part's result's norm,
+    `rounding_norm` what decoding may have moved it (rounding)."""
+    if set(claims) != set(members):
+        return Verdict(False, frozenset({reducer}), "its claims do not name every member")
+    for peer in members:
+        mine, theirs = own.get(peer), claims[peer]
+        if mine is not None and not _same(mine, theirs):
+            # One of the two misreports `peer`'s term; only they know which: the one who knows it accuses the other.
+            if peer == me or peer == reducer:  # (the reducer's own two statements of its term contradict each other)
+                return Verdict(False, frozenset({reducer}), "it misreports my term" if peer == me else
+                               "it states its own term two ways")
+            if me == reducer:
+                return Verdict(False, frozenset({peer}), f"{peer[-8:]} misreports its term")
+            return Verdict(False, frozenset(), f"it and {peer[-8:]} disagree on {peer[-8:]}'s term")
+    radius_norm = math.sqrt(sum(r * r for r in radii))
+    for k, radius in enumerate(radii):
+        norms = [claims[p].norms[k] for p in members]
+        distances = [claims[p].distances[k] for p in members]
+        if not RADIUS_FLOOR * lower_median(distances) <= radius * (1 + FLOAT_SLACK) + 1e-30 or \
+                radius > RADIUS_CEILING * lower_median(norms) * (1 + FLOAT_SLACK) + 1e-30:
+            return Verdict(False, frozenset({reducer}), f"its radius {radius:.3g} of chunk {k} is out of bounds")
+    bound = SKETCH_SLACK * radius_norm * radius_norm * (1 + FLOAT_SLACK) + 1e-30
+    for peer in members:
+        if sum(x * x for x in claims[peer].sketch) > bound:
+            return Verdict(False, frozenset({reducer}), f"{peer[-8:]}'s term is longer than any radius allows")
+    total = np.zeros(SKETCH_BUCKETS)
+    for peer, weight in zip(members, weights):
+        total += weight * np.asarray(claims[peer].sketch)
+    scale = sum(weights)
+    contributions = sum(w * math.sqrt(sum(n * n for n in claims[p].norms)) for p, w in zip(members, weights))
+    tolerance = math.sqrt(SKETCH_SLACK) * scale * (rounding_norm + CONVERGENCE * radius_norm) + \
+        FLOAT_SLACK * (contributions + scale * result_norm) + 1e-30
+    residual = float(np.linalg.norm(total))
+    if residual > tolerance:
+        return Verdict(False, frozenset({reducer}), f"its result is not the group's (residual {residual:.3g} > "
+                                                    f"{tolerance:.3g})")
+    return Verdict(True)
+
+
+def _same(a: Term, b: Term) -> bool:
+    """Equal but for the rounding of different summation orders."""
+    scale = math.sqrt(sum(x * x for x in b.sketch)) + math.sqrt(sum(x * x for x in b.distances))
+    return all(abs(x - y) <= FLOAT_SLACK * (abs(x) + abs(y) + scale) + 1e-30
+               for x, y in zip([*a.sketch, *a.norms, *a.distances], [*b.sketch, *b.norms, *b.distances]))

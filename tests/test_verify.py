@@ -1,0 +1,132 @@
+"""The check of a reducer's CenteredClip (swarm/averaging/verify.py), in process: honest reducers pass with every
+verifiable codec, over many random groups (a false alarm parts an honest pair); a reducer that moves its result,
+names a radius out of bounds, or misreports a member's term fails, and the right peer is accused."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from swarm.averaging.aggregate import capped_weights, centered_clip_radius
+from swarm.averaging.common import chunk_bounds
+from swarm.averaging.verify import Sketch, Term, judge, lower_median, part_seed, rounding, term
+from swarm.compression import get_codec
+
+PART = 3 * 65536 + 1000  # four chunks (the last one short)
+
+
+def _group(n: int, seed: int, liar: float = 1.0) -> list[torch.Tensor]:
+    """n contributions around a common direction; the last scaled by `liar`."""
+    g = torch.Generator().manual_seed(seed)
+    common = torch.randn(PART, generator=g) * 0.01
+    parts = [common + torch.randn(PART, generator=g) * 0.01 * (0.5 + i / n) for i in range(n)]
+    parts[-1] = parts[-1] * liar
+    return parts
+
+
+def _reduce(parts, weights, codec_name: str):
+    """What a reducer does: each chunk's CenteredClip, encoded; returns (decoded result, radii, chunks)."""
+    codec = get_codec(codec_name)
+    chunks = chunk_bounds(0, PART)
+    result, radii = torch.empty(PART), []
+    for a, b in chunks:
+        average, _, radius = centered_clip_radius([p[a:b] for p in parts], weights)
+        result[a:b] = codec.decode(codec.encode(average), max_numel=b - a)
+        radii.append(radius)
+    return result, radii, chunks, codec
+
+
+def _verdict(parts, weights, result, radii, chunks, codec, members, me="m0", claims=None, own=None):
+    sketch = Sketch.of(part_seed("group", [b"n%d" % i for i in range(len(members))], 0), PART)
+    true = {m: term(p, result, chunks, radii, sketch) for m, p in zip(members, parts)}
+    return judge(me, members[0], members, capped_weights(weights), radii, claims or true, own or true,
+                 float(result.double().norm()), rounding([codec] * len(chunks), result, chunks)), true
+
+
+@pytest.mark.parametrize("codec_name", ["none", "fp16", "bf16", "int8", "int4"])
+def test_honest_reducers_pass_with_every_verifiable_codec(codec_name):
+    for seed in range(4):
+        n = 3 + seed % 4
+        members = [f"m{i}" for i in range(n)]
+        weights = [100.0 * (1 + (i * seed) % 3) for i in range(n)]
+        for liar in (1.0, 1000.0, -1.0):  # a lying member, honestly reduced, leaves the check intact
+            parts = _group(n, seed, liar)
+            result, radii, chunks, codec = _reduce(parts, weights, codec_name)
+            verdict, _ = _verdict(parts, weights, result, radii, chunks, codec, members)
+            assert verdict.ok, (codec_name, seed, liar, verdict.why)
+
+
+def test_a_reducer_that_moves_its_result_is_caught_and_accused():
+    members = ["r", "a", "b", "c"]
+    parts, weights = _group(4, 1), [100.0] * 4
+    result, radii, chunks, codec = _reduce(parts, weights, "int8")
+    for shift in (result * 1000, result + 0.05 * torch.randn(PART), result * -1):
+        verdict, _ = _verdict(parts, weights, shift, radii, chunks, codec, members, me="a")
+        assert not verdict.ok and verdict.accused == {"r"}, verdict
+
+
+def test_a_lie_the_reducer_hides_in_its_own_term_is_bounded():
+    """The reducer's own term is the one nobody else can recompute: it may claim any within the radius. The best
+    it can do then is cancel the residual of a result moved by about its share of the radius; a larger move fails."""
+    members = ["r", "a", "b", "c"]
+    parts, weights = _group(4, 2), [100.0] * 4
+    result, radii, chunks, codec = _reduce(parts, weights, "none")
+    radius_norm = math.sqrt(sum(r * r for r in radii))
+    direction = torch.randn(PART)
+    for size, caught in ((0.01, False), (3.0, True)):
+        moved = result + direction / direction.norm() * size * radius_norm
+        sketch = Sketch.of(part_seed("group", [b"n%d" % i for i in range(4)], 0), PART)
+        honest = {m: term(p, moved, chunks, radii, sketch) for m, p in zip(members, parts)}
+        # The liar's best claim of its own term: minus the others' sum, shortened to the longest it may claim.
+        others = sum(torch.tensor(honest[m].sketch, dtype=torch.float64) for m in members[1:])
+        own = -others / weights[0] * weights[1]
+        longest = math.sqrt(1.5) * radius_norm
+        if own.norm() > longest:
+            own = own / own.norm() * longest * 0.999
+        claims = {**honest, "r": Term(tuple(own.tolist()), honest["r"].norms, honest["r"].distances)}
+        verdict = judge("a", "r", members, capped_weights(weights), radii, claims, {**honest, "r": claims["r"]},
+                        float(moved.double().norm()), 0.0)
+        assert verdict.ok is not caught, (size, verdict)
+
+
+def test_radius_out_of_bounds_is_caught():
+    members = ["r", "a", "b"]
+    parts, weights = _group(3, 3, liar=1000.0), [100.0] * 3
+    result, radii, chunks, codec = _reduce(parts, weights, "fp16")
+    norms = [float(p[chunks[0][0]:chunks[0][1]].double().norm()) for p in parts]
+    for bad in ([1e9] * len(radii), [0.0] * len(radii), [5 * lower_median(norms)] * len(radii)):
+        verdict, _ = _verdict(parts, weights, result, bad, chunks, codec, members, me="a")
+        assert not verdict.ok and verdict.accused == {"r"}, (bad[0], verdict)
+
+
+def test_a_misreported_term_parts_exactly_the_two_who_disagree():
+    members = ["r", "a", "b"]
+    parts, weights = _group(3, 4), [100.0] * 3
+    result, radii, chunks, codec = _reduce(parts, weights, "int8")
+    _, true = _verdict(parts, weights, result, radii, chunks, codec, members)
+    forged = Term(tuple(x + 1.0 for x in true["a"].sketch), true["a"].norms, true["a"].distances)
+    args = (capped_weights(weights), radii)
+    extra = (float(result.double().norm()), rounding([codec] * len(chunks), result, chunks))
+    # The reducer misreports a's term: a accuses the reducer, b accuses nobody but does not accept the part.
+    claims = {**true, "a": forged}
+    assert judge("a", "r", members, *args, claims, true, *extra).accused == {"r"}
+    verdict = judge("b", "r", members, *args, claims, true, *extra)
+    assert not verdict.ok and not verdict.accused
+    # a misreports its own term: the reducer accuses a, b accuses nobody.
+    own = {**true, "a": forged}
+    assert judge("r", "r", members, *args, true, own, *extra).accused == {"a"}
+    verdict = judge("b", "r", members, *args, true, own, *extra)
+    assert not verdict.ok and not verdict.accused
+
+
+def test_terms_survive_the_wire_and_malformed_ones_are_refused():
+    result = torch.randn(PART)
+    chunks = chunk_bounds(0, PART)
+    sketch = Sketch.of(b"\x01" * 32, PART)
+    t = term(result * 2, result, chunks, [1.0] * len(chunks), sketch)
+    assert Term.from_wire(t.to_wire(), len(chunks)) == t
+    assert Term.from_wire(t.to_wire(), len(chunks) + 1) is None
+    assert Term.from_wire([[float("nan")] * 1024, [1.0] * 4, [1.0] * 4], 4) is None
+    assert Term.from_wire("x", 4) is None
