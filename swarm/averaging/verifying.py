@@ -148,7 +148,8 @@ class Verifying:
             slot = self.mailbox.slot("verify", peer, 0)
             remaining = max(deadline - asyncio.get_running_loop().time(), 0.0)
             if not slot.done():
-                await asyncio.wait([slot, self.mailbox.slot("abort", peer)], timeout=remaining)
+                await asyncio.wait([slot, self.mailbox.slot("abort", peer)], timeout=remaining,
+                                   return_when=asyncio.FIRST_COMPLETED)
             if not slot.done():
                 missing.add(peer)
                 continue
