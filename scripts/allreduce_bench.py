@@ -95,8 +95,10 @@ def worker(args: argparse.Namespace) -> None:
         # do; every failure is still reported (and counted in the summary's errors).
         for attempt in range(ATTEMPTS):
             started = time.monotonic()
-            group, _ = loop.run(form_group(node, "bench", round_no, attempt, Candidate("same", bandwidth, False),
-                                           set(), args.peers, args.peers, timeout=120.0, push=push))
+            # (weight and nonce commitment in the entry, as peers give them: centered_clip's reducers are verified)
+            me_as = Candidate("same", bandwidth, False, weight=_weight(args.index), commitment=allreduce.commitment())
+            group, _ = loop.run(form_group(node, "bench", round_no, attempt, me_as, set(), args.peers, args.peers,
+                                           timeout=120.0, push=push))
             matched = time.monotonic()
             if group is None:
                 print(json.dumps({"index": args.index, "round": round_no, "attempt": attempt, "error": "no group"}),

@@ -9,6 +9,7 @@ Scenarios (an attacker is a peer with --inject-fault, which lies in what it send
   clean              no attacker (the baseline)
   scaled             a member sends its pseudo-gradient x1000 every round (finite, well-formed, an honest weight)
   flipped            a member sends its pseudo-gradient x-1 every round
+  lying-reducer      a member reduces its part x1000 and makes up its own verification term to hide it
   forged-reference   announces the swarm's round + 1 with a state of its own and serves it (attackers.py)
   dribbling-holder   announces the swarm's state and serves it a byte every half second (attackers.py)
 
@@ -34,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from swarm.events import read_events  # noqa: E402
 
-FAULTS = {"scaled": "scaled@0", "flipped": "flipped@0"}
+FAULTS = {"scaled": "scaled@0", "flipped": "flipped@0", "lying-reducer": "lying-reducer@0"}
 SCRIPTED = ("forged-reference", "dribbling-holder")
 SCENARIOS = ("clean", *FAULTS, *SCRIPTED)
 RECIPE = """run_id: attack-bench

@@ -103,6 +103,33 @@ def test_a_scaled_pseudo_gradient_moves_the_average_a_bounded_way(swarm):
     assert max(lies) > 20, f"the lie was never big enough to matter: {lies}"
 
 
+def test_a_lying_reducer_is_caught_and_no_honest_peer_applies_its_part(swarm):
+    """One of four peers reduces its part of every average x1000 and makes up its own verification term to hide it
+    as best it can (fault lying-reducer). Every honest member refuses such an average and accuses it; the retry
+    without it averages the honest three. No average an honest peer applied ever had it as a member, and the
+    honest peers end bit-identical."""
+    rounds = 3
+    _, maddr = swarm.bootstrap(recipe=ROOT / "tests" / "recipes" / "liar.yaml")
+    names = ["honest0", "honest1", "honest2"]
+    liar = swarm.peer(maddr, "--until-round", str(rounds), "--inject-fault", "lying-reducer@0", name="liar")
+    peers = [swarm.peer(maddr, "--until-round", str(rounds), "--trace-dir", str(swarm.workdir / name), name=name)
+             for name in names]
+    for peer in peers:
+        assert peer.wait(300) == 0, peer.output()[-3000:]
+    liar.process.kill()
+    liar_id = liar.events("joined")[0]["peer_id"]
+    caught = [e for peer in peers for e in peer.events("averaging_failed", reason="unverified")
+              if liar_id in e["rejected"]]
+    assert caught, "no honest peer caught the lie: the liar never reduced in a group with them"
+    for name in names:
+        traces = _traces(swarm.workdir / name)
+        assert traces, f"{name} averaged nothing"
+        for round_no, (meta, _) in traces.items():
+            assert liar_id not in meta["members"], f"{name} applied round {round_no}'s average with the liar"
+    finals = [peer.events("averaged", round=rounds - 1) for peer in peers]
+    assert all(finals) and len({f[0]["digest"] for f in finals}) == 1, "the honest peers end bit-identical"
+
+
 def test_a_plain_value_under_a_rounds_key_does_not_stop_its_group_forming():
     """An attacker's node without our validators stores a plain value, living an hour, under round 1's
     matchmaking key: on nodes that accepted it, it would replace the entries and keep new ones out until it

@@ -164,9 +164,10 @@ def judge(me: str, reducer: str, members: Sequence[str], weights: Sequence[float
     for k, radius in enumerate(radii):
         norms = [claims[p].norms[k] for p in members]
         distances = [claims[p].distances[k] for p in members]
-        if not RADIUS_FLOOR * lower_median(distances) <= radius * (1 + FLOAT_SLACK) + 1e-30 or \
-                radius > RADIUS_CEILING * lower_median(norms) * (1 + FLOAT_SLACK) + 1e-30:
-            return Verdict(False, frozenset({reducer}), f"its radius {radius:.3g} of chunk {k} is out of bounds")
+        floor, ceiling = RADIUS_FLOOR * lower_median(distances), RADIUS_CEILING * lower_median(norms)
+        if not floor <= radius * (1 + FLOAT_SLACK) + 1e-30 or radius > ceiling * (1 + FLOAT_SLACK) + 1e-30:
+            return Verdict(False, frozenset({reducer}), f"its radius {radius:.3g} of chunk {k} is out of bounds "
+                                                        f"[{floor:.3g}, {ceiling:.3g}]")
     bound = SKETCH_SLACK * radius_norm * radius_norm * (1 + FLOAT_SLACK) + 1e-30
     for peer in members:
         if sum(x * x for x in claims[peer].sketch) > bound:
