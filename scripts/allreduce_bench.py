@@ -96,7 +96,8 @@ def worker(args: argparse.Namespace) -> None:
         for attempt in range(ATTEMPTS):
             started = time.monotonic()
             # (weight and nonce commitment in the entry, as peers give them: centered_clip's reducers are verified)
-            me_as = Candidate("same", bandwidth, False, weight=_weight(args.index), commitment=allreduce.commitment())
+            me_as = Candidate("same", bandwidth, False, weight=_weight(args.index),
+                              commitment=allreduce.commitment(round_no, attempt))
             group, _ = loop.run(form_group(node, "bench", round_no, attempt, me_as, set(), args.peers, args.peers,
                                            timeout=120.0, push=push))
             matched = time.monotonic()

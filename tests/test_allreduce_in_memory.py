@@ -149,7 +149,8 @@ def _average(codec: str = "none", ring: str = "never", clients=(), fault: Option
                 await allreduce.start()
         servers = sum(not c for c in clients_of)
         group = Group.of(0, 0, PEERS, [0.0 if c else 1 / servers for c in clients_of], 5.0, clients_of,
-                         weights=declared or (), commitments=[a.commitment() for a in allreduces] if declared else ())
+                         weights=declared or (),
+                         commitments=[a.commitment(0, 0) for a in allreduces] if declared else ())
         results = await asyncio.gather(*(a.run(group, v, w, exact_from) for a, v, w in zip(allreduces, vectors,
                                                                                            weights)),
                                        return_exceptions=True)

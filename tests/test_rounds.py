@@ -279,7 +279,7 @@ class FakeAllReduce:
         self.runs, self.decided = [], []
         self.deadlines = SimpleNamespace(measured=lambda: None)
 
-    def commitment(self):
+    def commitment(self, round_no, attempt):
         return ""  # (this run's reducers are not checked)
 
     async def run(self, group, vector, weight, exact_from):

@@ -105,6 +105,7 @@ class GroupAllReduce:
         self._outcomes: dict[str, asyncio.Future] = {}  # group id -> whether we applied it (for client members)
         self._unasked: dict[str, set[str]] = {}  # group id -> client members that have not asked our decision yet
         self._nonces: dict[str, bytes] = {}  # commitment -> the nonce behind it (verify.py), latest last
+        self._attempt_nonces: dict[tuple[int, int], bytes] = {}  # (round, attempt) -> our nonce for its entries
 
     @property
     def verifiable(self) -> bool:
@@ -112,17 +113,23 @@ class GroupAllReduce:
         bound from what they decode."""
         return self.aggregator_name == "centered_clip" and self.codec.name in VERIFIABLE_CODECS
 
-    def commitment(self) -> str:
-        """A fresh nonce's commitment, for a matchmaking entry: the nonce is revealed, in the commit phase, only by
-        a group whose members' entries name it ("" where this run's reducers are not checked)."""
+    def commitment(self, round_no: int, attempt: int) -> str:
+        """Our nonce's commitment for a matchmaking entry of (round, attempt): the nonce is revealed, in the commit
+        phase, only by a group whose members' entries name it ("" where this run's reducers are not checked). The
+        same for every entry we write for one attempt (a peer that found nobody writes it again), so readers of
+        either copy agree on the group."""
         if not self.verifiable:
             return ""
-        nonce = os.urandom(16)
-        commitment = nonce_commitment(nonce)
-        self._nonces[commitment] = nonce
+        key = (round_no, attempt)
+        if key not in self._attempt_nonces:
+            self._attempt_nonces[key] = os.urandom(16)
+            while len(self._attempt_nonces) > MAX_NONCES:
+                del self._attempt_nonces[next(iter(self._attempt_nonces))]
+        nonce = self._attempt_nonces[key]
+        self._nonces[nonce_commitment(nonce)] = nonce
         while len(self._nonces) > MAX_NONCES:
             del self._nonces[next(iter(self._nonces))]
-        return commitment
+        return nonce_commitment(nonce)
 
     async def start(self) -> None:
         await self.node.add_stream_handler(self.protocol, self._on_stream)

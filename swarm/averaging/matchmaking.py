@@ -313,10 +313,13 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
                 return None, seen
             if set(chosen) - set(candidates):  # members we have not read yet (they wrote as we read)
                 candidates = {**await _read_candidates(node, key, excluded), **candidates}
-            try:
-                expected = group_terms(chosen, candidates)
-            except (KeyError, ValueError):
-                expected = None
+            expected = _terms_or_none(chosen, candidates)
+            if expected is None or not _same_terms(expected, shares, phase_timeout, clients, mix, weights,
+                                                   commitments):
+                # A member may have written its entry again since we read it (a peer that found nobody retries
+                # the attempt with what it trained meanwhile): read once more before judging the leader.
+                candidates = {**candidates, **await _read_candidates(node, key, excluded), me: me_as}
+                expected = _terms_or_none(chosen, candidates)
             if expected is None or not _same_terms(expected, shares, phase_timeout, clients, mix, weights,
                                                    commitments):
                 # The leader chose them, not its members' entries: it may be giving itself (or a slow peer) the
@@ -334,6 +337,13 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
         poll = min(poll * 1.5, POLL_SECONDS)
     logger.info("round %d: no group leader published a group in time", round_no)
     return None, seen
+
+
+def _terms_or_none(members: Sequence[str], candidates: dict[str, Candidate]) -> Optional[dict]:
+    try:
+        return group_terms(members, candidates)
+    except (KeyError, ValueError):
+        return None
 
 
 def group_terms(members: Sequence[str], candidates: dict[str, Candidate]) -> dict:

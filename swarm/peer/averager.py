@@ -108,7 +108,7 @@ class Averager:
         rejected, unresponsive = self.rounds.excluded(round_no)
         me_as = Candidate(contribution.digest, self.link.bandwidth, client=self.client_mode,
                           phase_timeout=self.allreduce.deadlines.measured(), weight=float(contribution.weight),
-                          commitment=self.allreduce.commitment())
+                          commitment=self.allreduce.commitment(round_no, attempt))
         try:
             return self.loop.run(self.matchmaking(
                 self.node, self.recipe.run_id, round_no, attempt, me_as, self.in_round(round_no), r.min_group_size,
