@@ -86,20 +86,21 @@ def part_seed(group_id: str, nonces: Sequence[bytes], part: int) -> bytes:
 
 @dataclass(frozen=True)
 class Sketch:
-    """Where each element of a part goes (bucket) and with which sign."""
+    """Where each element of a part goes: one of 2 * SKETCH_BUCKETS slots, bucket b with a plus sign or
+    SKETCH_BUCKETS + b with a minus sign (one pass of bincount, then a subtraction, is the whole sketch)."""
 
-    buckets: torch.Tensor  # int64
-    signs: torch.Tensor  # float64, +-1
+    slots: torch.Tensor  # int16
 
     @classmethod
     def of(cls, seed: bytes, numel: int) -> "Sketch":
         generator = np.random.Generator(np.random.PCG64(int.from_bytes(seed[:16], "little")))
-        drawn = generator.integers(0, 2 * SKETCH_BUCKETS, size=numel, dtype=np.int64)
-        return cls(torch.from_numpy(drawn % SKETCH_BUCKETS), torch.from_numpy(1.0 - 2.0 * (drawn // SKETCH_BUCKETS)))
+        drawn = bytearray(generator.bytes(2 * numel))
+        return cls(torch.frombuffer(drawn, dtype=torch.int16) & (2 * SKETCH_BUCKETS - 1) if numel else
+                   torch.zeros(0, dtype=torch.int16))
 
     def apply(self, values: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(SKETCH_BUCKETS, dtype=torch.float64).index_add_(0, self.buckets,
-                                                                           values.double() * self.signs)
+        sums = torch.bincount(self.slots, weights=values.double(), minlength=2 * SKETCH_BUCKETS)
+        return sums[:SKETCH_BUCKETS] - sums[SKETCH_BUCKETS:]
 
 
 def term(contribution: torch.Tensor, result: torch.Tensor, chunks: Sequence[tuple[int, int]],
@@ -107,14 +108,13 @@ def term(contribution: torch.Tensor, result: torch.Tensor, chunks: Sequence[tupl
     """A member's term of a part: `contribution` and `result` are the part's values (what the reducer decoded of the
     member's payload, and what every member decoded of the reducer's), `chunks` the chunk bounds relative to the
     part, `radii` the reducer's radius of each chunk."""
-    offsets = (contribution.double() - result.double())
-    clipped = torch.empty_like(offsets)
+    clipped = contribution.float() - result.float()
     norms, distances = [], []
     for (a, b), radius in zip(chunks, radii):
-        distance = float(offsets[a:b].norm())
-        scale = 1.0 if distance <= radius else radius / distance
-        clipped[a:b] = offsets[a:b] * scale
-        norms.append(float(contribution[a:b].double().norm()))
+        distance = float(torch.linalg.vector_norm(clipped[a:b], dtype=torch.float64))
+        if distance > radius:
+            clipped[a:b] *= radius / distance
+        norms.append(float(torch.linalg.vector_norm(contribution[a:b], dtype=torch.float64)))
         distances.append(distance)
     return Term(tuple(float(x) for x in sketch.apply(clipped)), tuple(norms), tuple(distances))
 
@@ -170,7 +170,7 @@ def judge(me: str, reducer: str, members: Sequence[str], weights: Sequence[float
                                                         f"[{floor:.3g}, {ceiling:.3g}]")
     bound = SKETCH_SLACK * radius_norm * radius_norm * (1 + FLOAT_SLACK) + 1e-30
     for peer in members:
-        if sum(x * x for x in claims[peer].sketch) > bound:
+        if float(np.square(claims[peer].sketch).sum()) > bound:
             return Verdict(False, frozenset({reducer}), f"{peer[-8:]}'s term is longer than any radius allows")
     total = np.zeros(SKETCH_BUCKETS)
     for peer, weight in zip(members, weights):
@@ -188,6 +188,7 @@ def judge(me: str, reducer: str, members: Sequence[str], weights: Sequence[float
 
 def _same(a: Term, b: Term) -> bool:
     """Equal but for the rounding of different summation orders."""
-    scale = math.sqrt(sum(x * x for x in b.sketch)) + math.sqrt(sum(x * x for x in b.distances))
-    return all(abs(x - y) <= FLOAT_SLACK * (abs(x) + abs(y) + scale) + 1e-30
-               for x, y in zip([*a.sketch, *a.norms, *a.distances], [*b.sketch, *b.norms, *b.distances]))
+    x = np.asarray([*a.sketch, *a.norms, *a.distances])
+    y = np.asarray([*b.sketch, *b.norms, *b.distances])
+    scale = float(np.linalg.norm(y[:SKETCH_BUCKETS])) + float(np.linalg.norm(y[SKETCH_BUCKETS + len(b.norms):]))
+    return bool(np.all(np.abs(x - y) <= FLOAT_SLACK * (np.abs(x) + np.abs(y) + scale) + 1e-30))

@@ -38,9 +38,11 @@ class Verifying:
         nonce = self.context.nonce_for(self.group.commitments[self.index])
         if nonce is None:  # (our entry's commitment is not one we made: nothing to reveal, so nothing to verify)
             raise AllReduceError("unverified", f"round {self.group.round}: no nonce behind our commitment", set())
-        return Reveal(nonce, self.part_hashes())
+        self.revealed = Reveal(nonce, self.part_hashes())
+        return self.revealed
 
     def part_hashes(self) -> tuple[str, ...]:
+        """The sha256 of each part's averaged bytes as we hold them ("" for a part with no elements)."""
         hashes = []
         for chunks in self.chunking:
             digest = hashlib.sha256()
@@ -54,8 +56,8 @@ class Verifying:
         server does, and they check)."""
         if not self.verifying:
             return
-        round_no, mine = self.group.round, self.part_hashes()
-        nonces = {self.me: self.reveal().nonce}
+        mine = self.revealed.hashes  # (reveal() made our commit's body before the commits were collected)
+        nonces = {self.me: self.revealed.nonce}
         for peer in self.others:
             try:
                 reveal = Reveal.from_wire(commits[peer], len(self.members))
