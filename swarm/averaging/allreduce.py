@@ -76,9 +76,11 @@ class GroupAllReduce:
 
     def __init__(self, node: SwarmNode, run_id: str, codec_name: str, max_numel: int, deadlines: AdaptiveDeadlines,
                  on_bad_peer: Optional[Callable[[str, str], None]] = None, faults: Optional[FaultPlan] = None,
-                 ring: str = "never", max_weight: float = float("inf"), aggregator_name: str = "mean"):
+                 ring: str = "never", max_weight: float = float("inf"), aggregator_name: str = "mean",
+                 verify_reducers: bool = True):
         self.node, self.codec = node, get_codec(codec_name)
         self.aggregator_name = aggregator_name  # how reducers combine contributions (aggregate.py)
+        self.verify_reducers = verify_reducers  # whether members check them, where they can (verify.py)
         self.max_weight = max_weight  # a contribution declaring more tokens than this is refused as bad_weight
         self.ring = ring
         self.deadlines = deadlines
@@ -111,7 +113,8 @@ class GroupAllReduce:
     def verifiable(self) -> bool:
         """Whether this run's reducers are checked (verify.py): CenteredClip, with a codec whose rounding members can
         bound from what they decode."""
-        return self.aggregator_name == "centered_clip" and self.codec.name in VERIFIABLE_CODECS
+        return self.verify_reducers and self.aggregator_name == "centered_clip" and \
+            self.codec.name in VERIFIABLE_CODECS
 
     def commitment(self, round_no: int, attempt: int) -> str:
         """Our nonce's commitment for a matchmaking entry of (round, attempt): the nonce is revealed, in the commit

@@ -131,7 +131,8 @@ class Peer:
             self.node, r.run_id, r.averaging.codec, 3 * self.diloco.numel,
             AdaptiveDeadlines(r.averaging.min_phase_timeout, r.averaging.allreduce_timeout),
             on_bad_peer=self._on_bad_peer, faults=self.faults, ring=r.averaging.ring,
-            max_weight=r.max_contribution_tokens(), aggregator_name=r.averaging.aggregator)
+            max_weight=r.max_contribution_tokens(), aggregator_name=r.averaging.aggregator,
+            verify_reducers=r.averaging.verify_reducers)
         group_push = GroupPush(self.node, r.run_id)  # groups our leaders push to us, and ours to members
         if s.network.client_mode:
             logger.info("client mode: accepting no inbound streams; contributing to averages without reducing, "
