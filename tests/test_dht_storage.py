@@ -6,7 +6,7 @@ network; tests/test_attacks.py runs the Sybil attack between real processes."""
 from __future__ import annotations
 
 from hivemind.dht.routing import DHTID
-from hivemind.utils import get_dht_time
+from hivemind.utils import get_dht_time, timed_storage
 
 from swarm.dht.storage import MAX_KEY_BYTES, MAX_SUBKEYS, BoundedStorage, entry_bytes
 from swarm.dht.validation import Identity
@@ -62,3 +62,13 @@ def test_first_hand_entries_alone_are_never_displaced():
         stored += 1
     assert storage.evicted == 0 and len(_entries(storage)) == stored
     assert not storage.store_subkey(KEY, "late", VALUE, expiration) and storage.refused == 2
+
+
+def test_what_it_knows_of_keys_that_expired_is_forgotten(monkeypatch):
+    clock = [get_dht_time()]
+    monkeypatch.setattr(timed_storage, "get_dht_time", lambda: clock[0])
+    storage = BoundedStorage()
+    for round_no in range(500):  # a key per round, each expired by the time the next is written
+        clock[0] += 1.0
+        storage.store_subkey(DHTID.generate(source=f"swarm.run.group.{round_no}.0"), "peer", b"entry", clock[0] + 0.5)
+    assert len(storage.data) == 1 and len(storage._first_hand) <= 2 * len(storage.data) + 65

@@ -46,9 +46,13 @@ class BoundedStorage(DHTLocalStorage):
                 not self._make_room(key, entries, entry_bytes(subkey, value), first_hand):
             self.refused += 1
             return False
+        if entries is None:
+            self._first_hand.pop(key, None)  # (what we knew of an expired dictionary under this key)
         stored = super().store_subkey(key, subkey, value, expiration_time)
         if stored and first_hand:
             self._first_hand.setdefault(key, set()).add(subkey)
+            if len(self._first_hand) > 2 * len(self.data) + 64:  # forget keys that expired (rounds' keys do)
+                self._first_hand = {k: subkeys for k, subkeys in self._first_hand.items() if k in self.data}
         return stored
 
     def _make_room(self, key: DHTID, entries: DictionaryDHTValue, size: int, first_hand: bool) -> bool:
