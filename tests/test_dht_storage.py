@@ -8,6 +8,7 @@ from __future__ import annotations
 from hivemind.dht.routing import DHTID
 from hivemind.utils import get_dht_time, timed_storage
 
+from swarm.dht import storage as storage_module
 from swarm.dht.storage import MAX_KEY_BYTES, MAX_SUBKEYS, BoundedStorage, entry_bytes
 from swarm.dht.validation import Identity
 
@@ -53,15 +54,20 @@ def test_at_a_full_key_a_peer_storing_its_own_entry_displaces_relayed_ones():
         "a relayed update of an entry we hold is taken"
 
 
-def test_first_hand_entries_alone_are_never_displaced():
-    """Our own node's writes count as first-hand: once such entries fill a key, a newcomer waits for one to
-    expire rather than push out an entry its peer keeps alive."""
+def test_first_hand_entries_are_displaced_only_by_our_own_nodes_entry(monkeypatch):
+    """Once entries stored by their own peers fill a key, another peer's newcomer waits for one to expire rather
+    than push out an entry its peer keeps alive; our own node's entry (a bootstrap's recipe) still gets in."""
+    monkeypatch.setattr(storage_module, "MAX_KEY_BYTES", 5 * entry_bytes(Identity.ephemeral().owned_subkey, VALUE))
     storage, expiration = BoundedStorage(), get_dht_time() + 600
-    stored = 0
-    while storage.store_subkey(KEY, f"peer{stored}", VALUE, expiration):
-        stored += 1
-    assert storage.evicted == 0 and len(_entries(storage)) == stored
-    assert not storage.store_subkey(KEY, "late", VALUE, expiration) and storage.refused == 2
+    peers = [Identity.ephemeral() for _ in range(6)]
+    for peer in peers:
+        peer.discard_file()
+        storage.sender = peer.peer_id
+        storage.store_subkey(KEY, peer.owned_subkey, VALUE, expiration)
+    assert len(_entries(storage)) == 5 and storage.refused == 1 and storage.evicted == 0
+    storage.sender = None
+    assert storage.store_subkey(KEY, "our own", VALUE, expiration) and storage.evicted == 1
+    assert len(_entries(storage)) == 5 and "our own" in _entries(storage)
 
 
 def test_what_it_knows_of_keys_that_expired_is_forgotten(monkeypatch):

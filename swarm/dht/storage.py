@@ -3,7 +3,8 @@ valid signed entries under a run's key; a node keeps at most MAX_SUBKEYS entries
 answer to a read still fits one DHT message (hivemind's unary limit, 2 MiB; past it nobody can read the key from
 that node) and its memory stays flat. When a key is full, an entry stored by its own peer (first-hand) takes the
 place of entries that reached us from another node, so one node writing for a thousand keys cannot keep out
-peers that announce themselves; updates of entries we hold are always taken.
+peers that announce themselves. Updates of entries we hold are always taken, and our own node's entry always gets
+in (a bootstrap keeps its recipe, a peer sees itself).
 
 Installed in our DHT process (process.py) by making hivemind's DHTNode build BoundedProtocol."""
 
@@ -57,7 +58,8 @@ class BoundedStorage(DHTLocalStorage):
 
     def _make_room(self, key: DHTID, entries: DictionaryDHTValue, size: int, first_hand: bool) -> bool:
         """Whether an entry of `size` bytes fits under `key`, after dropping second-hand entries (largest first)
-        for a first-hand one."""
+        for a first-hand one; for our own node's entry, first-hand ones of others too, if need be (a node always
+        holds its own record: a bootstrap's recipe, a peer's announcement)."""
         sizes = {subkey: entry_bytes(subkey, item.value) for subkey, item in entries.items()}
         count, total = len(sizes) + 1, sum(sizes.values()) + size
         if count <= MAX_SUBKEYS and total <= MAX_KEY_BYTES:
@@ -66,14 +68,16 @@ class BoundedStorage(DHTLocalStorage):
             return False
         hands = self._first_hand.setdefault(key, set())
         hands.intersection_update(sizes)  # (forget entries that expired)
+        by_size = sorted(sizes, key=sizes.__getitem__, reverse=True)
         dropped = []
-        for subkey in sorted((s for s in sizes if s not in hands), key=sizes.__getitem__, reverse=True):
+        for subkey in [s for s in by_size if s not in hands] + ([s for s in by_size if s in hands]
+                                                               if self.sender is None else []):
             if count <= MAX_SUBKEYS and total <= MAX_KEY_BYTES:
                 break
             dropped.append(subkey)
             count, total = count - 1, total - sizes[subkey]
         if count > MAX_SUBKEYS or total > MAX_KEY_BYTES:
-            return False  # first-hand entries alone fill the key: the newcomer waits for one to expire
+            return False  # first-hand entries alone fill the key: a newcomer waits for one to expire
         for subkey in dropped:
             del entries[subkey]
         self.evicted += len(dropped)
