@@ -57,9 +57,9 @@ def test_at_a_full_key_a_peer_storing_its_own_entry_displaces_relayed_ones():
 def test_first_hand_entries_are_displaced_only_by_our_own_nodes_entry(monkeypatch):
     """Once entries stored by their own peers fill a key, another peer's newcomer waits for one to expire rather
     than push out an entry its peer keeps alive; our own node's entry (a bootstrap's recipe) still gets in."""
-    monkeypatch.setattr(storage_module, "MAX_KEY_BYTES", 5 * entry_bytes(Identity.ephemeral().owned_subkey, VALUE))
-    storage, expiration = BoundedStorage(), get_dht_time() + 600
     peers = [Identity.ephemeral() for _ in range(6)]
+    monkeypatch.setattr(storage_module, "MAX_KEY_BYTES", 5 * entry_bytes(peers[0].owned_subkey, VALUE))
+    storage, expiration = BoundedStorage(), get_dht_time() + 600
     for peer in peers:
         peer.discard_file()
         storage.sender = peer.peer_id
