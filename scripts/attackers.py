@@ -8,8 +8,8 @@ protocol wherever that helps it and lying wherever it can. Each scenario is a co
   uninvited          in a private swarm, without an invite: write a peer record and matchmaking entries with our
                      own key (carrying an invite we forged, signed by us in the owner's name), and open all-reduce
                      streams to every peer presenting it; our own node keeps no rules of the run
-  sybils             make --sybils keys and write a valid signed peer record for each (8 KiB, as large as nodes
-                     accept) under the run's peers key, from one plain hivemind node that keeps all of them
+  sybils             make --sybils keys and write a valid signed peer record for each (~7 kB; nodes accept up to
+                     8 KiB) under the run's peers key, from one plain hivemind node that keeps all of them
 
 Run as a process: python scripts/attackers.py --initial-peers MADDR --scenario NAME --cache-dir DIR [--events-file F]
 It writes `ready` once it can attack and `attacking` events (scenario, round, digest) to --events-file while it

@@ -148,8 +148,8 @@ def test_a_plain_value_under_a_rounds_key_does_not_stop_its_group_forming():
 
 
 def test_a_thousand_sybil_records_leave_honest_peers_seeing_each_other_and_averaging(swarm, cache_dir):
-    """One attacker process makes 1000 keys and, before any honest peer joins, writes a valid signed 8 KiB record
-    for each under the run's peers key (8 MB: past hivemind's 2 MiB message limit, so a node that kept them all
+    """One attacker process makes 1000 keys and, before any honest peer joins, writes a valid signed ~7 kB record
+    for each under the run's peers key (7 MB: past hivemind's 2 MiB message limit, so a node that kept them all
     could answer no read of the key, and a node joining later saw nobody). Nodes keep at most 1.5 MiB under a key,
     and a peer's own record pushes out relayed ones: two honest peers find each other and average a round, and a
     node joining afterwards reads both of them within seconds."""
