@@ -8,6 +8,8 @@ protocol wherever that helps it and lying wherever it can. Each scenario is a co
   uninvited          in a private swarm, without an invite: write a peer record and matchmaking entries with our
                      own key (carrying an invite we forged, signed by us in the owner's name), and open all-reduce
                      streams to every peer presenting it; our own node keeps no rules of the run
+  sybils             make --sybils keys and write a valid signed peer record for each (~7 kB; nodes accept up to
+                     8 KiB) under the run's peers key, from one plain hivemind node that keeps all of them
 
 Run as a process: python scripts/attackers.py --initial-peers MADDR --scenario NAME --cache-dir DIR [--events-file F]
 It writes `ready` once it can attack and `attacking` events (scenario, round, digest) to --events-file while it
@@ -21,11 +23,16 @@ import asyncio
 import logging
 import sys
 import time
-from dataclasses import replace
+from dataclasses import astuple, replace
 from pathlib import Path
 
 import msgpack
 import torch
+from cryptography.hazmat.primitives.asymmetric import rsa
+from hivemind.dht.node import DHTNode
+from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidatorBase
+from hivemind.utils import MSGPackSerializer, get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm import __version__
 from swarm.config import Recipe
@@ -35,7 +42,7 @@ from swarm.dht.frames import recv_frame, send_frame
 from swarm.dht.node import NetworkOptions, SwarmNode
 from swarm.dht.recipes import fetch_recipe
 from swarm.dht.records import RECIPE_KEY, PeerRecord, group_key, parse_peer_records, parse_recipes, peers_key
-from swarm.dht.validation import subkey_owner_key
+from swarm.dht.validation import owned_subkey, peer_id_of, subkey_owner_key
 from swarm.events import EventLog
 from swarm.peer.data import prepare_run_data
 from swarm.peer.diloco import DiLoCo
@@ -45,7 +52,8 @@ from swarm.peer.state_wire import protocol
 from swarm.runtime import LoopThread
 
 logger = logging.getLogger("attacker")
-SCENARIOS = ("forged-reference", "dribbling-holder", "uninvited")
+SCENARIOS = ("forged-reference", "dribbling-holder", "uninvited", "sybils")
+SYBIL_BATCH = 50  # records per store request (one request must stay under hivemind's 2 MiB message limit)
 
 
 class DribblingServer(StateServer):
@@ -64,12 +72,44 @@ class DribblingServer(StateServer):
             await asyncio.sleep(0.5)
 
 
+class SybilSigner(RecordValidatorBase):
+    """Signs each record with the key its subkey names, of the many we hold (hivemind signs with one key only)."""
+
+    def __init__(self, keys: list[RSAPrivateKey]):
+        self.keys = {key.get_public_key().to_bytes(): key for key in keys}
+
+    def validate(self, record: DHTRecord) -> bool:
+        return True  # our own node keeps whatever it is given
+
+    def sign_value(self, record: DHTRecord) -> bytes:
+        for public, key in self.keys.items():
+            if public in record.subkey:
+                return record.value + b"[signature:" + key.sign(MSGPackSerializer.dumps(astuple(record))) + b"]"
+        return record.value
+
+    @property
+    def priority(self) -> int:
+        return 10
+
+
+def sybil_key() -> RSAPrivateKey:
+    """A fresh 1024-bit RSA key (what nodes check is the signature, not the key's size; a small key is cheap)."""
+    key = RSAPrivateKey.__new__(RSAPrivateKey)
+    key._private_key = rsa.generate_private_key(public_exponent=65537, key_size=1024)
+    return key
+
+
 class Attacker:
-    def __init__(self, initial_peers: list[str], scenario: str, cache_dir: str, events: EventLog):
+    def __init__(self, initial_peers: list[str], scenario: str, cache_dir: str, events: EventLog, sybils: int = 0):
         self.scenario, self.events = scenario, events
         self.loop = LoopThread()
         self.node = SwarmNode(initial_peers, NetworkOptions(direct_streams=False))
         self._streamed: set[str] = set()  # peers we opened an all-reduce stream to
+        if scenario == "sybils":
+            self.recipe = self.loop.run(fetch_recipe(self.node, timeout=30), timeout=60)
+            self.key, self.initial_peers = peers_key(self.recipe.run_id), initial_peers
+            self.sybil_keys = [sybil_key() for _ in range(sybils)]
+            return
         if scenario == "uninvited":  # read the recipe without taking on the run's rules: we keep what we write
             self.recipe = self.loop.run(self.recipe_without_rules(), timeout=60)
             self.key = peers_key(self.recipe.run_id)
@@ -130,6 +170,30 @@ class Attacker:
                 outcome = f"failed: {e!r}"
             self.events.emit("stream", peer_id=peer.peer_id, outcome=outcome)
 
+    async def write_sybils(self) -> None:
+        """A record for each of our keys, from a plain hivemind node of ours: we keep them all, honest nodes what
+        they accept. The records say `joining` (they claim no state) and carry 7 kB of an unknown field."""
+        signer = SybilSigner(self.sybil_keys)
+        self.sybil_node = await DHTNode.create(initial_peers=list(self.initial_peers),
+                                               record_validator=CompositeValidator([signer]),
+                                               host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_ipfs=False,
+                                               use_relay=False, use_auto_relay=False, auto_nat=False,
+                                               nat_port_map=False)
+        expiration, entries = get_dht_time() + 500, []
+        for key in self.sybil_keys:
+            public = key.get_public_key().to_bytes().decode()
+            record = PeerRecord(peer_id=peer_id_of(public), state="joining", version=__version__,
+                                run_id=self.recipe.run_id, round=0, tokens_in_round=0, block_start=0,
+                                block_end=self.recipe.model.num_layers, updated=self.node.now())
+            entries.append((owned_subkey(record.peer_id, public), {**record.to_wire(), "pad": "p" * 7000}))
+        accepted = 0
+        for start in range(0, len(entries), SYBIL_BATCH):
+            batch = entries[start:start + SYBIL_BATCH]
+            stored = await self.sybil_node.store_many([self.key] * len(batch), [v for _, v in batch],
+                                                      [expiration] * len(batch), subkeys=[s for s, _ in batch])
+            accepted += sum(bool(ok) for ok in stored.values())  # (stored by some node)
+        self.events.emit("attacking", scenario=self.scenario, written=len(entries), accepted=accepted)
+
     async def swarm(self) -> list[PeerRecord]:
         records, _ = parse_peer_records(await self.node.get(self.key))
         return [p for p in records if p.peer_id != self.node.peer_id]
@@ -155,6 +219,11 @@ class Attacker:
 
     async def run(self, seconds: float) -> None:
         deadline, forged_round, digest = time.monotonic() + seconds, -1, ""
+        if self.scenario == "sybils":
+            await self.write_sybils()
+            await asyncio.sleep(max(deadline - time.monotonic(), 0))  # our node serves what it keeps meanwhile
+            await self.sybil_node.shutdown()
+            return
         while time.monotonic() < deadline:
             if self.scenario == "uninvited":
                 await self.intrude()
@@ -192,11 +261,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "swarm"))
     parser.add_argument("--events-file")
     parser.add_argument("--seconds", type=float, default=120.0, help="stop attacking after this long")
+    parser.add_argument("--sybils", type=int, default=1000, help="keys (and records) of the sybils scenario")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s attacker: %(message)s", stream=sys.stdout)
     torch.set_num_threads(1)
     events = EventLog(args.events_file)
-    attacker = Attacker(args.initial_peers, args.scenario, args.cache_dir, events)
+    attacker = Attacker(args.initial_peers, args.scenario, args.cache_dir, events, args.sybils)
     logger.info("attacking as %s: %s", attacker.node.peer_id, args.scenario)
     events.emit("ready", peer_id=attacker.node.peer_id, scenario=args.scenario)
     try:

@@ -1,5 +1,6 @@
 """What a peer can make the all-reduce server spend: streams from non-members and chunks larger than the sender's
-part are refused before they are read, streams over the per-peer and total caps are closed at once, and silent
+part are refused before they are read (and a reducer's averaged chunks larger than they encode to, when a client
+member pulls them), streams over the per-peer and total caps are closed at once, and silent
 or dribbling senders are dropped at their read deadline. In one process, on the in-memory network of
 test_allreduce_in_memory.py."""
 
@@ -12,10 +13,13 @@ import pytest
 import torch
 from test_allreduce_in_memory import PEERS, _Node, _Writer
 
-from swarm.averaging.allreduce import MAX_EARLY_PER_PEER, MAX_STREAMS, MAX_STREAMS_PER_PEER, GroupAllReduce
+from swarm.averaging.allreduce import (MAX_EARLY_PER_PEER, MAX_STREAMS, MAX_STREAMS_PER_PEER, Expected,
+                                       GroupAllReduce)
 from swarm.averaging.common import StreamBound, chunk_bounds, max_encoded_len
 from swarm.averaging.deadlines import AdaptiveDeadlines
 from swarm.averaging.matchmaking import Group
+from swarm.averaging.messages import Header
+from swarm.averaging.streams import OversizedChunk
 from swarm.compression import CODEC_NAMES, get_codec
 from swarm.dht.node import FRAME_HEADER, StreamGate, recv_frame
 
@@ -95,6 +99,9 @@ def test_every_codec_averages_within_the_frame_bounds_and_they_are_sized_to_the_
         assert not any(s.refused for s in servers), [s.refused for s in servers]
         streams = servers[0].expected_streams(group, NUMEL, exact_from=200_000)
         assert set(streams) == {("part", "peerB"), ("part", "peerC"), ("avg", "peerB")}, "clients reduce nothing"
+        pulls = servers[2].expected_streams(group, NUMEL, exact_from=200_000)
+        assert set(pulls) == {("pull", "peerA"), ("pull", "peerB")}, "a client pulls each reducer's part"
+        assert pulls[("pull", "peerA")] == streams[("part", "peerB")], "a part's averages encode as its chunks do"
         # Our part is [0, 150_000): all of it before the lossless tail, so it travels under the run's codec.
         chunks = chunk_bounds(0, 150_000)
         largest = max(b - a for a, b in chunks)
@@ -136,6 +143,37 @@ def test_a_non_member_is_refused_and_a_members_oversized_chunk_is_not_read():
             await asyncio.sleep(0.02)
         assert reports == [("peerB", "undecodable")], "its reducer leaves it out of the round"
         running.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_a_client_members_pull_refuses_a_frame_larger_than_the_reducers_chunk():
+    """A client member pulls a reducer's averaged chunks over a stream it opens: a frame announcing more than that
+    part's chunk encodes to is refused from its length (it was fp32 of the whole model before)."""
+
+    async def scenario():
+        handlers: dict = {}
+        group = Group.of(0, 0, ("peerA", "peerC"), [1.0, 0.0], 5.0, (False, True))
+        client = GroupAllReduce(_Node("peerC", handlers), "t", "int8", NUMEL, AdaptiveDeadlines(5.0, 30.0))
+        bound = client.expected_streams(group, NUMEL)[("pull", "peerA")]
+        assert bound.payload < 0.3 * max_encoded_len(get_codec("none"), 65536), "sized to an int8 chunk"
+        sizes = [bound.payload, bound.payload + 1]  # the reducer's frames: one as large as allowed, then one more
+
+        async def reducer(remote, reader, writer) -> None:
+            await recv_frame(reader, 1 << 16)
+            writer.write(_frame(b"ok"))
+            for size in sizes:
+                writer.write(_frame(msgpack.packb({})) + FRAME_HEADER.pack(size) + b"\0" * min(size, bound.payload))
+
+        handlers[("peerA", PROTOCOL)] = reducer
+        client._groups[group.group_id] = Expected(group, client.expected_streams(group, NUMEL))
+        slots = [asyncio.get_running_loop().create_future() for _ in sizes]
+        with pytest.raises(OversizedChunk):
+            await asyncio.wait_for(client.streams.pull("peerA", Header("pull", group.group_id, 0, 0),
+                                                       lambda i: slots[i], len(sizes)), 2)
+        assert len(slots[0].result()[1]) == bound.payload and not slots[1].done()
+        with pytest.raises(ValueError):  # a member it pulls nothing from: nothing is read at all
+            await client.streams.pull("peerB", Header("pull", group.group_id, 0, 0), lambda i: slots[i], 1)
 
     asyncio.run(scenario())
 

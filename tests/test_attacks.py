@@ -172,3 +172,44 @@ def test_a_plain_value_under_a_rounds_key_does_not_stop_its_group_forming():
         for node in nodes:
             node.shutdown()
         loop.close()
+
+
+def test_a_thousand_sybil_records_leave_honest_peers_seeing_each_other_and_averaging(swarm, cache_dir):
+    """One attacker process makes 1000 keys and, before any honest peer joins, writes a valid signed ~7 kB record
+    for each under the run's peers key (7 MB: past hivemind's 2 MiB message limit, so a node that kept them all
+    could answer no read of the key, and a node joining later saw nobody). Nodes keep at most 1.5 MiB under a key,
+    and a peer's own record pushes out relayed ones: two honest peers find each other and average a round, and a
+    node joining afterwards reads both of them within seconds."""
+    from swarm.dht.node import NetworkOptions, SwarmNode
+    from swarm.dht.records import parse_peer_records, peers_key
+    from swarm.runtime import LoopThread
+
+    _, maddr = swarm.bootstrap()
+    attacker, attacker_events = start_attacker(swarm, maddr, "sybils", cache_dir)
+    try:
+        deadline = time.monotonic() + 120
+        while not (written := [e for e in read_events(attacker_events) if e["event"] == "attacking"]):
+            assert attacker.poll() is None and time.monotonic() < deadline, "the attacker wrote no records"
+            time.sleep(0.2)
+        assert written[0]["written"] == 1000, written
+        honest = [swarm.peer(maddr, "--until-round", "1", name=f"honest{i}") for i in range(2)]
+        for peer in honest:
+            assert peer.wait(300) == 0, peer.output()[-3000:]
+        ids = {peer.events("joined")[0]["peer_id"] for peer in honest}
+        for peer in honest:
+            assert ids <= set(peer.events("averaged", round=0)[0]["members"]), "the two averaged together"
+        loop, reader = LoopThread(), SwarmNode([maddr], NetworkOptions())
+        try:
+            started = time.monotonic()
+            raw = loop.run(reader.get(peers_key("tiny-test")), timeout=60)
+            took = time.monotonic() - started
+        finally:
+            reader.shutdown()
+            loop.close()
+    finally:
+        kill_session(attacker)
+    records, _ = parse_peer_records(raw)
+    assert ids <= {r.peer_id for r in records}, f"a later node reads the honest peers ({len(records)} records)"
+    assert took < 10, f"the read took {took:.1f} s"
+    print(f"nodes accepted {written[0]['accepted']} of 1000 Sybil records; a later node read {len(records)} records "
+          f"({len(records) - len(ids)} Sybils) in {took:.2f} s")

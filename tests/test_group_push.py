@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 
+import msgpack
 import pytest
 
 from swarm.averaging.group_push import GroupPush, leader_of
+from swarm.dht.frames import FRAME_HEADER
 from swarm.dht.node import NetworkOptions, SwarmNode
 from swarm.runtime import LoopThread
 
@@ -78,3 +81,45 @@ def test_a_push_of_a_group_the_sender_may_not_publish_is_dropped(pair):
     members, leader, leader_push, member_push = _roles(nodes, pushes, 9, 1)
     loop.run(push(leader_push, members, (9, 1), _final(members)), timeout=40)
     assert leader in member_push.finals(9, 1, set())
+
+
+def test_a_push_that_does_not_arrive_whole_in_time_is_dropped_at_its_deadline():
+    """A sender that opens a push stream and sends nothing, or dribbles its frame, holds a handler slot no longer
+    than the push deadline; a whole push is still answered."""
+
+    async def scenario() -> None:
+        push = GroupPush(SimpleNamespace(peer_id="me"), "t")
+        push.push_timeout = 0.3
+        silent = asyncio.ensure_future(push._on_stream("mallory", asyncio.StreamReader(), _Sink()))
+        dribbled = asyncio.StreamReader()
+        dribbling = asyncio.ensure_future(push._on_stream("mallory", dribbled, _Sink()))
+        frame = msgpack.packb({"round": 1, "attempt": 0, "final": {}})
+        for byte in FRAME_HEADER.pack(len(frame)) + frame:  # a byte each 50 ms: never silent for the deadline
+            if dribbling.done():
+                break
+            dribbled.feed_data(bytes([byte]))
+            await asyncio.sleep(0.05)
+        await asyncio.wait_for(asyncio.gather(silent, dribbling), 2)
+        assert push.dropped == 2
+        members = ["leader", "other"]
+        leader = leader_of(members, 1, 0)
+        whole, answer = asyncio.StreamReader(), _Sink()
+        frame = msgpack.packb({"round": 1, "attempt": 0, "final": _final(members)})
+        whole.feed_data(FRAME_HEADER.pack(len(frame)) + frame)
+        await asyncio.wait_for(push._on_stream(leader, whole, answer), 2)
+        assert answer.data.endswith(b"ok") and leader in push.finals(1, 0, set()) and push.dropped == 2
+
+    asyncio.run(scenario())
+
+
+class _Sink:
+    """The handler's end of an in-memory stream: keeps what it writes."""
+
+    def __init__(self):
+        self.data = b""
+
+    def write(self, data: bytes) -> None:
+        self.data += bytes(data)
+
+    async def drain(self) -> None:
+        pass

@@ -1,6 +1,7 @@
 """A state holder cannot hold a joiner (and so its training thread) forever: one that dribbles its bytes just
 under the stall timeout is dropped once it falls below the minimum rate over a range, its ranges go to honest
-holders, and a sync as a whole has a deadline. Real p2p streams, as in test_state_sync.py."""
+holders, and a sync as a whole has a deadline. Real p2p streams, as in test_state_sync.py. The server's side: a
+requester that is silent, dribbles, or stops reading is dropped at a deadline."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import asyncio
 import time
 
 import msgpack
+import torch
 
-from swarm.dht.frames import recv_frame, send_frame
-from swarm.peer import state_wire
+from swarm.dht.frames import FRAME_HEADER, recv_frame, send_frame
+from swarm.config import OuterRecipe
+from swarm.peer import state_serve, state_wire
+from swarm.peer.diloco import DiLoCo
 from swarm.peer.state_serve import StateServer
 from swarm.peer.state_wire import MIN_BYTES_PER_S, sync_deadline
 from test_state_sync import RANGE, _diloco, _download, _same_state, _trained, network  # noqa: F401 - fixture
@@ -55,3 +59,45 @@ def test_a_sync_has_a_deadline_that_grows_with_the_state():
     small, big = sync_deadline(1 << 20), sync_deadline(1 << 30)
     assert small >= 2 * state_wire.STALL_SECONDS and big > small
     assert big == 2 * (state_wire.STALL_SECONDS + (1 << 30) / MIN_BYTES_PER_S)
+
+
+def test_a_requester_that_sends_nothing_dribbles_or_stops_reading_is_dropped_at_a_deadline(monkeypatch):
+    """The state server's side: nobody holds one of its handler slots past the request deadline (silent or
+    dribbling) or past the time a joiner must read its answer in (a requester that asks for a range and never
+    reads it: real TCP on 127.0.0.1, so its unread bytes push back)."""
+    monkeypatch.setattr(state_serve, "STALL_SECONDS", 0.5)
+    monkeypatch.setattr(state_serve, "MIN_BYTES_PER_S", 1 << 30)
+    server = StateServer(DiLoCo(torch.nn.Linear(2048, 2048), OuterRecipe()))  # 32 MB of params and momentum
+    server.request_timeout = 0.3
+
+    async def scenario() -> None:
+        silent = asyncio.ensure_future(server.handle("mallory", asyncio.StreamReader(), None))
+        dribbled = asyncio.StreamReader()
+        dribbling = asyncio.ensure_future(server.handle("mallory", dribbled, None))
+        for byte in FRAME_HEADER.pack(100) + b"\x00" * 100:  # a byte each 50 ms: never silent for the deadline
+            if dribbling.done():
+                break
+            dribbled.feed_data(bytes([byte]))
+            await asyncio.sleep(0.05)
+        await asyncio.wait_for(asyncio.gather(silent, dribbling), 2)
+        assert server.dropped == 2
+        size = len((await server.current()).payload)
+        assert size > 16 << 20, "more than the sockets' buffers hold, so a requester that does not read pushes back"
+        answered = asyncio.Event()
+
+        async def serve(reader, writer) -> None:
+            try:
+                await server.handle("mallory", reader, writer)
+            finally:
+                answered.set()
+                writer.close()
+
+        listener = await asyncio.start_server(serve, "127.0.0.1", 0)
+        reader, writer = await asyncio.open_connection(*listener.sockets[0].getsockname()[:2])
+        await send_frame(writer, msgpack.packb({"offset": 0, "length": size}))  # ...and never reads a byte
+        await asyncio.wait_for(answered.wait(), 5)
+        assert server.dropped == 3 and server.bytes_served == 0
+        writer.close()
+        listener.close()
+
+    asyncio.run(scenario())

@@ -87,10 +87,7 @@ class GroupAllReduce:
         self.faults = faults or FaultPlan()
         self.protocol = f"swarm.{run_id}.allreduce"
         self.max_numel = max_numel
-        # The largest frame we read from a stream we opened (a reducer's averaged chunks, which we pull); the
-        # streams others open to us are bounded by what their part's chunks encode to (Expected).
-        self.max_payload = max_encoded_len(get_codec("none"), max_numel)
-        self.streams = StreamClient(node, self.protocol, self.max_payload, self.faults)
+        self.streams = StreamClient(node, self.protocol, self._pull_bound, self.faults)
         self.header_timeout = HEADER_SECONDS
         self._streams = StreamGate(MAX_STREAMS_PER_PEER, MAX_STREAMS)
         self._early = StreamGate(MAX_EARLY_PER_PEER, MAX_EARLY_STREAMS)
@@ -352,6 +349,15 @@ class GroupAllReduce:
         self.deadlines.record(result.seconds)
         return result
 
+    def _pull_bound(self, reducer: str, header: Header) -> int:
+        """The largest frame of `reducer`'s averaged chunks that we pull as a client member of `header`'s group:
+        what its part's largest chunk encodes to, as for the streams others open to us (expected_streams)."""
+        expected = self._groups.get(header.group_id)
+        bound = expected.streams.get(("pull", reducer)) if expected is not None else None
+        if bound is None:
+            raise ValueError(f"{reducer[-8:]} reduces no part of ours to pull in group {header.group_id[:8]}")
+        return bound.payload
+
     def uses_ring(self, group: Group) -> bool:
         """Whether this group averages along a ring (ring.py): every member computes the same answer."""
         return self.aggregator_name == "mean" and uses_ring(self.ring, self.codec.name, group)
@@ -359,7 +365,8 @@ class GroupAllReduce:
     def expected_streams(self, group: Group, numel: int, exact_from: Optional[int] = None) \
             -> dict[tuple[str, str], StreamBound]:
         """The chunk streams `group`'s members send us when we average a vector of `numel` elements in it, as the
-        runs cut and encode it (butterfly.py, ring.py): (phase, sender) -> how many chunks, how large each."""
+        runs cut and encode it (butterfly.py, ring.py): (phase, sender) -> how many chunks, how large each. A
+        client member's ("pull", reducer) bounds the averaged chunks it pulls from that reducer."""
         me, members, exact = self.node.peer_id, group.members, get_codec("none")
         n, i = len(members), members.index(me)
         if self.uses_ring(group):  # only our predecessor streams to us, everything lossless
@@ -381,8 +388,8 @@ class GroupAllReduce:
         for j, sender in enumerate(members):
             if sender != me and chunking[i]:  # its contribution to the part we reduce
                 streams[("part", sender)] = bound(chunking[i])
-            if sender != me and chunking[j] and not client:  # the average of the part it reduces (clients pull)
-                streams[("avg", sender)] = bound(chunking[j])
+            if sender != me and chunking[j]:  # the average of the part it reduces (which a client pulls)
+                streams[("pull" if client else "avg", sender)] = bound(chunking[j])
             if sender != me and verified and not client and not (group.clients or (False,) * n)[j]:  # its report
                 streams[("verify", sender)] = report
         return streams

@@ -19,6 +19,7 @@ from swarm.dht.node import SwarmNode
 logger = logging.getLogger(__name__)
 MAX_PUSH_BYTES = 1 << 20  # a pushed group: its member ids, shares and flags
 PUSHED_KEYS = 16  # (round, attempt) keys whose pushed groups a peer keeps
+PUSH_SECONDS = 5.0  # a push must arrive whole within this (its sender waits as long for our answer)
 
 
 def leader_of(members: Iterable[str], round_no: int, attempt: int) -> str:
@@ -92,6 +93,8 @@ class GroupPush:
         self._finals: dict[tuple[int, int], dict[str, Final]] = {}
         self._arrived: dict[tuple[int, int], asyncio.Event] = {}
         self._background: set[asyncio.Task] = set()  # held until done: asyncio holds tasks only weakly
+        self.push_timeout = PUSH_SECONDS
+        self.dropped = 0  # pushes that did not arrive whole in time: their stream was closed
 
     async def start(self) -> None:
         await self.node.add_stream_handler(self.protocol, self._on_stream)
@@ -106,7 +109,14 @@ class GroupPush:
         return self._arrived[key]
 
     async def _on_stream(self, remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        body = msgpack.unpackb(await recv_frame(reader, MAX_PUSH_BYTES))
+        try:  # a sender that sends nothing, or dribbles, holds a handler slot only this long
+            frame = await asyncio.wait_for(recv_frame(reader, MAX_PUSH_BYTES), self.push_timeout)
+        except asyncio.TimeoutError:
+            self.dropped += 1
+            logger.debug("dropped a group push stream from %s: nothing whole within %.0f s", remote[-8:],
+                         self.push_timeout)
+            return
+        body = msgpack.unpackb(frame)
         if not isinstance(body, dict):
             raise ValueError(f"malformed group push from {remote}")
         key = (body.get("round"), body.get("attempt"))
@@ -141,7 +151,7 @@ class GroupPush:
                 reader, writer = await asyncio.wait_for(self.node.open_stream(peer, self.protocol), 5)
                 try:
                     await send_frame(writer, body)
-                    await asyncio.wait_for(recv_frame(reader, 16), 5)
+                    await asyncio.wait_for(recv_frame(reader, 16), PUSH_SECONDS)
                 finally:
                     writer.close()
             except Exception as e:  # noqa: BLE001 - it reads the group from the DHT instead

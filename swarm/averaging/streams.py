@@ -52,8 +52,9 @@ async def read_chunk(reader: asyncio.StreamReader, max_payload: int,
 class StreamClient:
     """Opens this peer's streams of one run's all-reduce protocol."""
 
-    def __init__(self, node: SwarmNode, protocol: str, max_payload: int, faults: FaultPlan):
-        self.node, self.protocol, self.max_payload, self.faults = node, protocol, max_payload, faults
+    def __init__(self, node: SwarmNode, protocol: str, pull_bound: Callable[[str, Header], int], faults: FaultPlan):
+        # pull_bound(reducer, header): the largest payload frame we read of the averaged chunks we pull from it
+        self.node, self.protocol, self.pull_bound, self.faults = node, protocol, pull_bound, faults
         self._background: set[asyncio.Task] = set()  # held until done: asyncio holds tasks only weakly
 
     async def send(self, peer: str, header: Header, chunks, stats: dict, die_after_first=None) -> None:
@@ -141,14 +142,16 @@ class StreamClient:
                 task.add_done_callback(self._background.discard)
 
     async def pull(self, peer: str, header: Header, slot: Callable[[int], asyncio.Future], chunks: int) -> None:
-        """As a client member: fetch the averaged chunks of `peer`'s part as it makes them, into `slot(index)`."""
+        """As a client member: fetch the averaged chunks of `peer`'s part as it makes them, into `slot(index)`.
+        Raises OversizedChunk, reading nothing of it, for a frame larger than its chunk encodes to (pull_bound)."""
+        max_payload = self.pull_bound(peer, header)
         reader, writer = await self.node.open_stream(peer, self.protocol)
         try:
             await send_frame(writer, msgpack.packb(header.to_wire()))
             if await recv_frame(reader, 16) == b"conflict":
                 raise GroupConflict(f"{peer[-8:]} is averaging this round in another group")
             for index in range(chunks):
-                chunk = await read_chunk(reader, self.max_payload)
+                chunk = await read_chunk(reader, max_payload)
                 if not slot(index).done():
                     slot(index).set_result(chunk)
         finally:

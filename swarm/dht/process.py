@@ -293,6 +293,8 @@ class _NodeServer:
         from hivemind.dht.node import DEFAULT_NUM_WORKERS, DHTNode
         from hivemind.dht.validation import CompositeValidator
 
+        from swarm.dht.storage import BoundedProtocol
+
         self.loop, self.requests = asyncio.get_running_loop(), asyncio.Queue()
         threading.Thread(target=self._read_requests, name="dht-requests", daemon=True).start()
         node_kwargs = dict(settings["node_kwargs"])
@@ -300,6 +302,7 @@ class _NodeServer:
         try:
             if relay_service is not None:  # this process starts one p2pd, through DHTNode.create's P2P
                 hivemind.dht.node.P2P = daemon_with_relay_service(relay_service)
+            hivemind.dht.node.DHTProtocol = BoundedProtocol  # every key's entries bounded (storage.py)
             self.node = await DHTNode.create(initial_peers=settings["initial_peers"], num_workers=DEFAULT_NUM_WORKERS,
                                              record_validator=CompositeValidator(settings["validators"]),
                                              **node_kwargs)

@@ -1,6 +1,7 @@
 """Serve this peer's global state (params + outer momentum) to late joiners by byte range, and the outer steps it
 logged to peers that can replay them. A holder that takes a round while a joiner downloads keeps serving the
-snapshot the joiner started on, so a download longer than a round finishes."""
+snapshot the joiner started on, so a download longer than a round finishes. A requester that sends its request or
+reads our answer too slowly is dropped at a deadline, so it holds none of the handler's slots for long."""
 
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ from swarm.averaging.faults import FaultPlan
 from swarm.dht.frames import recv_frame, send_frame
 from swarm.dht.node import SwarmNode
 from swarm.peer.diloco import DiLoCo, OuterStep
-from swarm.peer.state_wire import MAX_REPLAY_STEPS, STALL_SECONDS, protocol, send_bytes
+from swarm.peer.state_wire import MAX_REPLAY_STEPS, MIN_BYTES_PER_S, STALL_SECONDS, protocol, send_bytes
 
 logger = logging.getLogger(__name__)
 SNAPSHOT_SECONDS = 300.0  # a served snapshot is kept this long after its last request, for resuming joiners
 KEPT_SNAPSHOTS = 2  # older snapshots still being downloaded (each asked for in the last STALL_SECONDS)
+REQUEST_SECONDS = 10.0  # a request (one small frame) must arrive whole within this
 
 
 @dataclass
@@ -42,6 +44,8 @@ class StateServer:
         self._kept: dict[str, Snapshot] = {}  # by sha256: snapshots of past rounds that joiners are downloading
         self._lock = asyncio.Lock()
         self.bytes_served = 0
+        self.request_timeout = REQUEST_SECONDS
+        self.dropped = 0  # requesters dropped at a deadline: silent, dribbling, or not reading our answer
 
     async def current(self) -> Snapshot:
         """The snapshot of the state as it is now (serialised once per round, off the event loop)."""
@@ -78,7 +82,18 @@ class StateServer:
         return await self.current()
 
     async def handle(self, remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        request = msgpack.unpackb(await recv_frame(reader, 1024))
+        """One request, answered. The request must arrive within `request_timeout` s and the answer be read as fast
+        as a joiner must read it (answer_seconds): a peer that sends nothing, dribbles, or stops reading is
+        dropped then."""
+        try:
+            request = msgpack.unpackb(await asyncio.wait_for(recv_frame(reader, 1024), self.request_timeout))
+            await self._answer(remote, request, writer)
+        except asyncio.TimeoutError:
+            self.dropped += 1
+            logger.info("dropped a state stream from %s: too slow to send its request or read our answer",
+                        remote[-8:])
+
+    async def _answer(self, remote: str, request: object, writer: asyncio.StreamWriter) -> None:
         self.faults.maybe_die("serve", self.diloco.round)
         if isinstance(request, dict) and "replay_from" in request:
             await self._send_steps(remote, request, writer)
@@ -89,11 +104,12 @@ class StateServer:
             raise ValueError(f"malformed state request from {remote}: {request!r}")
         wanted = request.get("sha256")
         snapshot = await self.snapshot(wanted if isinstance(wanted, str) else None)
-        await send_frame(writer, msgpack.packb(snapshot.header))
-        if wanted is not None and wanted != snapshot.header["sha256"]:
-            return  # we no longer keep what the joiner downloads: it sees our sha256 and goes elsewhere
         end = min(offset + length, len(snapshot.payload))
-        await send_bytes(writer, memoryview(snapshot.payload)[offset:end])
+        async with asyncio.timeout(answer_seconds(max(end - offset, 0))):
+            await send_frame(writer, msgpack.packb(snapshot.header))
+            if wanted is not None and wanted != snapshot.header["sha256"]:
+                return  # we no longer keep what the joiner downloads: it sees our sha256 and goes elsewhere
+            await send_bytes(writer, memoryview(snapshot.payload)[offset:end])
         self.bytes_served += max(end - offset, 0)
         snapshot.last_used = time.monotonic()  # a range can take long on a slow link: count its end as use
         if end == len(snapshot.payload) and end > offset:
@@ -109,16 +125,22 @@ class StateServer:
                 not isinstance(target, str):
             raise ValueError(f"malformed replay request from {remote}: {request!r}")
         steps = _up_to(self.diloco.steps_since(round_no, digest)[:MAX_REPLAY_STEPS], target)
-        await send_frame(writer, msgpack.packb({"steps": [
-            {"round": s.round, "digest": s.digest, "after": s.after, "tokens": s.tokens,
-             "chunks": [[a, b, len(payload)] for a, b, payload in s.wire] if s.wire is not None else None}
-            for s in steps]}))
-        for step in steps if request.get("bodies", True) else []:
-            for body in [payload for _, _, payload in step.wire] if step.wire is not None else \
-                    [memoryview(step.average.numpy()).cast("B")]:
-                view = memoryview(body)
+        bodies = [[memoryview(payload) for _, _, payload in step.wire] if step.wire is not None else
+                  [memoryview(step.average.numpy()).cast("B")] for step in steps] if request.get("bodies", True) else []
+        async with asyncio.timeout(answer_seconds(sum(len(view) for views in bodies for view in views))):
+            await send_frame(writer, msgpack.packb({"steps": [
+                {"round": s.round, "digest": s.digest, "after": s.after, "tokens": s.tokens,
+                 "chunks": [[a, b, len(payload)] for a, b, payload in s.wire] if s.wire is not None else None}
+                for s in steps]}))
+            for view in (view for views in bodies for view in views):
                 await send_bytes(writer, view)
                 self.bytes_served += len(view)
+
+
+def answer_seconds(size: int) -> float:
+    """The longest we keep sending `size` bytes to one requester: what a joiner allows a holder (a stall, then
+    MIN_BYTES_PER_S), so an honest joiner never loses an answer to it and one that stops reading is dropped."""
+    return STALL_SECONDS + size / MIN_BYTES_PER_S
 
 
 def _up_to(steps: list[OuterStep], target: str) -> list[OuterStep]:
