@@ -26,12 +26,12 @@ class _Section(BaseModel):
 
 
 class ModelRecipe(_Section):
-    """A Llama-style causal LM built from a config (never downloaded). `config_file` names a transformers
-    config.json on local disk instead of the fields below."""
+    """A Llama-style causal LM built from the fields below (never downloaded), or, with `config_file`, any causal-LM
+    family transformers builds from a config.json on local disk (GPT-2, GPT-NeoX/Pythia, OPT, Mistral, Qwen2, ...)."""
 
     hidden_size: int = Field(256, gt=0, le=65536, description="width of the residual stream")
     intermediate_size: int = Field(688, gt=0, le=262144, description="width of each MLP")
-    num_layers: int = Field(4, gt=0, le=1024, description="transformer blocks (model.model.layers)")
+    num_layers: int = Field(4, gt=0, le=1024, description="transformer blocks (decoder layers)")
     num_heads: int = Field(4, gt=0, le=1024, description="attention heads")
     max_seq_len: int = Field(256, gt=0, le=1 << 20, description="max positions; must be >= data.seq_len")
     config_file: Optional[str] = Field(None, description="path to a transformers config.json to use instead")

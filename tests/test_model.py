@@ -1,0 +1,81 @@
+"""Model families: every causal-LM config transformers builds has its blocks, embeddings and head found by
+`block_map`, trains a step, and builds identically from a config.json; anything else fails with one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from swarm.config import ModelRecipe, RecipeError
+from swarm.peer.model import block_map, build_model, n_blocks
+from swarm.peer.training import lm_loss
+
+VOCAB = 300
+SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64)
+
+FAMILIES = {  # config -> (blocks path, inputs, outputs) expected
+    "gpt2": (transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=3, n_head=2, n_positions=64),
+             "transformer.h", ("transformer.wte", "transformer.wpe"), ("transformer.ln_f", "lm_head")),
+    "gpt_neox": (transformers.GPTNeoXConfig(**SMALL, max_position_embeddings=64),
+                 "gpt_neox.layers", ("gpt_neox.embed_in",), ("gpt_neox.final_layer_norm", "lm_head")),
+    "llama": (transformers.LlamaConfig(**SMALL), "model.layers", ("model.embed_tokens",), ("model.norm", "lm_head")),
+    "opt": (transformers.OPTConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+                                   ffn_dim=64, word_embed_proj_dim=32, max_position_embeddings=64),
+            "model.decoder.layers", ("model.decoder.embed_tokens", "model.decoder.embed_positions"),
+            ("model.decoder.final_layer_norm", "lm_head")),  # OPT declares its final norm before its layers
+    "mistral": (transformers.MistralConfig(**SMALL, num_key_value_heads=1), "model.layers", ("model.embed_tokens",),
+                ("model.norm", "lm_head")),
+    "qwen2": (transformers.Qwen2Config(**SMALL, num_key_value_heads=1), "model.layers", ("model.embed_tokens",),
+              ("model.norm", "lm_head")),
+    "olmo": (transformers.OlmoConfig(**SMALL), "model.layers", ("model.embed_tokens",), ("lm_head",)),
+    "phi": (transformers.PhiConfig(**SMALL), "model.layers", ("model.embed_tokens",),
+            ("model.final_layernorm", "lm_head")),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_block_map_finds_the_parts_of_each_family_and_covers_every_parameter(family):
+    config, blocks_path, inputs, outputs = FAMILIES[family]
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    rng_before = torch.random.get_rng_state()
+    found = block_map(model)
+    assert (found.blocks_path, found.inputs, found.outputs) == (blocks_path, inputs, outputs)
+    assert len(found.blocks) == n_blocks(model) == 3 and found.blocks is model.get_submodule(blocks_path)
+    assert model.training and torch.equal(rng_before, torch.random.get_rng_state())  # the probe left no trace
+    parts = (found.blocks_path, *found.inputs, *found.outputs)
+    for name, _ in model.named_parameters():
+        assert sum(name.startswith(part + ".") for part in parts) == 1, name
+    loss = lm_loss(model, torch.randint(0, VOCAB, (2, 9)), torch.device("cpu"))
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in found.blocks[-1].parameters())
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "llama"])
+def test_build_model_from_a_config_file_is_identical_on_every_peer(tmp_path, family):
+    config = FAMILIES[family][0]
+    config.save_pretrained(tmp_path)
+    recipe = ModelRecipe(config_file=str(tmp_path / "config.json"), seed=3)
+    first, second = build_model(recipe, VOCAB), build_model(recipe, VOCAB)
+    assert type(first).__name__ == type(transformers.AutoModelForCausalLM.from_config(config)).__name__
+    assert n_blocks(first) == 3
+    assert all(torch.equal(a, b) for a, b in zip(first.parameters(), second.parameters(), strict=True))
+
+
+def test_a_model_without_a_decoder_layer_list_is_refused_with_its_class_name():
+    class Flat(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = transformers.LlamaConfig(**SMALL)
+            self.proj = torch.nn.Linear(4, 4)
+
+    with pytest.raises(RecipeError, match=r"cannot find the decoder blocks of Flat \(no list of 3 identical layers\)"):
+        block_map(Flat())
+
+
+def test_a_config_file_with_a_smaller_vocabulary_than_the_tokenizer_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(FAMILIES["gpt2"][0].to_dict()))
+    with pytest.raises(RecipeError, match="vocab_size 300 is smaller than the tokenizer's 4096"):
+        build_model(ModelRecipe(config_file=str(tmp_path / "config.json")), 4096)
