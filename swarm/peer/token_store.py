@@ -1,0 +1,168 @@
+"""A corpus's token stream as shards on disk: numpy .npy files named by the sha256 of their bytes and listed in a
+small JSON manifest, tokenized once per (tokenizer, corpus) and memory-mapped for reading, so a corpus larger than
+memory is prepared in one pass of bounded memory and read window by window. The hashes let shards be fetched
+from other peers and checked later.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["MANIFEST", "SHARD_TOKENS", "BuildStats", "TokenStore", "build_store", "load_store"]
+
+MANIFEST = "manifest.json"
+SHARD_TOKENS = 1 << 24
+"""Tokens per shard file (the last one holds the rest): 32 MiB at 2 bytes a token; preparation holds about one."""
+
+_FORMAT = 1
+_BATCH_CHARS = 1 << 20  # text handed to the tokenizer at once: large enough to keep its threads busy
+
+
+@dataclass(frozen=True)
+class TokenStore:
+    """The token stream, as consecutive shards (each `shard_tokens` long except the last). Shards are read-only
+    memory maps when loaded from disk, so only the windows read are paged in."""
+
+    shards: tuple[np.ndarray, ...]
+    shard_tokens: int
+
+    @property
+    def total(self) -> int:
+        return sum(len(shard) for shard in self.shards)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """A copy of tokens [start, stop) of the stream, which may span shards; int64."""
+        if not 0 <= start <= stop <= self.total:
+            raise IndexError(f"tokens [{start}, {stop}) outside a stream of {self.total}")
+        parts = []
+        while start < stop:
+            shard, offset = divmod(start, self.shard_tokens)
+            taken = self.shards[shard][offset: offset + stop - start]
+            parts.append(taken)
+            start += len(taken)
+        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+
+@dataclass(frozen=True)
+class BuildStats:
+    """What a preparation did: tokens written, characters read, seconds taken, shards written."""
+
+    tokens: int
+    chars: int
+    seconds: float
+    shards: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits (vocabularies up to 65,536 entries), else int32."""
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.int32)
+
+
+def build_store(texts: Iterable[str], encode: Callable[[list[str]], list[list[int]]], eos: int, vocab_size: int,
+                directory: Path | None, shard_tokens: int = SHARD_TOKENS,
+                progress: Callable[[int, int], None] | None = None) -> tuple[TokenStore, BuildStats]:
+    """Tokenize `texts` into a store: each text's ids (from `encode`, given about 1 MiB of texts at a time)
+    followed by `eos`, in order. With `directory`, shards are written there as "<sha256>.npy" plus MANIFEST
+    (format, dtype, shard_tokens, total tokens, and each shard's file, sha256 and tokens) and memory-mapped; the
+    directory appears at once, complete, by renaming a temporary one, so peers sharing a cache may race (the
+    first rename wins and the others read its files). Memory: one shard buffer plus one batch of text.
+    `progress(chars, tokens)` is called after each batch."""
+    dtype = token_dtype(vocab_size)
+    buffer = np.empty(shard_tokens, dtype)
+    filled, tokens, chars, started = 0, 0, 0, time.monotonic()
+    shards: list[np.ndarray] = []
+    staging = None
+    if directory is not None:
+        staging = directory.with_name(f".{directory.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+        staging.mkdir(parents=True)
+    entries: list[dict] = []
+
+    def flush() -> None:
+        nonlocal filled
+        shard = buffer[:filled].copy()
+        if staging is not None:
+            digest = hashlib.sha256(shard.tobytes()).hexdigest()
+            np.save(staging / f"{digest}.npy", shard)
+            entries.append({"file": f"{digest}.npy", "sha256": digest, "tokens": int(filled)})
+        else:
+            shards.append(shard)
+        filled = 0
+
+    def append(ids: list[int] | np.ndarray) -> None:
+        nonlocal filled, tokens
+        ids = np.asarray(ids, dtype=dtype)
+        while len(ids):
+            taken = min(len(ids), shard_tokens - filled)
+            buffer[filled: filled + taken] = ids[:taken]
+            filled, ids, tokens = filled + taken, ids[taken:], tokens + taken
+            if filled == shard_tokens:
+                flush()
+
+    try:
+        batch: list[str] = []
+        batch_chars = 0
+        for text in itertools.chain(texts, [None]):
+            if text is not None:
+                batch.append(text)
+                batch_chars += len(text)
+            if batch and (text is None or batch_chars >= _BATCH_CHARS):
+                for ids in encode(batch):
+                    append(ids)
+                    append([eos])
+                chars += batch_chars
+                batch, batch_chars = [], 0
+                if progress is not None:
+                    progress(chars, tokens)
+        if filled or not (entries or shards):
+            flush()
+        stats = BuildStats(tokens, chars, time.monotonic() - started, len(entries) or len(shards))
+        if staging is None:
+            return TokenStore(tuple(shards), shard_tokens), stats
+        manifest = {"format": _FORMAT, "dtype": dtype.name, "shard_tokens": shard_tokens, "tokens": tokens,
+                    "shards": entries}
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        try:
+            os.rename(staging, directory)
+        except OSError:
+            if load_store(directory) is None:  # not a complete store that another process renamed first
+                raise
+        return load_store(directory), stats
+    finally:
+        if staging is not None and staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def load_store(directory: Path, verify: bool = False) -> TokenStore | None:
+    """The store in `directory`, memory-mapped; None if it is missing, incomplete or not of this format (the
+    caller rebuilds it). With `verify`, each shard's sha256 is checked too (reads every byte)."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+        if manifest.get("format") != _FORMAT:
+            return None
+        shards = []
+        for entry in manifest["shards"]:
+            shard = np.load(directory / entry["file"], mmap_mode="r")
+            if len(shard) != entry["tokens"] or shard.dtype != np.dtype(manifest["dtype"]):
+                return None
+            if verify and hashlib.sha256(np.ascontiguousarray(shard).tobytes()).hexdigest() != entry["sha256"]:
+                return None
+            shards.append(shard)
+        store = TokenStore(tuple(shards), int(manifest["shard_tokens"]))
+        return store if store.total == manifest["tokens"] else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
