@@ -17,7 +17,8 @@ import pytest
 import torch
 import zstandard
 
-from swarm.peer.corpus import Corpus, CorpusError, Document, load_corpus, plan_split, split_documents
+from swarm.peer.corpus import (Corpus, CorpusError, Document, load_corpus, plan_split, split_by_keys,
+                                split_documents)
 from swarm.peer.corpus_formats import cut_pieces, piece_chars
 from swarm.peer.data import TokenDataset, load_tokenizer, prepare_run_data
 from swarm.peer.token_store import MANIFEST, build_store, load_store
@@ -105,8 +106,8 @@ def test_unreadable_files_are_skipped_with_a_warning_and_counted(tmp_path, caplo
     (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
     corpus = Corpus(str(tmp_path))
     with caplog.at_level(logging.WARNING):
-        ids, chars = corpus.scan()
-    assert ids == ["good.txt"] and chars == len("good text\n")
+        keys, sizes = corpus.scan(seed=0)
+    assert len(keys) == 1 and sizes.tolist() == [len("good text\n")]
     assert sorted(path.rsplit("/", 1)[1] for path in corpus.skipped) == [
         "broken.parquet", "half.jsonl", "latin1.txt", "nofield.parquet", "torn.txt.gz"]
     assert 'no column "text" (columns: content, id)' in corpus.skipped[str(tmp_path / "nofield.parquet")]
@@ -114,7 +115,7 @@ def test_unreadable_files_are_skipped_with_a_warning_and_counted(tmp_path, caplo
     assert [doc.doc_id for doc in corpus] == ["good.txt"]  # later passes see the same files
     (tmp_path / "good.txt").unlink()
     with pytest.raises(CorpusError, match=r"no documents in .*; 5 unreadable file\(s\) skipped, the first: "):
-        Corpus(str(tmp_path)).scan()
+        Corpus(str(tmp_path)).scan(seed=0)
     (tmp_path / "notes.csv").write_text("a,b\n")
     with pytest.raises(CorpusError, match=r"notes\.csv' is not one of \.txt, \.md, \.jsonl"):
         Corpus(str(tmp_path / "notes.csv"))
@@ -166,7 +167,8 @@ def test_a_one_file_corpus_prepares_with_a_cached_sharded_stream(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(again.eval_batches, run.eval_batches, strict=True))
     # The same windows as an in-memory stream of the same documents.
     corpus = Corpus(str(tmp_path / "book.txt"))
-    split = plan_split(corpus.scan()[0], 0.05, 0)
+    split = split_by_keys(corpus.scan(seed=0)[0], 0.05, 0)
+    assert split == plan_split([doc.doc_id for doc in corpus], 0.05, 0)
     tokenizer = load_tokenizer("bpe", list(split.part(corpus, False)), 300, cache)
     plain = TokenDataset(list(split.part(corpus, False)), tokenizer, 16)
     assert torch.equal(plain.tokens, run.train.tokens)

@@ -5,6 +5,7 @@ Tokenization and batching live in `swarm.peer.data`, which re-exports everything
 
 from __future__ import annotations
 
+import array
 import hashlib
 import importlib.util
 import logging
@@ -18,7 +19,7 @@ import numpy as np
 from swarm.peer.corpus_formats import FORMATS, FileError, corpus_format, read_documents
 
 __all__ = ["BUNDLED_CORPUS", "Corpus", "CorpusError", "Document", "Split", "load_corpus", "plan_split",
-           "split_documents"]
+           "split_by_keys", "split_documents"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ def load_corpus(source: str, text_field: str = "text") -> list[Document]:
     """All documents of `source` as a list, in `Corpus` order, unreadable files skipped whole (for corpora that
     fit in memory; see Corpus). Raises CorpusError as Corpus and Corpus.scan do."""
     corpus = Corpus(source, text_field)
-    corpus.scan()
+    corpus.scan(seed=0)
     return list(corpus)
 
 
@@ -101,28 +102,28 @@ class Corpus:
                 except FileError as error:
                     self._skip(path, error)
 
-    def scan(self) -> tuple[list[str], int]:
-        """One whole pass: (the doc ids, the characters of all documents), after which `skipped` is final; a file
-        that fails part-way gives no ids. Raises CorpusError if no document is left."""
-        ids: list[str] = []
-        chars = 0
+    def scan(self, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        """One whole pass: (the documents' split keys for `seed` (see Split), their lengths in characters), as
+        uint64 and int64 arrays: 16 bytes a document, however long its id. `skipped` is final after it; a file that
+        fails part-way gives nothing. Raises CorpusError if no document is left."""
+        keys, sizes = array.array("Q"), array.array("q")
         for doc_id, path, cut in self._files:
             if str(path) in self.skipped:
                 continue
-            file_ids, file_chars = [], 0
+            file_keys, file_sizes = array.array("Q"), array.array("q")
             try:
                 for doc in self._read(doc_id, path, cut):
-                    file_ids.append(doc.doc_id)
-                    file_chars += len(doc.text)
+                    file_keys.append(_key64(seed, doc.doc_id))
+                    file_sizes.append(len(doc.text))
             except FileError as error:
                 self._skip(path, error)
                 continue
-            ids += file_ids
-            chars += file_chars
-        if not ids:
+            keys += file_keys
+            sizes += file_sizes
+        if not keys:
             raise CorpusError(f"no documents in {self.source!r}: expected non-empty {FORMATS} files"
                               f"{self.skipped_note()}")
-        return ids, chars
+        return np.frombuffer(keys, dtype=np.uint64), np.frombuffer(sizes, dtype=np.int64)
 
     def _read(self, doc_id: str, path: Path, cut: bool) -> Iterator[Document]:
         for piece_id, text in read_documents(doc_id, path, self.text_field, cut):
@@ -183,18 +184,22 @@ class Split:
 
 def plan_split(doc_ids: list[str], val_fraction: float, seed: int) -> Split:
     """The split of split_documents for documents with these ids (the same validation set, unless two of the
-    8-byte keys collide at the boundary: odds about n / 2**64), holding 8 bytes per id while it is computed.
-    Raises CorpusError as split_documents does, except that ids are not checked for repeats (Corpus ids are
-    unique by construction)."""
+    8-byte keys collide at the boundary: odds about n / 2**64). Raises CorpusError as split_documents does,
+    except that ids are not checked for repeats (Corpus ids are unique by construction)."""
+    keys = np.fromiter((_key64(seed, doc_id) for doc_id in doc_ids), dtype=np.uint64, count=len(doc_ids))
+    return split_by_keys(keys, val_fraction, seed)
+
+
+def split_by_keys(keys: np.ndarray, val_fraction: float, seed: int) -> Split:
+    """plan_split from the documents' split keys for `seed` (Corpus.scan gives them): 8 bytes a document."""
     if not 0.0 < val_fraction < 1.0:
         raise CorpusError(f"val_fraction must be strictly between 0 and 1, got {val_fraction}")
-    if len(doc_ids) < 2:
-        raise CorpusError(f"cannot split {len(doc_ids)} document(s) into train and validation: need at least 2 "
+    if len(keys) < 2:
+        raise CorpusError(f"cannot split {len(keys)} document(s) into train and validation: need at least 2 "
                           f"(a single text file is cut into pieces; check it holds more than a few lines)")
-    num_val = min(max(round(val_fraction * len(doc_ids)), 1), len(doc_ids) - 1)
-    keys = np.fromiter((_key64(seed, doc_id) for doc_id in doc_ids), dtype=np.uint64, count=len(doc_ids))
+    num_val = min(max(round(val_fraction * len(keys)), 1), len(keys) - 1)
     threshold = int(np.partition(keys, num_val - 1)[num_val - 1])
-    return Split(seed, threshold, len(doc_ids) - num_val, num_val)
+    return Split(seed, threshold, len(keys) - num_val, num_val)
 
 
 def _key64(seed: int, doc_id: str) -> int:

@@ -27,8 +27,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from swarm.peer.corpus import (BUNDLED_CORPUS, Corpus, CorpusError, Document, Split, load_corpus, plan_split,
-                               split_documents)
+from swarm.peer.corpus import (BUNDLED_CORPUS, Corpus, CorpusError, Document, Split, load_corpus,
+                               split_by_keys, split_documents)
 from swarm.peer.token_store import BuildStats, TokenStore, build_store, load_store
 
 __all__ = [
@@ -381,12 +381,13 @@ def prepare_run_data(source: str, tokenizer_spec: str, vocab_size: int, val_frac
     Unreadable files are skipped with a warning and counted. `show_progress`: a progress bar of the
     tokenization on stderr (None: only on a terminal). Raises CorpusError with one line on any problem."""
     corpus = Corpus(source, text_field)
-    doc_ids, chars = corpus.scan()
-    split = plan_split(doc_ids, val_fraction, seed)
-    del doc_ids
+    keys, sizes = corpus.scan(seed)
+    split = split_by_keys(keys, val_fraction, seed)
+    train_chars = int(sizes[keys > split.threshold].sum())
+    del keys, sizes
     train_docs, val_docs = _Part(corpus, split, False), _Part(corpus, split, True)
     tokenizer = load_tokenizer(tokenizer_spec, train_docs, vocab_size, cache_dir)
-    with _progress_bar(chars, show_progress) as progress:
+    with _progress_bar(train_chars, show_progress) as progress:
         train = TokenDataset(train_docs, tokenizer, seq_len, cache_dir=cache_dir, progress=progress)
     if train.stats is not None:
         logger.info("data: tokenized %d tokens from %.1f MB of text in %.1f s (%.0f tokens/s), %d shard(s)",
@@ -410,13 +411,19 @@ class _Part:
 
 @contextlib.contextmanager
 def _progress_bar(total_chars: int, show: bool | None) -> Iterator[Callable[[int, int], None]]:
-    """progress(chars, tokens) callbacks drawing a tqdm bar of characters read, with tokens and tokens/s."""
-    started = time.monotonic()
-    with tqdm(total=total_chars, unit="char", unit_scale=True, desc="tokenizing", disable=None if show is None
-              else not show, mininterval=1.0, leave=False) as bar:
+    """progress(chars, tokens) callbacks drawing a tqdm bar of characters tokenized, with tokens and tokens/s;
+    the bar appears at the first call (a cached corpus draws none)."""
+    started, bars = time.monotonic(), []
+    try:
         def progress(chars: int, tokens: int) -> None:
-            bar.update(chars - bar.n)
-            bar.set_postfix_str(f"{tokens / 1e6:.1f}M tokens, {tokens / max(time.monotonic() - started, 1e-9):,.0f}"
-                                f" tokens/s", refresh=False)
+            if not bars:
+                bars.append(tqdm(total=total_chars, unit="char", unit_scale=True, desc="tokenizing", mininterval=1.0,
+                                 disable=None if show is None else not show, leave=False))
+            bars[0].update(chars - bars[0].n)
+            bars[0].set_postfix_str(f"{tokens / 1e6:.1f}M tokens, "
+                                    f"{tokens / max(time.monotonic() - started, 1e-9):,.0f} tokens/s", refresh=False)
 
         yield progress
+    finally:
+        for bar in bars:
+            bar.close()
