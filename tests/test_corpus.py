@@ -21,7 +21,7 @@ from swarm.peer.corpus import (Corpus, CorpusError, Document, load_corpus, plan_
                                 split_documents)
 from swarm.peer.corpus_formats import cut_pieces, piece_chars
 from swarm.peer.data import TokenDataset, load_tokenizer, prepare_run_data
-from swarm.peer.token_store import MANIFEST, build_store, load_store
+from swarm.peer.token_store import MANIFEST, build_store, encoding_chunks, load_store
 
 PARAGRAPHS = [f"Paragraph {i}: " + " ".join(f"word{(i * 7 + j) % 50}" for j in range(40 + i % 30)) for i in range(400)]
 ONE_FILE = "\n\n".join(PARAGRAPHS) + "\n"
@@ -52,7 +52,7 @@ def test_cut_pieces_rejoin_to_the_text_end_at_blank_lines_and_ignore_read_sizes(
 def test_text_without_blank_lines_is_cut_at_newlines_then_at_fixed_windows():
     lines = "".join(f"line {i}\n" for i in range(200))
     pieces = list(cut_pieces(io.StringIO(lines), 100))
-    assert "".join(pieces) == lines and all(p.endswith("\n") and 100 <= len(p) <= 200 for p in pieces[:-1])
+    assert "".join(pieces) == lines and all(p.endswith("\n") and 100 <= len(p) <= 110 for p in pieces[:-1])
     solid = "x" * 1000
     assert list(cut_pieces(io.StringIO(solid), 100)) == [solid[i:i + 200] for i in range(0, 1000, 200)]
     assert piece_chars(10) == 4096 and piece_chars(122_000_000) == 476_562 and piece_chars(1 << 40) == 1 << 20
@@ -172,3 +172,17 @@ def test_a_one_file_corpus_prepares_with_a_cached_sharded_stream(tmp_path):
     tokenizer = load_tokenizer("bpe", list(split.part(corpus, False)), 300, cache)
     plain = TokenDataset(list(split.part(corpus, False)), tokenizer, 16)
     assert torch.equal(plain.tokens, run.train.tokens)
+
+
+def test_long_texts_are_encoded_in_chunks_with_the_ids_of_the_whole_text(tmp_path):
+    tokenizer = load_tokenizer("bpe", [Document("d", ONE_FILE)], 300, tmp_path)
+    backend = tokenizer.backend_tokenizer
+    rng = np.random.default_rng(0)
+    pieces = ["word", "Word", "'s", "42", "!?", " ", "  ", "\n", "\n\n", "\t", " \n", "\n ", "é", "\u2028"]
+    for _ in range(20):  # whitespace of every kind, with a line break between two words every ~40 characters
+        text = "".join("".join(rng.choice(pieces, size=12)) + "x\ny" for _ in range(40))
+        chunks = encoding_chunks(text, limit=64)
+        assert "".join(chunks) == text and len(chunks) > 3
+        joined = [i for chunk in chunks for i in backend.encode(chunk, add_special_tokens=False).ids]
+        assert joined == backend.encode(text, add_special_tokens=False).ids
+    assert encoding_chunks("x" * 150, limit=64) == ["x" * 64, "x" * 64, "x" * 22]  # no newline: a hard cut

@@ -91,9 +91,9 @@ def read_documents(doc_id: str, path: Path, text_field: str = "text", cut: bool 
 
 def cut_pieces(stream: IO[str], target: int) -> Iterator[str]:
     """The text of `stream` cut into consecutive pieces that together are the whole text: a piece ends at the
-    first blank line ("\\n\\n") at or after `target` characters; if none comes before 2 * target characters, at the
-    last newline before that, else at exactly 2 * target characters. Blank pieces are dropped. The cuts depend only
-    on the text, not on how the stream delivers it."""
+    first blank line ("\\n\\n") at or after `target` characters; if none comes before 2 * target characters, at
+    the first newline at or after `target`, else at exactly 2 * target characters. Blank pieces are dropped. The
+    cuts depend only on the text, not on how the stream delivers it."""
     buffer, done = "", False
     while not done or buffer:
         if not done and len(buffer) <= 2 * target:
@@ -109,7 +109,7 @@ def cut_pieces(stream: IO[str], target: int) -> Iterator[str]:
             elif done and len(buffer) <= 2 * target:
                 end = len(buffer)
             else:
-                newline = buffer.rfind("\n", target, 2 * target)
+                newline = buffer.find("\n", target, 2 * target)
                 end = newline + 1 if newline != -1 else 2 * target
         piece, buffer = buffer[:end], buffer[end:]
         if piece.strip():

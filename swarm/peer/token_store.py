@@ -19,14 +19,17 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["MANIFEST", "SHARD_TOKENS", "BuildStats", "TokenStore", "build_store", "load_store"]
+__all__ = ["MANIFEST", "SHARD_TOKENS", "BuildStats", "TokenStore", "build_store", "encoding_chunks", "load_store"]
 
 MANIFEST = "manifest.json"
 SHARD_TOKENS = 1 << 24
 """Tokens per shard file (the last one holds the rest): 32 MiB at 2 bytes a token; preparation holds about one."""
 
 _FORMAT = 1
-_BATCH_CHARS = 1 << 20  # text handed to the tokenizer at once: large enough to keep its threads busy
+# Text handed to the tokenizer at once, in chunks: its encodings take ~250 bytes a token while they live, so these
+# bound preparation memory to tens of MB whatever the documents' sizes, and still keep its threads busy.
+_BATCH_CHARS = 1 << 18
+_CHUNK_CHARS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -76,8 +79,8 @@ def token_dtype(vocab_size: int) -> np.dtype:
 def build_store(texts: Iterable[str], encode: Callable[[list[str]], list[list[int]]], eos: int, vocab_size: int,
                 directory: Path | None, shard_tokens: int = SHARD_TOKENS,
                 progress: Callable[[int, int], None] | None = None) -> tuple[TokenStore, BuildStats]:
-    """Tokenize `texts` into a store: each text's ids (from `encode`, given about 1 MiB of texts at a time)
-    followed by `eos`, in order. With `directory`, shards are written there as "<sha256>.npy" plus MANIFEST
+    """Tokenize `texts` into a store: each text's ids followed by `eos`, in order. `encode` is given about 256 KiB
+    of text at a time, long texts cut by encoding_chunks. With `directory`, shards are written there as "<sha256>.npy" plus MANIFEST
     (format, dtype, shard_tokens, total tokens, and each shard's file, sha256 and tokens) and memory-mapped; the
     directory appears at once, complete, by renaming a temporary one, so peers sharing a cache may race (the
     first rename wins and the others read its files). Memory: one shard buffer plus one batch of text.
@@ -114,16 +117,18 @@ def build_store(texts: Iterable[str], encode: Callable[[list[str]], list[list[in
                 flush()
 
     try:
-        batch: list[str] = []
+        batch: list[tuple[str, bool]] = []  # (chunk, whether it ends its text)
         batch_chars = 0
         for text in itertools.chain(texts, [None]):
             if text is not None:
-                batch.append(text)
+                chunks = encoding_chunks(text)
+                batch += [(chunk, i == len(chunks) - 1) for i, chunk in enumerate(chunks)]
                 batch_chars += len(text)
             if batch and (text is None or batch_chars >= _BATCH_CHARS):
-                for ids in encode(batch):
+                for ids, (_, last) in zip(encode([chunk for chunk, _ in batch]), batch, strict=True):
                     append(ids)
-                    append([eos])
+                    if last:
+                        append([eos])
                 chars += batch_chars
                 batch, batch_chars = [], 0
                 if progress is not None:
@@ -145,6 +150,26 @@ def build_store(texts: Iterable[str], encode: Callable[[list[str]], list[list[in
     finally:
         if staging is not None and staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def encoding_chunks(text: str, limit: int = _CHUNK_CHARS) -> list[str]:
+    """`text` cut into consecutive chunks of at most about `limit` characters, each (but the last) ending just after
+    a newline that lies between two non-whitespace characters. Byte-level BPE (GPT-2's pre-tokenizer regex) always
+    ends a pre-token there and merges only within pre-tokens, so the chunks' ids joined equal the whole text's
+    ids; for other tokenizers the cut is deterministic, so every peer still gets the same ids. A stretch of
+    `limit` characters without such a newline is cut at `limit`."""
+    chunks, start = [], 0
+    while len(text) - start > limit:
+        cut, newline = start + limit, text.rfind("\n", start + 1, start + limit)
+        while newline > start:
+            if newline + 1 < len(text) and not text[newline - 1].isspace() and not text[newline + 1].isspace():
+                cut = newline + 1
+                break
+            newline = text.rfind("\n", start + 1, newline)
+        chunks.append(text[start:cut])
+        start = cut
+    chunks.append(text[start:])
+    return chunks
 
 
 def load_store(directory: Path, verify: bool = False) -> TokenStore | None:
