@@ -143,15 +143,18 @@ def test_shards_hold_the_same_windows_as_one_stream_and_are_content_addressed(tm
         assert store.total == len(expected) and np.array_equal(store.read(0, store.total), expected)
         assert np.array_equal(store.read(990, 2013), expected[990:2013])  # across two shard boundaries
     manifest = json.loads((tmp_path / "tokens" / MANIFEST).read_text())
-    assert manifest["dtype"] == "uint16" and manifest["tokens"] == len(expected)
+    assert manifest["dtype"] == "<u2" and manifest["tokens"] == len(expected)
+    assert [entry["tokens"] for entry in manifest["shards"]] == [1000] * (len(expected) // 1000) + [len(expected) % 1000]
     for entry in manifest["shards"]:
-        raw = np.load(tmp_path / "tokens" / entry["file"])
-        assert entry["file"] == f"{entry['sha256']}.npy" == f"{hashlib.sha256(raw.tobytes()).hexdigest()}.npy"
+        raw = (tmp_path / "tokens" / entry["file"]).read_bytes()
+        assert entry["file"] == f"{entry['sha256']}.bin" == f"{hashlib.sha256(raw).hexdigest()}.bin"
     assert isinstance(load_store(tmp_path / "tokens").shards[0], np.memmap)
     assert load_store(tmp_path / "tokens", verify=True) is not None
     first = tmp_path / "tokens" / manifest["shards"][0]["file"]
     first.write_bytes(first.read_bytes()[:-2] + b"\x01\x00")  # same size, one token changed
     assert load_store(tmp_path / "tokens", verify=True) is None and load_store(tmp_path / "nowhere") is None
+    first.write_bytes(first.read_bytes()[:-2])  # a torn file
+    assert load_store(tmp_path / "tokens") is None
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 

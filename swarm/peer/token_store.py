@@ -1,4 +1,4 @@
-"""A corpus's token stream as shards on disk: numpy .npy files named by the sha256 of their bytes and listed in a
+"""A corpus's token stream as shards on disk: raw numpy id files named by the sha256 of their bytes and listed in a
 small JSON manifest, tokenized once per (tokenizer, corpus) and memory-mapped for reading, so a corpus larger than
 memory is prepared in one pass of bounded memory and read window by window. The hashes let shards be fetched
 from other peers and checked later.
@@ -22,8 +22,9 @@ import numpy as np
 __all__ = ["MANIFEST", "SHARD_TOKENS", "BuildStats", "TokenStore", "build_store", "encoding_chunks", "load_store"]
 
 MANIFEST = "manifest.json"
-SHARD_TOKENS = 1 << 24
-"""Tokens per shard file (the last one holds the rest): 32 MiB at 2 bytes a token; preparation holds about one."""
+SHARD_TOKENS = 1 << 25
+"""Ids per shard file (the last one holds the rest): 64 MiB at 2 bytes an id. Preparation never holds a shard in
+memory (files are written as tokens come), so this only sets the unit a swarm could hand out."""
 
 _FORMAT = 1
 # Text handed to the tokenizer at once, in chunks: its encodings take ~250 bytes a token while they live, so these
@@ -72,50 +73,29 @@ class BuildStats:
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
-    """uint16 when every id fits (vocabularies up to 65,536 entries), else int32."""
-    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.int32)
+    """Little-endian uint16 when every id fits (vocabularies up to 65,536 entries), else little-endian int32."""
+    return np.dtype("<u2" if vocab_size <= 1 << 16 else "<i4")
 
 
 def build_store(texts: Iterable[str], encode: Callable[[list[str]], list[list[int]]], eos: int, vocab_size: int,
                 directory: Path | None, shard_tokens: int = SHARD_TOKENS,
                 progress: Callable[[int, int], None] | None = None) -> tuple[TokenStore, BuildStats]:
     """Tokenize `texts` into a store: each text's ids followed by `eos`, in order. `encode` is given about 256 KiB
-    of text at a time, long texts cut by encoding_chunks. With `directory`, shards are written there as "<sha256>.npy" plus MANIFEST
-    (format, dtype, shard_tokens, total tokens, and each shard's file, sha256 and tokens) and memory-mapped; the
-    directory appears at once, complete, by renaming a temporary one, so peers sharing a cache may race (the
-    first rename wins and the others read its files). Memory: one shard buffer plus one batch of text.
-    `progress(chars, tokens)` is called after each batch."""
+    of text at a time, long texts cut by encoding_chunks; `progress(chars, tokens)` is called after each batch.
+
+    With `directory`, each shard is streamed to a file of raw little-endian ids named "<sha256 of the file>.bin"
+    (hashed while written, never held in memory) and listed in MANIFEST (format, dtype, shard_tokens, total tokens,
+    and each shard's file, sha256 and tokens); the store read back is memory-mapped. The directory appears at
+    once, complete, by renaming a temporary one, so peers sharing a cache may race: the first rename wins and the
+    others read its files. Memory: the tokenizer's work on one batch (tens of MB), not a shard. Without
+    `directory`, the shards are built in memory."""
     dtype = token_dtype(vocab_size)
-    buffer = np.empty(shard_tokens, dtype)
-    filled, tokens, chars, started = 0, 0, 0, time.monotonic()
-    shards: list[np.ndarray] = []
+    tokens, chars, started = 0, 0, time.monotonic()
     staging = None
     if directory is not None:
         staging = directory.with_name(f".{directory.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
         staging.mkdir(parents=True)
-    entries: list[dict] = []
-
-    def flush() -> None:
-        nonlocal filled
-        shard = buffer[:filled].copy()
-        if staging is not None:
-            digest = hashlib.sha256(shard.tobytes()).hexdigest()
-            np.save(staging / f"{digest}.npy", shard)
-            entries.append({"file": f"{digest}.npy", "sha256": digest, "tokens": int(filled)})
-        else:
-            shards.append(shard)
-        filled = 0
-
-    def append(ids: list[int] | np.ndarray) -> None:
-        nonlocal filled, tokens
-        ids = np.asarray(ids, dtype=dtype)
-        while len(ids):
-            taken = min(len(ids), shard_tokens - filled)
-            buffer[filled: filled + taken] = ids[:taken]
-            filled, ids, tokens = filled + taken, ids[taken:], tokens + taken
-            if filled == shard_tokens:
-                flush()
-
+    writer = _ShardWriter(staging, dtype, shard_tokens)
     try:
         batch: list[tuple[str, bool]] = []  # (chunk, whether it ends its text)
         batch_chars = 0
@@ -126,20 +106,19 @@ def build_store(texts: Iterable[str], encode: Callable[[list[str]], list[list[in
                 batch_chars += len(text)
             if batch and (text is None or batch_chars >= _BATCH_CHARS):
                 for ids, (_, last) in zip(encode([chunk for chunk, _ in batch]), batch, strict=True):
-                    append(ids)
+                    writer.append(ids)
                     if last:
-                        append([eos])
+                        writer.append([eos])
                 chars += batch_chars
                 batch, batch_chars = [], 0
                 if progress is not None:
-                    progress(chars, tokens)
-        if filled or not (entries or shards):
-            flush()
-        stats = BuildStats(tokens, chars, time.monotonic() - started, len(entries) or len(shards))
+                    progress(chars, writer.total)
+        writer.finish()
+        stats = BuildStats(writer.total, chars, time.monotonic() - started, len(writer.entries or writer.arrays))
         if staging is None:
-            return TokenStore(tuple(shards), shard_tokens), stats
-        manifest = {"format": _FORMAT, "dtype": dtype.name, "shard_tokens": shard_tokens, "tokens": tokens,
-                    "shards": entries}
+            return TokenStore(tuple(writer.arrays), shard_tokens), stats
+        manifest = {"format": _FORMAT, "dtype": dtype.str, "shard_tokens": shard_tokens, "tokens": writer.total,
+                    "shards": writer.entries}
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
         try:
             os.rename(staging, directory)
@@ -148,8 +127,60 @@ def build_store(texts: Iterable[str], encode: Callable[[list[str]], list[list[in
                 raise
         return load_store(directory), stats
     finally:
+        writer.close()
         if staging is not None and staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+
+
+class _ShardWriter:
+    """Appends ids to consecutive shards of `shard_tokens` ids: into files under `staging`, hashed as they are
+    written, or into arrays in memory when `staging` is None."""
+
+    def __init__(self, staging: Path | None, dtype: np.dtype, shard_tokens: int) -> None:
+        self.staging, self.dtype, self.shard_tokens = staging, dtype, shard_tokens
+        self.entries: list[dict] = []
+        self.arrays: list[np.ndarray] = []
+        self.parts: list[np.ndarray] = []
+        self.filled = self.total = 0
+        self.file, self.hasher = None, hashlib.sha256()
+
+    def append(self, ids: list[int] | np.ndarray) -> None:
+        ids = np.asarray(ids, dtype=self.dtype)
+        while len(ids):
+            part, ids = ids[: self.shard_tokens - self.filled], ids[self.shard_tokens - self.filled:]
+            if self.staging is None:
+                self.parts.append(part)
+            else:
+                if self.file is None:
+                    self.file = open(self.staging / "shard.partial", "wb")
+                self.file.write(memoryview(part))
+                self.hasher.update(memoryview(part))
+            self.filled += len(part)
+            self.total += len(part)
+            if self.filled == self.shard_tokens:
+                self._end_shard()
+
+    def finish(self) -> None:
+        if self.filled or not (self.entries or self.arrays):
+            self._end_shard()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+    def _end_shard(self) -> None:
+        if self.staging is None:
+            self.arrays.append(np.concatenate(self.parts) if self.parts else np.zeros(0, self.dtype))
+            self.parts = []
+        else:
+            if self.file is None:
+                self.file = open(self.staging / "shard.partial", "wb")
+            self.file.close()
+            digest = self.hasher.hexdigest()
+            os.replace(self.staging / "shard.partial", self.staging / f"{digest}.bin")
+            self.entries.append({"file": f"{digest}.bin", "sha256": digest, "tokens": self.filled})
+            self.file, self.hasher = None, hashlib.sha256()
+        self.filled = 0
 
 
 def encoding_chunks(text: str, limit: int = _CHUNK_CHARS) -> list[str]:
@@ -174,19 +205,22 @@ def encoding_chunks(text: str, limit: int = _CHUNK_CHARS) -> list[str]:
 
 def load_store(directory: Path, verify: bool = False) -> TokenStore | None:
     """The store in `directory`, memory-mapped; None if it is missing, incomplete or not of this format (the
-    caller rebuilds it). With `verify`, each shard's sha256 is checked too (reads every byte)."""
+    caller rebuilds it). With `verify`, each shard file's sha256 is checked too (reads every byte)."""
     try:
         manifest = json.loads((directory / MANIFEST).read_text())
         if manifest.get("format") != _FORMAT:
             return None
+        dtype = np.dtype(manifest["dtype"])
         shards = []
         for entry in manifest["shards"]:
-            shard = np.load(directory / entry["file"], mmap_mode="r")
-            if len(shard) != entry["tokens"] or shard.dtype != np.dtype(manifest["dtype"]):
+            path = directory / entry["file"]
+            if path.stat().st_size != entry["tokens"] * dtype.itemsize:
                 return None
-            if verify and hashlib.sha256(np.ascontiguousarray(shard).tobytes()).hexdigest() != entry["sha256"]:
-                return None
-            shards.append(shard)
+            if verify:
+                with open(path, "rb") as file:
+                    if hashlib.file_digest(file, "sha256").hexdigest() != entry["sha256"]:
+                        return None
+            shards.append(np.memmap(path, dtype=dtype, mode="r") if entry["tokens"] else np.zeros(0, dtype))
         store = TokenStore(tuple(shards), int(manifest["shard_tokens"]))
         return store if store.total == manifest["tokens"] else None
     except (OSError, ValueError, KeyError, TypeError):
