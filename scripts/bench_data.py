@@ -54,7 +54,8 @@ def child(source: str, cache: str, vocab_size: int, seq_len: int) -> dict:
             "tokenize_seconds": stats.seconds if stats else None,
             "tokens_per_s": stats.tokens_per_s if stats else None, "text_mb": stats.chars / 1e6 if stats else None,
             "peak_rss_mb": peak, "imports_rss_mb": baseline, "above_imports_mb": peak - baseline,
-            "shard_mb": SHARD_TOKENS * token_dtype(run.vocab_size).itemsize / 2**20, "shards": len(run.train.store.shards)}
+            "shard_mb": SHARD_TOKENS * token_dtype(run.vocab_size).itemsize / 2**20,
+            "shards": len(run.train.store.shards)}
 
 
 def measure(name: str, source: str, vocab_size: int, seq_len: int) -> list[dict]:

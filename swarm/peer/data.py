@@ -62,12 +62,13 @@ def load_tokenizer(
     """Return the tokenizer named by `spec`; its eos token separates documents and is also its pad token.
 
     spec "bpe": a byte-level BPE with at most `vocab_size` entries ("<|endoftext|>" included) trained on the
-    texts of `docs` (any re-iterable of documents, read as a stream twice). Training is deterministic, so peers that train on the same texts with the same
-    `tokenizers` version get byte-identical tokenizers (check with `tokenizer_digest`). The result is cached in
-    `cache_dir` as "bpe-<vocab_size>-<sha256 of texts, vocab_size and tokenizers version>.json", written
-    atomically so that peers sharing the directory may train at the same moment; later calls load it in
-    milliseconds. Any other spec is a local directory holding a saved fast tokenizer (tokenizer.json); a
-    missing pad token is set to its eos token, and `docs`, `vocab_size` and `cache_dir` are ignored.
+    texts of `docs` (any re-iterable of documents, read as a stream twice). Training is deterministic, so peers
+    that train on the same texts with the same `tokenizers` version get byte-identical tokenizers (check with
+    `tokenizer_digest`). The result is cached in `cache_dir` as "bpe-<vocab_size>-<sha256 of texts, vocab_size
+    and tokenizers version>.json", written atomically so that peers sharing the directory may train at the same
+    moment; later calls load it in milliseconds. Any other spec is a local directory holding a saved fast
+    tokenizer (tokenizer.json); a missing pad token is set to its eos token, and `docs`, `vocab_size` and
+    `cache_dir` are ignored.
 
     Raises CorpusError for a vocab_size below 257 or no documents ("bpe"), or a directory that does not exist,
     holds no tokenizer.json or cannot be loaded from it, or whose tokenizer has no eos token.
@@ -390,7 +391,7 @@ def prepare_run_data(source: str, tokenizer_spec: str, vocab_size: int, val_frac
     with _progress_bar(train_chars, show_progress) as progress:
         train = TokenDataset(train_docs, tokenizer, seq_len, cache_dir=cache_dir, progress=progress)
     if train.stats is not None:
-        logger.info("data: tokenized %d tokens from %.1f MB of text in %.1f s (%.0f tokens/s), %d shard(s)",
+        logger.info("data: tokenized %d tokens from %.1f MB of text in %.1f s (%.0f tokens/s) into %d token file(s)",
                     train.stats.tokens, train.stats.chars / 1e6, train.stats.seconds, train.stats.tokens_per_s,
                     train.stats.shards)
     evaluation = TokenDataset(val_docs, tokenizer, seq_len, cache_dir=cache_dir).eval_batches(batch_size, eval_batches)
