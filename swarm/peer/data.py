@@ -1,13 +1,13 @@
 """Training data for one peer: a tokenizer every peer derives identically from the corpus, the corpus as one flat
-token stream (kept on disk in memory-mapped shards, swarm.peer.token_store), and deterministic per-peer shards of
-fixed-length windows over it (plus fixed validation batches). Corpus loading and the train/validation split live
-in `swarm.peer.corpus` and are re-exported here.
+token stream (kept on disk in memory-mapped token files, swarm.peer.token_store), and deterministic per-peer
+shards of fixed-length windows over it (plus fixed validation batches). Corpus loading and the train/validation
+split live in `swarm.peer.corpus` and are re-exported here.
 """
 
 from __future__ import annotations
 
-import hashlib
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -52,7 +52,7 @@ EOS_TOKEN = "<|endoftext|>"
 
 # Part of every cache key: bump it whenever the BPE recipe or the token-cache layout changes, so stale files
 # written by an older version are never read as current.
-_CACHE_FORMAT = 1  # tokens now live in a directory of shards (token_store), so old .pt files are never read
+_CACHE_FORMAT = 1  # token files now live in tokens-<key>/ directories: old tokens-<key>.pt files are ignored
 _MIN_BPE_VOCAB = 256 + 1  # every byte, plus the end-of-document token
 
 
