@@ -190,3 +190,15 @@ def test_long_texts_are_encoded_in_chunks_with_the_ids_of_the_whole_text(tmp_pat
         joined = [i for chunk in chunks for i in backend.encode(chunk, add_special_tokens=False).ids]
         assert joined == backend.encode(text, add_special_tokens=False).ids
     assert encoding_chunks("x" * 150, limit=64) == ["x" * 64, "x" * 64, "x" * 22]  # no newline: a hard cut
+
+
+def test_the_bpe_trains_on_a_bounded_prefix_of_a_large_corpus(tmp_path, monkeypatch):
+    import swarm.peer.data as data_module
+    from swarm.peer.data import tokenizer_digest
+
+    first = Document("a", ONE_FILE)
+    other = Document("b", " ".join(f"zebra{i} quokka{i}" for i in range(3000)))
+    whole = tokenizer_digest(load_tokenizer("bpe", [first, other], 300, tmp_path / "whole"))
+    monkeypatch.setattr(data_module, "BPE_SAMPLE_CHARS", len(ONE_FILE))
+    sampled = tokenizer_digest(load_tokenizer("bpe", [first, other], 300, tmp_path / "sampled"))
+    assert sampled == tokenizer_digest(load_tokenizer("bpe", [first], 300, tmp_path / "first")) != whole

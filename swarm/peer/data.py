@@ -54,6 +54,9 @@ EOS_TOKEN = "<|endoftext|>"
 # written by an older version are never read as current.
 _CACHE_FORMAT = 1  # token files now live in tokens-<key>/ directories: old tokens-<key>.pt files are ignored
 _MIN_BPE_VOCAB = 256 + 1  # every byte, plus the end-of-document token
+BPE_SAMPLE_CHARS = 1 << 27
+"""The "bpe" tokenizer is trained on the training documents up to this many characters (128 Mi, in corpus
+order): the trainer holds every distinct word it sees, so this bounds its memory on corpora of any size."""
 
 
 def load_tokenizer(
@@ -62,13 +65,13 @@ def load_tokenizer(
     """Return the tokenizer named by `spec`; its eos token separates documents and is also its pad token.
 
     spec "bpe": a byte-level BPE with at most `vocab_size` entries ("<|endoftext|>" included) trained on the
-    texts of `docs` (any re-iterable of documents, read as a stream twice). Training is deterministic, so peers
-    that train on the same texts with the same `tokenizers` version get byte-identical tokenizers (check with
-    `tokenizer_digest`). The result is cached in `cache_dir` as "bpe-<vocab_size>-<sha256 of texts, vocab_size
-    and tokenizers version>.json", written atomically so that peers sharing the directory may train at the same
-    moment; later calls load it in milliseconds. Any other spec is a local directory holding a saved fast
-    tokenizer (tokenizer.json); a missing pad token is set to its eos token, and `docs`, `vocab_size` and
-    `cache_dir` are ignored.
+    texts of `docs` (any re-iterable of documents, read as a stream twice), up to BPE_SAMPLE_CHARS. Training is
+    deterministic, so peers that train on the same texts with the same `tokenizers` version get byte-identical
+    tokenizers (check with `tokenizer_digest`). The result is cached in `cache_dir` as "bpe-<vocab_size>-<sha256
+    of texts, vocab_size and tokenizers version>.json", written atomically so that peers sharing the directory
+    may train at the same moment; later calls load it in milliseconds. Any other spec is a local directory
+    holding a saved fast tokenizer (tokenizer.json); a missing pad token is set to its eos token, and `docs`,
+    `vocab_size` and `cache_dir` are ignored.
 
     Raises CorpusError for a vocab_size below 257 or no documents ("bpe"), or a directory that does not exist,
     holds no tokenizer.json or cannot be loaded from it, or whose tokenizer has no eos token.
@@ -111,7 +114,7 @@ def tokenizer_digest(tokenizer: PreTrainedTokenizerFast) -> str:
 def _load_or_train_bpe(docs: Iterable[Document], vocab_size: int, cache_dir: Path) -> PreTrainedTokenizerFast:
     if vocab_size < _MIN_BPE_VOCAB:
         raise CorpusError(f"bpe vocab_size must be at least {_MIN_BPE_VOCAB} (256 bytes + eos), got {vocab_size}")
-    texts = _Texts(docs)
+    texts = _Texts(docs, limit_chars=BPE_SAMPLE_CHARS)
     key = _texts_digest(texts, f"bpe/{_CACHE_FORMAT}/{vocab_size}/{tokenizers.__version__}")
     if not texts.count:
         raise CorpusError("cannot train a bpe tokenizer on no documents")
@@ -123,17 +126,20 @@ def _load_or_train_bpe(docs: Iterable[Document], vocab_size: int, cache_dir: Pat
 
 
 class _Texts:
-    """The texts of a re-iterable stream of documents, read again on each pass; `count` is the number of texts
-    the last full pass saw."""
+    """The texts of a re-iterable stream of documents, read again on each pass, up to the first text that reaches
+    `limit_chars` in all (None: every text); `count` is the number of texts the last full pass gave."""
 
-    def __init__(self, docs: Iterable[Document]) -> None:
-        self.docs, self.count = docs, 0
+    def __init__(self, docs: Iterable[Document], limit_chars: int | None = None) -> None:
+        self.docs, self.limit_chars, self.count = docs, limit_chars, 0
 
     def __iter__(self) -> Iterator[str]:
-        count = 0
+        count = chars = 0
         for doc in self.docs:
             count += 1
+            chars += len(doc.text)
             yield doc.text
+            if self.limit_chars is not None and chars >= self.limit_chars:
+                break
         self.count = count
 
 
