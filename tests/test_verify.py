@@ -11,7 +11,7 @@ import torch
 
 from swarm.averaging.aggregate import capped_weights, centered_clip_radius
 from swarm.averaging.common import chunk_bounds
-from swarm.averaging.verify import Sketch, Term, judge, lower_median, part_seed, rounding, term
+from swarm.averaging.verify import Sketch, Term, chunk_norms, judge, lower_median, part_seed, rounding, term
 from swarm.compression import get_codec
 
 PART = 3 * 65536 + 1000  # four chunks (the last one short)
@@ -42,7 +42,7 @@ def _verdict(parts, weights, result, radii, chunks, codec, members, me="m0", cla
     sketch = Sketch.of(part_seed("group", [b"n%d" % i for i in range(len(members))], 0), PART)
     true = {m: term(p, result, chunks, radii, sketch) for m, p in zip(members, parts)}
     return judge(me, members[0], members, capped_weights(weights), radii, claims or true, own or true,
-                 float(result.double().norm()), rounding([codec] * len(chunks), result, chunks)), true
+                 chunk_norms(result, chunks), rounding([codec] * len(chunks), result, chunks)), true
 
 
 @pytest.mark.parametrize("codec_name", ["none", "fp16", "bf16", "int8", "int4"])
@@ -56,6 +56,22 @@ def test_honest_reducers_pass_with_every_verifiable_codec(codec_name):
             result, radii, chunks, codec = _reduce(parts, weights, codec_name)
             verdict, _ = _verdict(parts, weights, result, radii, chunks, codec, members)
             assert verdict.ok, (codec_name, seed, liar, verdict.why)
+
+
+def test_an_honest_reducer_passes_when_one_member_trained_far_more_than_the_rest():
+    """A real swarm's round 0: one peer trained many steps, two joined late and barely moved (norms 30x apart). The
+    radius bounds follow the contributions' norms, so the honest reducer's radius meets them (bounds that followed
+    the distances to the result excluded each other here, and an honest reducer was accused)."""
+    g = torch.Generator().manual_seed(11)
+    parts = [torch.randn(PART, generator=g) * 0.001, torch.randn(PART, generator=g) * 0.001,
+             torch.randn(PART, generator=g) * 0.03]
+    members = ["r", "a", "b"]
+    for weights in ([10.0, 12.0, 400.0], [100.0] * 3):
+        for codec_name in ("none", "int8"):
+            result, radii, chunks, codec = _reduce(parts, weights, codec_name)
+            for me in members:
+                verdict, _ = _verdict(parts, weights, result, radii, chunks, codec, members, me=me)
+                assert verdict.ok, (weights, codec_name, verdict.why)
 
 
 def test_a_reducer_that_moves_its_result_is_caught_and_accused():
@@ -87,7 +103,7 @@ def test_a_lie_the_reducer_hides_in_its_own_term_is_bounded():
             own = own / own.norm() * longest * 0.999
         claims = {**honest, "r": Term(tuple(own.tolist()), honest["r"].norms, honest["r"].distances)}
         verdict = judge("a", "r", members, capped_weights(weights), radii, claims, {**honest, "r": claims["r"]},
-                        float(moved.double().norm()), 0.0)
+                        chunk_norms(moved, chunks), [0.0] * len(chunks))
         assert verdict.ok is not caught, (size, verdict)
 
 
@@ -108,7 +124,7 @@ def test_a_misreported_term_parts_exactly_the_two_who_disagree():
     _, true = _verdict(parts, weights, result, radii, chunks, codec, members)
     forged = Term(tuple(x + 1.0 for x in true["a"].sketch), true["a"].norms, true["a"].distances)
     args = (capped_weights(weights), radii)
-    extra = (float(result.double().norm()), rounding([codec] * len(chunks), result, chunks))
+    extra = (chunk_norms(result, chunks), rounding([codec] * len(chunks), result, chunks))
     # The reducer misreports a's term: a accuses the reducer, b accuses nobody but does not accept the part.
     claims = {**true, "a": forged}
     assert judge("a", "r", members, *args, claims, true, *extra).accused == {"r"}

@@ -84,10 +84,8 @@ def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> tu
 def centered_clip_radius(parts: Sequence[torch.Tensor],
                          weights: Sequence[float]) -> tuple[torch.Tensor, float, float]:
     """centered_clip, and the radius tau it used (inf for a group of two, which takes the plain mean). tau stays
-    within the bounds members check it against (verify.py): at most RADIUS_CEILING times the lower median of the
-    contributions' norms, at least RADIUS_FLOOR times the lower median of their distances to the result (it is
-    raised to twice that, and the point found again, in the rare group where the medoid's distances fall short:
-    two contributions that coincide)."""
+    within the bounds members check it against (verify.py): between RADIUS_FLOOR and RADIUS_CEILING times the lower
+    median of the contributions' norms."""
     weights = capped_weights(weights)
     plain, total_weight = mean(parts, weights)
     if len(parts) <= 2:
@@ -99,15 +97,13 @@ def centered_clip_radius(parts: Sequence[torch.Tensor],
     pairwise = (gram.diagonal()[:, None] + gram.diagonal()[None, :] - 2 * gram).clamp_min(0).sqrt()
     medoid = int(pairwise.sum(1).argmin())
     others = torch.cat([pairwise[medoid, :medoid], pairwise[medoid, medoid + 1:]])
-    ceiling = RADIUS_CEILING * _lower_median(stacked.double().norm(dim=1))
-    tau = min(CLIP_RADIUS * float(others.median()), ceiling)
+    # Within the bounds every member checks (verify.py), which follow the contributions' norms alone, so an honest
+    # radius always meets them: the medoid's radius, raised to the floor or cut to the ceiling where it falls out.
+    norm = _lower_median(stacked.double().norm(dim=1))
+    tau = min(max(CLIP_RADIUS * float(others.median()), RADIUS_FLOOR * norm), RADIUS_CEILING * norm)
     if float(to_mean.max()) <= tau * (1 + 1e-6):
         return plain, total_weight, tau
     centre = _clip_point(stacked, weights, total_weight, stacked[medoid].clone(), tau)
-    floor = RADIUS_FLOOR * _lower_median((stacked - centre).double().norm(dim=1))
-    if tau < 2 * floor:
-        tau = min(4 * floor, ceiling)
-        centre = _clip_point(stacked, weights, total_weight, centre, tau)
     return centre.view_as(plain), total_weight, tau
 
 

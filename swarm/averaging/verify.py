@@ -29,10 +29,12 @@ SKETCH_BUCKETS = 1024
 # ||S u||^2 <= SKETCH_SLACK * ||u||^2 for a vector u fixed before the sketch S is drawn, but for a vanishing chance
 # (the sketched squared norm deviates by about sqrt(2 / SKETCH_BUCKETS) = 4% of it).
 SKETCH_SLACK = 1.5
-# The radius a reducer may name for a chunk: at most RADIUS_CEILING times the lower median of the contributions'
-# norms (a radius past every contribution would let its own far contribution through whole), at least RADIUS_FLOOR
-# times the lower median of their distances to its result (a radius near zero would make every term, and the check,
-# vanish). Honest radii lie well inside (aggregate.py keeps them there).
+# The radius a reducer may name for a chunk, in lower medians of the contributions' norms (which its members
+# report, so a liar moves the median no further than the honest members' norms): at most RADIUS_CEILING (a radius
+# past every contribution would let its own far contribution through whole), at least RADIUS_FLOOR (a radius near
+# zero would make every term, and the check, vanish). An honest reducer's radius is cut to these bounds where its
+# medoid's would fall out (aggregate.py); bounds that follow the distances to the result could exclude each other
+# when one member trained far more than the rest.
 RADIUS_CEILING = 4.0
 RADIUS_FLOOR = 0.25
 # What an honest reducer's result may leave of the sum, besides its codec's rounding: CenteredClip stops iterating
@@ -123,12 +125,16 @@ def lower_median(values: Sequence[float]) -> float:
     return sorted(values)[(len(values) - 1) // 2]
 
 
-def rounding(codecs: Sequence[Codec], result: torch.Tensor, chunks: Sequence[tuple[int, int]]) -> float:
-    """The norm of the most that decoding can have moved the part's result: each chunk's codec's bound read off
-    the decoded result (nothing for lossless chunks), with 1% to spare for the bound's own rounding."""
-    squares = sum(float(codec.error_bound(result[a:b]).double().square().sum())
-                  for codec, (a, b) in zip(codecs, chunks) if codec.name != "none")
-    return 1.01 * math.sqrt(squares)
+def rounding(codecs: Sequence[Codec], result: torch.Tensor, chunks: Sequence[tuple[int, int]]) -> list[float]:
+    """Per chunk, the norm of the most that decoding can have moved the part's result: its codec's bound read off
+    the decoded result (nothing for a lossless chunk), with 1% to spare for the bound's own rounding."""
+    return [0.0 if codec.name == "none" else
+            1.01 * float(torch.linalg.vector_norm(codec.error_bound(result[a:b]), dtype=torch.float64))
+            for codec, (a, b) in zip(codecs, chunks)]
+
+
+def chunk_norms(result: torch.Tensor, chunks: Sequence[tuple[int, int]]) -> list[float]:
+    return [float(torch.linalg.vector_norm(result[a:b], dtype=torch.float64)) for a, b in chunks]
 
 
 @dataclass(frozen=True)
@@ -142,12 +148,13 @@ class Verdict:
 
 
 def judge(me: str, reducer: str, members: Sequence[str], weights: Sequence[float], radii: Sequence[float],
-          claims: dict[str, Term], own: dict[str, Term], result_norm: float, rounding_norm: float) -> Verdict:
+          claims: dict[str, Term], own: dict[str, Term], result_norms: Sequence[float],
+          roundings: Sequence[float]) -> Verdict:
     """`me`'s verdict on `reducer`'s part. `weights` are the members' capped weights (in member order), `radii`
     the reducer's radius of each chunk, `claims` the reducer's sketch of every member's term, `own` the terms
     members sent of themselves (missing for a member that could not send one, e.g. a client: its term is then held
-    to the bound on length only, as the reducer's own is). `result_norm` is the part's result's norm,
-    `rounding_norm` what decoding may have moved it (rounding)."""
+    to the bound on length only, as the reducer's own is). `result_norms` are the norms of the result's chunks,
+    `roundings` what decoding may have moved each (rounding)."""
     if set(claims) != set(members):
         return Verdict(False, frozenset({reducer}), "its claims do not name every member")
     for peer in members:
@@ -162,12 +169,25 @@ def judge(me: str, reducer: str, members: Sequence[str], weights: Sequence[float
             return Verdict(False, frozenset(), f"it and {peer[-8:]} disagree on {peer[-8:]}'s term")
     radius_norm = math.sqrt(sum(r * r for r in radii))
     for k, radius in enumerate(radii):
-        norms = [claims[p].norms[k] for p in members]
-        distances = [claims[p].distances[k] for p in members]
-        floor, ceiling = RADIUS_FLOOR * lower_median(distances), RADIUS_CEILING * lower_median(norms)
+        norm = lower_median([claims[p].norms[k] for p in members])
+        floor, ceiling = RADIUS_FLOOR * norm, RADIUS_CEILING * norm
         if not floor <= radius * (1 + FLOAT_SLACK) + 1e-30 or radius > ceiling * (1 + FLOAT_SLACK) + 1e-30:
             return Verdict(False, frozenset({reducer}), f"its radius {radius:.3g} of chunk {k} is out of bounds "
                                                         f"[{floor:.3g}, {ceiling:.3g}]")
+    # The result stays near the others' contributions: at the fixed point, a result farther than M + delta from the
+    # origin (M: the largest norm of another member's contribution) leaves every other member's clipped term pulling
+    # back by at least min(delta, radius * delta / (2M + delta)), which the reducer's own term (at most its weight
+    # times the radius) must balance. So a far result, or one whose rounding would drown the sum below, is refused.
+    own_weight = weights[members.index(reducer)]
+    others = sum(weights) - own_weight
+    share = own_weight / others if others > 0 else math.inf
+    for k, radius in enumerate(radii):
+        largest = max((claims[p].norms[k] for p in members if p != reducer), default=0.0)
+        reach = largest + share * radius + (2 * largest * share / (1 - share) if share < 1 else math.inf)
+        if result_norms[k] > reach * (1 + FLOAT_SLACK) + roundings[k] + CONVERGENCE * radius + 1e-30:
+            return Verdict(False, frozenset({reducer}), f"its result's chunk {k} lies farther "
+                                                        f"({result_norms[k]:.3g}) than the contributions allow "
+                                                        f"({reach:.3g})")
     bound = SKETCH_SLACK * radius_norm * radius_norm * (1 + FLOAT_SLACK) + 1e-30
     for peer in members:
         if float(np.square(claims[peer].sketch).sum()) > bound:
@@ -177,6 +197,8 @@ def judge(me: str, reducer: str, members: Sequence[str], weights: Sequence[float
         total += weight * np.asarray(claims[peer].sketch)
     scale = sum(weights)
     contributions = sum(w * math.sqrt(sum(n * n for n in claims[p].norms)) for p, w in zip(members, weights))
+    rounding_norm = math.sqrt(sum(r * r for r in roundings))
+    result_norm = math.sqrt(sum(n * n for n in result_norms))
     tolerance = math.sqrt(SKETCH_SLACK) * scale * (rounding_norm + CONVERGENCE * radius_norm) + \
         FLOAT_SLACK * (contributions + scale * result_norm) + 1e-30
     residual = float(np.linalg.norm(total))

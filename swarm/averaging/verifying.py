@@ -19,8 +19,8 @@ import torch
 from swarm.averaging.aggregate import capped_weights
 from swarm.averaging.common import AllReduceError
 from swarm.averaging.messages import Averaged, MessageError, Reveal
-from swarm.averaging.verify import (SKETCH_BUCKETS, SKETCH_SLACK, Sketch, Term, Verdict, judge, nonce_commitment,
-                                    part_seed, rounding, term)
+from swarm.averaging.verify import (SKETCH_BUCKETS, SKETCH_SLACK, Sketch, Term, Verdict, chunk_norms, judge,
+                                    nonce_commitment, part_seed, rounding, term)
 
 
 def report_bound(members: int, chunks: int) -> int:
@@ -184,7 +184,7 @@ class Verifying:
         result = self.result[start:end]
         relative = [(a - start, b - start) for a, b in self.chunking[j]]
         verdict = judge(self.me, reducer, self.members, capped_weights(self.group.weights), radii, claims, own,
-                        float(result.double().norm()),
+                        chunk_norms(result, relative),
                         rounding([self.codec_at(a) for a, _ in self.chunking[j]], result, relative))
         if not verdict.ok:
             return Verdict(False, verdict.accused, f"{reducer[-8:]}'s part: {verdict.why}")
