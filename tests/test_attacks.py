@@ -111,7 +111,9 @@ def test_a_lying_reducer_is_caught_and_no_honest_peer_applies_its_part(swarm):
     rounds = 3
     _, maddr = swarm.bootstrap(recipe=ROOT / "tests" / "recipes" / "liar.yaml")
     names = ["honest0", "honest1", "honest2"]
+    # The liar is training before the others start, so the honest peers' rounds wait for it (as test_faults does).
     liar = swarm.peer(maddr, "--until-round", str(rounds), "--inject-fault", "lying-reducer@0", name="liar")
+    liar.wait_event("training", 120, round=0)
     peers = [swarm.peer(maddr, "--until-round", str(rounds), "--trace-dir", str(swarm.workdir / name), name=name)
              for name in names]
     for peer in peers:
