@@ -42,7 +42,8 @@ RECIPE = """run_id: attack-bench
 model: {hidden_size: 64, intermediate_size: 172, num_layers: 2, num_heads: 4, max_seq_len: 64}
 data: {vocab_size: 512, seq_len: 32, batch_size: 8}
 inner: {lr: 0.003, warmup_tokens: 2048}
-averaging: {codec: int8, aggregator: %s, min_group_size: 3, matchmaking_timeout: 30, allreduce_timeout: 30}
+averaging: {codec: int8, aggregator: %s, verify_reducers: true, min_group_size: 3, matchmaking_timeout: 30,
+            allreduce_timeout: 30}
 inner_steps_per_round: 16
 total_tokens: 1000000
 """
