@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swarm.averaging.aggregate import WEIGHT_SPREAD, aggregator, capped_weights, centered_clip, mean, trimmed, trimmed_mean
+from swarm.averaging.aggregate import (WEIGHT_SPREAD, aggregator, capped_weights, centered_clip, centered_clip_radius,
+                                      mean, trimmed, trimmed_mean)
 
 NUMEL = 50_000
 
@@ -80,3 +81,21 @@ def test_the_trimmed_mean_drops_each_coordinate_s_extremes():
     # and (0, 1) with weights (1, 1.5).
     torch.testing.assert_close(average, torch.tensor([(2 + 3 * 1.5) / 2.5, (0 + 1.5) / 2.5]))
     assert total == 4.5
+
+
+@pytest.mark.parametrize("far", [1e3, 1e9])
+def test_centered_clip_reaches_its_fixed_point_when_every_member_is_clipped(far):
+    """Two members barely moved, two moved `far` times as much and hold 3/5 of the capped weight: the radius is cut
+    to 4x the small norms, every member is clipped, and the fixed point lies far from the medoid (plain steps, a
+    radius each at most, stopped short of it). The sum members check (verify.py) vanishes at the result."""
+    g = torch.Generator().manual_seed(5)
+    small = [torch.randn(NUMEL, generator=g) * 1e-3 for _ in range(2)]
+    parts = small + [(torch.randn(NUMEL, generator=g) + 1.0) * 1e-3 * far for _ in range(2)]
+    weights = capped_weights([1.0, 1.0, 4.0, 4.0])
+    result, total, tau = centered_clip_radius(parts, weights)
+    pull = torch.zeros(NUMEL, dtype=torch.float64)
+    for part, weight in zip(parts, weights):
+        offset = part.double() - result.double()
+        pull += weight * offset * min(1.0, tau / float(offset.norm()))
+    assert min(float((p - result).norm()) for p in parts) > tau, "every member is clipped"
+    assert float(pull.norm()) < 1e-5 * total * tau, float(pull.norm()) / (total * tau)

@@ -3,6 +3,7 @@ process, lying where it can). What honest peers end with is checked, not what th
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -13,6 +14,9 @@ import pytest
 import torch
 
 from conftest import kill_session
+from swarm.averaging.aggregate import capped_weights
+from swarm.averaging.faults import SCALE
+from swarm.averaging.verify import RADIUS_FLOOR
 from swarm.events import read_events
 from test_swarm import _traces
 
@@ -66,8 +70,11 @@ def test_a_forged_reference_moves_no_honest_peer(swarm, cache_dir):
 
 def test_a_scaled_pseudo_gradient_moves_the_average_a_bounded_way(swarm):
     """One of four members sends its pseudo-gradient x1000 (well-formed, finite, an honest weight) every round.
-    With the default aggregator (centered_clip) the average every member applies stays within twice the honest
-    members' spread of their own mean, where the plain mean would have been ~250x as far; the honest members
+    With the default aggregator (centered_clip) the average every member applies moves from the honest members'
+    own mean by at most CenteredClip's radius times the attacker's weight over the honest weight, part by part. The
+    radius is 1.5x the median distance between the contributions, raised to a quarter of their (lower median) norm
+    where that is more; summed over the parts, at most sqrt(2.25 D^2 + N^2 / 32), D^2 the honest pairs' squared
+    distances, N^2 the honest squared norms. The plain mean would move hundreds of times as far; the honest members
     end bit-identical and nobody's contribution is dropped."""
     rounds = 3
     _, maddr = swarm.bootstrap(recipe=ROOT / "tests" / "recipes" / "four.yaml")  # every round waits for all four
@@ -89,15 +96,21 @@ def test_a_scaled_pseudo_gradient_moves_the_average_a_bounded_way(swarm):
         if attacker_id not in metas[0]["members"]:
             continue  # (a round it missed: nothing to measure)
         attacked += 1
-        weights = [m["weight"] for m in metas]
+        lie_meta, lie = entries["attacker"]
+        # The weights as every reducer counts them (capped at 1.5x the lower median of the group's).
+        *weights, lie_weight = capped_weights([m["weight"] for m in metas] + [lie_meta["weight"]])
         honest_mean = sum(t["pseudo_gradient"] * w for t, w in zip(tensors, weights)) / sum(weights)
         spread = max(float((t["pseudo_gradient"] - honest_mean).norm()) for t in tensors)
-        lie_meta, lie = entries["attacker"]
-        with_lie = (honest_mean * sum(weights) + 1000 * lie["pseudo_gradient"] * lie_meta["weight"]) \
-            / (sum(weights) + lie_meta["weight"])
+        pairs = sum(float((a["pseudo_gradient"] - b["pseudo_gradient"]).norm()) ** 2
+                    for i, a in enumerate(tensors) for b in tensors[i + 1:])
+        norms = sum(float(t["pseudo_gradient"].norm()) ** 2 for t in tensors)
+        bound = lie_weight / sum(weights) * math.sqrt((1.5 ** 2) * pairs + RADIUS_FLOOR ** 2 * norms / 2)
+        with_lie = (honest_mean * sum(weights) + SCALE * lie["pseudo_gradient"] * lie_weight) \
+            / (sum(weights) + lie_weight)
         moved = float((tensors[0]["average"] - honest_mean).norm())
-        assert moved <= 2 * spread, f"round {round_no}: moved {moved:.4g}, honest spread {spread:.4g}"
-        lies.append(float((with_lie - honest_mean).norm()) / spread)
+        assert moved <= 1.01 * bound, f"round {round_no}: moved {moved:.4g}, bound {bound:.4g} (honest spread " \
+            f"{spread:.4g}, squared distances {pairs:.4g}, squared norms {norms:.4g})"
+        lies.append(float((with_lie - honest_mean).norm()) / max(bound, 1e-12))
     assert attacked >= 2, "the attacker took part in too few rounds to show anything"
     # (A round in which the attacker had trained little lies little: its pseudo-gradient and weight are small.)
     assert max(lies) > 20, f"the lie was never big enough to matter: {lies}"

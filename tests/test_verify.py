@@ -74,6 +74,41 @@ def test_an_honest_reducer_passes_when_one_member_trained_far_more_than_the_rest
                 assert verdict.ok, (weights, codec_name, verdict.why)
 
 
+def _warm_up_group(seed: int) -> list[torch.Tensor]:
+    """A real round 0 of four (test_attacks' scaled round, which also fails without its x1000 member): two members
+    joined late and took one inner step, AdamW's first, which moves every element by about +-lr at the warm-up's
+    first lr (0.003 / 2048) and leaves parameters without a gradient where they were; two trained a few steps, and
+    their pseudo-gradients are ~1000x longer and heavy-tailed."""
+    g = torch.Generator().manual_seed(seed)
+    gradient = torch.randn(PART, generator=g)
+    unused = torch.rand(PART, generator=g) < 0.1  # (rows of tokens nobody's batch held)
+    late = [torch.where(unused, 0.0, 1.5e-6 * torch.sign(gradient + 2 * torch.randn(PART, generator=g)))
+            for _ in range(2)]
+    trained = [1e-3 * (gradient + torch.randn(PART, generator=g)) * torch.randn(PART, generator=g).exp()
+               for _ in range(2)]
+    return late + trained
+
+
+@pytest.mark.parametrize("codec_name", ["none", "fp16", "int8"])
+def test_an_honest_reducer_passes_when_two_members_took_one_warm_up_step(codec_name):
+    """The radius is cut to 4x the late members' norms, ~200x less than the trained members' distance, so every
+    member is clipped and the fixed point lies ~100 radii from the medoid: plain CenteredClip steps move at most a
+    radius each, and after 100 of them the reducer's residual was a tenth of the weight times the radius (0.16
+    against a tolerance of 0.04 on the real pseudo-gradients), and every member accused the honest reducer."""
+    members = ["late0", "late1", "trained0", "trained1"]
+    weights = [256.0, 256.0, 1024.0, 1024.0]  # tokens: one step and four
+    for seed in range(2):
+        parts = _warm_up_group(seed)
+        for order in (members, members[::-1]):  # (the reducer's own contribution comes first)
+            ordered = [parts[members.index(m)] for m in order]
+            ordered_weights = [weights[members.index(m)] for m in order]
+            result, radii, chunks, codec = _reduce(ordered, ordered_weights, codec_name)
+            assert max(radii) < 1e-2 * min(float(p.norm()) for p in parts[2:]), "every member is clipped"
+            for me in order:
+                verdict, _ = _verdict(ordered, ordered_weights, result, radii, chunks, codec, order, me=me)
+                assert verdict.ok, (codec_name, seed, order[0], me, verdict.why)
+
+
 def test_a_reducer_that_moves_its_result_is_caught_and_accused():
     members = ["r", "a", "b", "c"]
     parts, weights = _group(4, 1), [100.0] * 4

@@ -38,9 +38,10 @@ SKETCH_SLACK = 1.5
 RADIUS_CEILING = 4.0
 RADIUS_FLOOR = 0.25
 # What an honest reducer's result may leave of the sum, besides its codec's rounding, in radii times the group's
-# weight: CenteredClip stops iterating once a step moves less than aggregate.CLIP_TOLERANCE of the radius, or after
-# CLIP_ITERATIONS, and where most of the weight is clipped it contracts slowly (a real 4-member round with a x1000
-# member left 5e-3 after 100 iterations). A lie must move the result by about a radius to matter.
+# weight: CenteredClip solves for its fixed point to aggregate.CLIP_TOLERANCE (1e-6) of that, in float64
+# coordinates (on real pseudo-gradients, a x1e9 member among them, the float32 result left at most 1.4e-3, its own
+# rounding included, which FLOAT_SLACK covers besides). A lie must move the result by about a radius to matter, and
+# the reducer's own term hides one of its weight share times sqrt(SKETCH_SLACK) radii anyway.
 CONVERGENCE = 2e-2
 FLOAT_SLACK = 1e-5  # relative: members compute in different orders (and on different hardware)
 # Codecs whose error bound, read off a decoded vector, bounds what decoding changed (top-k's dropped elements decode
