@@ -44,7 +44,7 @@ from swarm.dht.recipes import fetch_recipe
 from swarm.dht.records import RECIPE_KEY, PeerRecord, group_key, parse_peer_records, parse_recipes, peers_key
 from swarm.dht.validation import owned_subkey, peer_id_of, subkey_owner_key
 from swarm.events import EventLog
-from swarm.peer.data import prepare_run_data
+from swarm.data.prepare import prepare_run_data
 from swarm.peer.diloco import DiLoCo
 from swarm.peer.model import build_model
 from swarm.peer.state_serve import StateServer

@@ -1,4 +1,4 @@
-"""Benchmark corpus preparation (swarm.peer.data.prepare_run_data): time, tokens/s and peak memory.
+"""Benchmark corpus preparation (swarm.data.prepare.prepare_run_data): time, tokens/s and peak memory.
 
 For each corpus, three fresh processes prepare it as a peer does (recipe defaults: 4096-entry BPE, 5% held out):
 "cold" from an empty cache (scan, split, train the BPE, tokenize into shards), "tokens" with only the BPE cached
@@ -40,8 +40,8 @@ def rss_mb() -> float:
 
 def child(source: str, cache: str, vocab_size: int, seq_len: int) -> dict:
     """One preparation in this process; returns its measurements."""
-    from swarm.peer.data import prepare_run_data
-    from swarm.peer.token_store import SHARD_TOKENS, token_dtype
+    from swarm.data.prepare import prepare_run_data
+    from swarm.data.token_store import SHARD_TOKENS, token_dtype
 
     baseline = rss_mb()
     started = time.monotonic()

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from swarm.config import RecipeError, parse_recipe  # noqa: E402
-from swarm.peer.data import CorpusError, prepare_run_data  # noqa: E402
+from swarm.data.prepare import CorpusError, prepare_run_data  # noqa: E402
 from swarm.peer.simulation import simulate_data_parallel, simulate_diloco, simulate_groups  # noqa: E402
 
 

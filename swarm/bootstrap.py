@@ -7,11 +7,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
+from pathlib import Path
+from typing import Optional
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 
 from swarm import __version__
-from swarm.config import BootstrapSettings, Recipe, RecipeError, load_recipe
+from swarm.config import BootstrapSettings, DataRecipe, Recipe, RecipeError, load_recipe
 from swarm.dht.admission import InviteError, allowlist_invites
 from swarm.dht.dialback import serve_dialback
 from swarm.dht.node import NetworkOptions, NodeError, SwarmNode
@@ -42,10 +45,31 @@ def run_bootstrap(settings: BootstrapSettings) -> int:
     events = EventLog(settings.events_file)
     stop = threading.Event()
     _stop_on_signals(stop)
+    manifest = None
+    if _shares_data(recipe, settings.share_data):
+        # Before anything is published: a peer that saw the recipe without its dataset would look for the files on
+        # its own disk. (Imported here: torch and transformers take seconds to load, which others need not wait.)
+        from swarm.data.prepare import CorpusError
+        from swarm.data.dataset import share_dataset
+
+        started = time.monotonic()
+        try:
+            manifest = share_dataset(recipe, settings.cache_dir, settings.data_dir)
+        except (CorpusError, RecipeError) as e:  # no such files, or a path outside --data-dir
+            if settings.share_data:
+                logger.error("cannot share the run's data: %s", e)
+                return 2
+            logger.warning("not sharing the run's data (%s): every peer must hold the recipe's files in its "
+                           "--data-dir; pass --data-dir DIR holding them to share them", e)
+    if manifest is not None:
+        logger.info("sharing the run's dataset %s: %d files, %.1f MB (%d training tokens), prepared in %.1f s",
+                    manifest.id[:12], len(manifest.files), manifest.total_bytes / 1e6, manifest.train_tokens,
+                    time.monotonic() - started)
     loop = LoopThread()
     try:
-        # It serves no bulk streams, whatever the settings' default for peers.
-        node = SwarmNode([], NetworkOptions(**{**settings.network.model_dump(), "direct_streams": False}))
+        # It serves no bulk streams but the dataset's files, whatever the settings' default for peers.
+        direct = settings.network.direct_streams and manifest is not None
+        node = SwarmNode([], NetworkOptions(**{**settings.network.model_dump(), "direct_streams": direct}))
     except NodeError as e:
         logger.error("%s", e)
         loop.close()
@@ -62,7 +86,15 @@ def run_bootstrap(settings: BootstrapSettings) -> int:
             logger.error("allowlist %s is too long (%d peers) to publish with the recipe: list at most a few "
                          "hundred and send the others tokens (swarm-peer invite)", settings.allowlist, len(invites))
             return 1
-        loop.run(publish_recipe(node, recipe, RECIPE_TTL, invites), timeout=30)
+        dataset = None if manifest is None else manifest.id
+        if manifest is not None:
+            from swarm.data.share import DataServer, announce_holding, serve_data
+            from swarm.data.dataset import DATASETS_DIR, FileStore
+
+            files = DataServer(manifest, FileStore(Path(settings.cache_dir) / DATASETS_DIR))
+            loop.run(serve_data(node, recipe.run_id, files), timeout=30)
+            loop.submit(announce_holding(node, recipe.run_id, manifest.id, lambda: len(manifest.files)))
+        loop.run(publish_recipe(node, recipe, RECIPE_TTL, invites, dataset), timeout=30)
         loop.run(serve_dialback(node, __version__), timeout=30)  # peers learn whether the swarm can dial them
         view = SwarmMonitor(StatusBoard(recipe.run_id, recipe.digest(), node.peer_id))
         if metrics.port is not None:
@@ -85,7 +117,7 @@ def run_bootstrap(settings: BootstrapSettings) -> int:
                   f"  swarm-peer invite PEER_ID --identity-path {settings.network.identity_path}", flush=True)
         events.emit("listening", peer_id=node.peer_id, maddrs=[str(m) for m in maddrs], run_id=recipe.run_id,
                     metrics_port=server.port if server is not None else None)
-        loop.submit(_maintain(node, recipe, view, invites))
+        loop.submit(_maintain(node, recipe, view, invites, dataset))
         stop.wait()
         logger.info("stopping")
         return 0
@@ -96,6 +128,16 @@ def run_bootstrap(settings: BootstrapSettings) -> int:
         loop.close()
         events.emit("stopped")
         events.close()
+
+
+def _shares_data(recipe: Recipe, asked: Optional[bool]) -> bool:
+    """Whether we share the run's data: as asked, else when the recipe names local files (the bundled corpus with
+    the trained BPE and a built-in model needs none: every peer has them)."""
+    if asked is not None:
+        return asked
+    defaults = DataRecipe()
+    return recipe.data.source != defaults.source or recipe.data.tokenizer != defaults.tokenizer or \
+        recipe.model.config_file is not None
 
 
 def _stop_on_signals(stop: threading.Event) -> None:
@@ -121,12 +163,13 @@ class SwarmMonitor:
         self.board.update(summary)
 
 
-async def _maintain(node: SwarmNode, recipe: Recipe, view: SwarmMonitor, invites: dict[str, str]) -> None:
+async def _maintain(node: SwarmNode, recipe: Recipe, view: SwarmMonitor, invites: dict[str, str],
+                    dataset: Optional[str]) -> None:
     since_publish = 0.0
     while True:
         try:
             if since_publish >= REPUBLISH_SECONDS:
-                await publish_recipe(node, recipe, RECIPE_TTL, invites)
+                await publish_recipe(node, recipe, RECIPE_TTL, invites, dataset)
                 since_publish = 0.0
             await view.refresh(node, recipe)
         except asyncio.CancelledError:

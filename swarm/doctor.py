@@ -8,20 +8,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import shutil
 import socket
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from swarm import __version__
-from swarm.config import PeerSettings, Recipe, RecipeError, load_recipe, local_files
+from swarm.checks import Check, resource_checks
+from swarm.config import PeerSettings, Recipe, RecipeError, load_recipe
 from swarm.dht.dialback import DialBack, DialBackError, dial_back, reachable, serve_dialback, tcp_target
 from swarm.dht.direct import listen_hosts
 from swarm.dht.lifeline import identity_held_here
 from swarm.dht.node import HOLDER_EXIT_SECONDS, NetworkOptions, NodeError, SwarmNode
-from swarm.dht.recipes import fetch_recipe
+from swarm.dht.recipes import fetch_run
 from swarm.dht.validation import Identity, IdentityError
 from swarm.dht.view import FRESH_SECONDS
 from swarm.events import EventLog
@@ -34,23 +32,6 @@ RECIPE_SECONDS = 10.0
 # A record older than FRESH_SECONDS reads as a stopped heartbeat: a clock off by half of it already costs peers.
 CLOCK_TOLERANCE = FRESH_SECONDS / 2
 MULTISTREAM = b"\x13/multistream/1.0.0\n"  # what a libp2p listener sends first on every new connection
-
-
-@dataclass(frozen=True)
-class Check:
-    """One check's verdict. `message` is one line: on a problem, its cause and its fix."""
-
-    name: str
-    ok: bool
-    message: str
-    details: dict = field(default_factory=dict)
-    fatal: bool = False  # a peer cannot run with this problem: join stops with the message
-
-    def line(self) -> str:
-        return f"{'ok' if self.ok else 'PROBLEM':7} {self.name}: {self.message}"
-
-    def to_json(self) -> dict:
-        return asdict(self)
 
 
 # ---- this machine ---------------------------------------------------------------------------------------------
@@ -228,118 +209,6 @@ def check_clock(offset: float, server: str, tolerance: float = CLOCK_TOLERANCE) 
                                  "set-ntp true`, or an NTP client)", details)
 
 
-# ---- disk and memory --------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Needs:
-    """What a peer of a recipe needs, in bytes (estimates)."""
-
-    params: int
-    checkpoint: int  # one checkpoint: global params and outer momentum (+ error feedback), fp32
-    host: int  # the CPU's share: global state, replay log, all-reduce buffers (+ training on a CPU device)
-    device: int  # training on a GPU: weights, gradients, AdamW moments, activations
-
-
-def estimate_needs(recipe: Recipe, device: str, replay_log_mb: Optional[float]) -> Needs:
-    """Counts the model's parameters on the meta device (nothing allocated). Raises RecipeError for a model the
-    recipe cannot build."""
-    import torch
-
-    from swarm.peer.model import build_model
-
-    with torch.device("meta"):
-        n = sum(p.numel() for p in build_model(recipe.model, recipe.data.vocab_size).parameters())
-    d, m = recipe.data, recipe.model
-    activations = 4 * d.batch_size * d.seq_len * (m.num_layers * (34 * m.hidden_size + 5 * m.num_heads * d.seq_len)
-                                                  + 3 * d.vocab_size)
-    training = 16 * n + activations  # fp32 weights and gradients, AdamW's two moments
-    replay = 8 * n if replay_log_mb is None else int(replay_log_mb * 1e6)
-    host = 8 * n + replay + 12 * n + (training if device == "cpu" else 0)
-    return Needs(n, 12 * n, host, training if device != "cpu" else 0)
-
-
-def _fmt(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(n) < 1000:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
-
-
-def check_disk(directory: Optional[str], checkpoint: int, keep: int) -> Check:
-    if directory is None:
-        return Check("disk", True, "no --checkpoint-dir: this peer writes no checkpoints")
-    existing = Path(directory).expanduser().absolute()
-    while not existing.exists():  # the file system the directory will be made on
-        existing = existing.parent
-    free = shutil.disk_usage(existing).free
-    need = checkpoint * (keep + 1)  # a new checkpoint is written before the oldest is removed
-    details = {"directory": directory, "free": free, "need": need, "checkpoint": checkpoint}
-    if free >= need:
-        return Check("disk", True, f"{_fmt(free)} free for checkpoints of {_fmt(checkpoint)}", details)
-    return Check("disk", False, f"{_fmt(free)} free in {directory} but {keep} checkpoints and the one being written "
-                                f"need {_fmt(need)}: free space there, pass a --checkpoint-dir on a larger disk, or "
-                                "lower --keep-checkpoints", details)
-
-
-def available_memory() -> Optional[int]:
-    """Bytes of memory available to new processes (MemAvailable), None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return None
-
-
-def device_memory(device: str) -> Optional[tuple[str, int]]:
-    """(name, free bytes) of the CUDA device, None for the CPU."""
-    if device == "cpu":
-        return None
-    import torch
-
-    return torch.cuda.get_device_name(), torch.cuda.mem_get_info()[0]
-
-
-def check_memory(need: int, free: Optional[int], replay: Optional[float]) -> Check:
-    if free is None:
-        return Check("memory", True, f"about {_fmt(need)} needed; this system does not say how much is free")
-    details = {"need": need, "free": free}
-    if free >= need:
-        return Check("memory", True, f"{_fmt(free)} available, about {_fmt(need)} needed", details)
-    log = f"--replay-log-mb {replay:g}" if replay is not None else "--replay-log-mb, one state's size by default"
-    return Check("memory", False, f"{_fmt(free)} of memory available but this peer needs about {_fmt(need)}: close "
-                                  f"other programs, or lower {log}", details)
-
-
-def check_device_memory(name: str, need: int, free: int) -> Check:
-    details = {"device": name, "need": need, "free": free}
-    if free >= need:
-        return Check("device memory", True, f"{name}: {_fmt(free)} free, about {_fmt(need)} needed", details)
-    return Check("device memory", False, f"{name} has {_fmt(free)} free but training this model needs about "
-                                         f"{_fmt(need)}: free the GPU (`nvidia-smi` shows who holds it), or join "
-                                         "with --device cpu", details)
-
-
-def resource_checks(recipe: Recipe, settings: PeerSettings) -> list[Check]:
-    """Disk for checkpoints, memory and device memory against what the recipe's model needs."""
-    from swarm.peer.training import pick_device
-
-    try:
-        device = pick_device(settings.device).type
-        _, _, model = local_files(recipe, settings.data_dir or settings.cache_dir)  # where join reads config_file
-        needs = estimate_needs(recipe.model_copy(update={"model": model}), device, settings.replay_log_mb)
-    except RuntimeError as e:  # --device cuda without a GPU
-        return [Check("device", False, str(e), fatal=True)]
-    except (RecipeError, OSError, ValueError) as e:
-        return [Check("resources", False, f"not estimated: the recipe's model cannot be built here ({e}): fix "
-                                          "model.config_file or --data-dir")]
-    checks = [check_disk(settings.checkpoints.dir, needs.checkpoint, settings.checkpoints.keep),
-              check_memory(needs.host, available_memory(), settings.replay_log_mb)]
-    gpu = device_memory(device)
-    if gpu is not None:
-        checks.append(check_device_memory(*gpu, needs.device))
-    return checks
-
-
 # ---- running them -----------------------------------------------------------------------------------------------
 def swarm_checks(answer: DialBack | DialBackError, libp2p: Sequence[str], direct: Sequence[str],
                  settings: PeerSettings) -> list[Check]:
@@ -360,7 +229,7 @@ def diagnose(settings: PeerSettings) -> list[Check]:
     to be dialled back. Raises RecipeError for an unreadable --recipe file."""
     local = load_recipe(settings.recipe_file) if settings.recipe_file else None
     checks = [check_ports(fixed_ports(settings)), check_identity(settings.network.identity_path)]
-    swarm_recipe, node, loop = None, None, LoopThread()
+    swarm_recipe, dataset, node, loop = None, None, None, LoopThread()
     try:
         probes = [loop.run(check_bootstrap(m), timeout=4 * PROBE_SECONDS) for m in settings.initial_peers]
         checks += probes
@@ -376,7 +245,7 @@ def diagnose(settings: PeerSettings) -> list[Check]:
                                                         announce=not settings.network.client_mode), timeout=60)
             checks += swarm_checks(answer, libp2p, direct, settings)
             try:
-                swarm_recipe = loop.run(fetch_recipe(node, RECIPE_SECONDS), timeout=2 * RECIPE_SECONDS)
+                swarm_recipe, dataset = loop.run(fetch_run(node, RECIPE_SECONDS), timeout=2 * RECIPE_SECONDS)
             except (RecipeError, TimeoutError) as e:
                 checks.append(Check("run", False, str(e), fatal=True))
     finally:
@@ -386,7 +255,7 @@ def diagnose(settings: PeerSettings) -> list[Check]:
     if local is not None and swarm_recipe is not None:
         checks.append(check_run(local, swarm_recipe, settings.recipe_file))
     if swarm_recipe or local:
-        return checks + resource_checks(swarm_recipe or local, settings)
+        return checks + resource_checks(swarm_recipe or local, settings, shared=dataset is not None)
     return checks + [Check("resources", False, "not estimated without the swarm's recipe: pass --recipe FILE to "
                                                "check disk and memory against it")]
 
@@ -431,10 +300,10 @@ def join_checked(settings: PeerSettings, loop: LoopThread, events: EventLog) -> 
     if not settings.network.client_mode:
         loop.run(serve_dialback(node, __version__), timeout=30)
     try:
-        recipe = loop.run(fetch_recipe(node, RECIPE_SECONDS), timeout=2 * RECIPE_SECONDS)
+        recipe, dataset = loop.run(fetch_run(node, RECIPE_SECONDS), timeout=2 * RECIPE_SECONDS)
     except (RecipeError, TimeoutError):
-        recipe = None  # the peer's own read of the recipe says what is wrong
-    for check in resource_checks(recipe, settings) if recipe is not None else []:
+        recipe = dataset = None  # the peer's own read of the recipe says what is wrong
+    for check in resource_checks(recipe, settings, shared=dataset is not None) if recipe is not None else []:
         report(check)
     logger.info("checks passed: %s", ", ".join(dict.fromkeys(passed)))
     return node, settings

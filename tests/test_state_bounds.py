@@ -13,10 +13,12 @@ import torch
 
 from swarm.dht.frames import FRAME_HEADER, recv_frame, send_frame
 from swarm.config import OuterRecipe
-from swarm.peer import state_serve, state_wire
+from swarm.dht import frames
+from swarm.peer import state_wire
 from swarm.peer.diloco import DiLoCo
 from swarm.peer.state_serve import StateServer
 from swarm.peer.state_wire import MIN_BYTES_PER_S, sync_deadline
+from conftest import dribble
 from test_state_sync import RANGE, _diloco, _download, _same_state, _trained, network  # noqa: F401 - fixture
 
 
@@ -65,8 +67,8 @@ def test_a_requester_that_sends_nothing_dribbles_or_stops_reading_is_dropped_at_
     """The state server's side: nobody holds one of its handler slots past the request deadline (silent or
     dribbling) or past the time a joiner must read its answer in (a requester that asks for a range and never
     reads it: real TCP on 127.0.0.1, so its unread bytes push back)."""
-    monkeypatch.setattr(state_serve, "STALL_SECONDS", 0.5)
-    monkeypatch.setattr(state_serve, "MIN_BYTES_PER_S", 1 << 30)
+    monkeypatch.setattr(frames, "STALL_SECONDS", 0.5)  # answer_seconds reads them there
+    monkeypatch.setattr(frames, "MIN_BYTES_PER_S", 1 << 30)
     server = StateServer(DiLoCo(torch.nn.Linear(2048, 2048), OuterRecipe()))  # 32 MB of params and momentum
     server.request_timeout = 0.3
 
@@ -74,11 +76,7 @@ def test_a_requester_that_sends_nothing_dribbles_or_stops_reading_is_dropped_at_
         silent = asyncio.ensure_future(server.handle("mallory", asyncio.StreamReader(), None))
         dribbled = asyncio.StreamReader()
         dribbling = asyncio.ensure_future(server.handle("mallory", dribbled, None))
-        for byte in FRAME_HEADER.pack(100) + b"\x00" * 100:  # a byte each 50 ms: never silent for the deadline
-            if dribbling.done():
-                break
-            dribbled.feed_data(bytes([byte]))
-            await asyncio.sleep(0.05)
+        await dribble(dribbled, FRAME_HEADER.pack(100) + b"\x00" * 100, until=dribbling)
         await asyncio.wait_for(asyncio.gather(silent, dribbling), 2)
         assert server.dropped == 2
         size = len((await server.current()).payload)

@@ -22,6 +22,7 @@ BAD_DATA = ("garbage", "nan", "short", "ring-garbage", "scaled", "flipped", "lyi
 LYING_VALUES = ("scaled", "flipped")
 SCALE = 1000.0
 LOCAL = ("diverge", "explode")  # the peer's own training goes wrong: NaN params, or an absurd pseudo-gradient
+SERVING = ("corrupt-data",)  # the dataset files it serves other peers have every byte flipped
 
 
 class FaultPlan:
@@ -34,9 +35,9 @@ class FaultPlan:
         self.round = -1
         if spec:
             phase, _, round_text = spec.partition("@")
-            if phase not in KILL_PHASES + BAD_DATA + LOCAL or not round_text.isdigit():
+            if phase not in KILL_PHASES + BAD_DATA + LOCAL + SERVING or not round_text.isdigit():
                 raise ValueError(f"--inject-fault {spec!r}: expected PHASE@ROUND with PHASE one of "
-                                 f"{', '.join(KILL_PHASES + BAD_DATA + LOCAL)}")
+                                 f"{', '.join(KILL_PHASES + BAD_DATA + LOCAL + SERVING)}")
             self.phase, self.round = phase, int(round_text)
         self._local_fired = False
 
@@ -57,6 +58,9 @@ class FaultPlan:
                 self.events.emit("fault", kind=kind, phase=kind, round=round_no)
             return True
         return False
+
+    def serves_corrupt_data(self) -> bool:
+        return self.phase == "corrupt-data"
 
     def bad_data(self, round_no: int, ring: bool = False) -> Optional[str]:
         if self.phase in BAD_DATA and round_no >= self.round >= 0:

@@ -11,7 +11,8 @@ from typing import Any, Mapping, Optional
 
 from swarm.config import Recipe, RecipeError
 from swarm.dht.node import SwarmNode
-from swarm.dht.records import RECIPE_KEY, choose_recipe, parse_recipes, protected_keys, recipe_value
+from swarm.dht.records import (RECIPE_KEY, choose_recipe, owner_dataset, parse_recipes, protected_keys,
+                               recipe_value)
 from swarm.dht.validation import subkey_owner_key
 
 logger = logging.getLogger(__name__)
@@ -22,7 +23,14 @@ INVITES = "invites"  # the recipe record's field of invites the owner signed for
 
 
 async def fetch_recipe(node: SwarmNode, timeout: float, trusted_wait: float = TRUSTED_WAIT) -> Recipe:
-    """The run recipe, as its owner signed it: the owner among our --initial-peers, or, once none of them has
+    """The run recipe (see fetch_run)."""
+    recipe, _ = await fetch_run(node, timeout, trusted_wait)
+    return recipe
+
+
+async def fetch_run(node: SwarmNode, timeout: float,
+                    trusted_wait: float = TRUSTED_WAIT) -> tuple[Recipe, Optional[str]]:
+    """The run recipe, and the id of the dataset its owner shares (None if it shares none), as its owner signed it: the owner among our --initial-peers, or, once none of them has
     published one for `trusted_wait` seconds (they may be ordinary peers, not the bootstrap), the only one
     published (see records.choose_recipe): anyone can publish a recipe, so a lone one is not followed at once.
     RecipeError if none appears within `timeout`, or it is invalid or ambiguous. From then on this node protects
@@ -40,10 +48,10 @@ async def fetch_recipe(node: SwarmNode, timeout: float, trusted_wait: float = TR
             if owner not in node.initial_peer_ids:
                 logger.info("following the recipe of %s, the only run owner in the DHT (not one of "
                             "--initial-peers)", owner)
-            node.protect(protected_keys(recipe.run_id))
+            node.protect(protected_keys(recipe))
             if recipe.admission == "invite":
                 _enter_private_run(node, owner, raw)
-            return recipe
+            return recipe, owner_dataset(raw, owner)
         if time.monotonic() >= deadline:
             raise RecipeError("found no run recipe in the DHT: is --initial-peers a `swarm-peer bootstrap` node "
                               "of this run?")
@@ -62,11 +70,13 @@ def _enter_private_run(node: SwarmNode, owner: str, raw: Mapping[str, Any]) -> N
             return
 
 
-async def publish_recipe(node: SwarmNode, recipe: Recipe, ttl: float, invites: Mapping[str, str] = ()) -> None:
+async def publish_recipe(node: SwarmNode, recipe: Recipe, ttl: float, invites: Mapping[str, str] = (),
+                         dataset: Optional[str] = None) -> None:
     """Publish the recipe under our owned subkey: this node becomes the run owner (peers trust it by peer id). A
-    private run's recipe also carries `invites` ({peer id: token}, see admission.allowlist_invites)."""
-    node.protect(protected_keys(recipe.run_id))
-    value = recipe_value(recipe)
+    private run's recipe also carries `invites` ({peer id: token}, see admission.allowlist_invites); a run whose
+    data we share, its `dataset` id (swarm.data.dataset)."""
+    node.protect(protected_keys(recipe))
+    value = recipe_value(recipe, dataset)
     if recipe.admission == "invite":
         node.private_run(node.peer_id, node.identity.public_key.decode())
         if invites:

@@ -14,6 +14,7 @@ from swarm.config import Recipe, RecipeError, recipe_from_json
 from swarm.dht.validation import KeyRule, subkey_owner
 
 RECIPE_KEY = "swarm.recipe"
+DATASET = "dataset"  # the recipe record's field naming the run's dataset
 # Peer states, grouped once by what a reader counts on a peer for (see swarm/dht/view.py).
 ONLINE_STATES = ("joining", "syncing", "training", "averaging")  # every state but offline: the peer is up
 ROUND_STATES = ("syncing", "training", "averaging")  # takes part in rounds (a syncing peer joins the next one)
@@ -28,6 +29,7 @@ MAX_MEMORY = 1 << 50  # bytes
 # Lifetimes and sizes every node enforces when it stores or receives these records (validation.KeyRule).
 RECIPE_RULE = KeyRule(max_ttl=3600.0, max_bytes=256 << 10)
 PEER_RECORD_RULE = KeyRule(max_ttl=600.0, max_bytes=8 << 10)
+DATA_HOLDER_RULE = KeyRule(max_ttl=600.0, max_bytes=1 << 10)
 
 
 def peers_key(run_id: str) -> str:
@@ -42,9 +44,16 @@ def final_key(run_id: str, round_no: int, attempt: int) -> str:
     return f"swarm.{run_id}.final.{round_no}.{attempt}"
 
 
-def protected_keys(run_id: str) -> dict[str, KeyRule]:
-    """A run's keys that accept only owned, signed entries (a node protects them once it knows the run)."""
-    return {peers_key(run_id): PEER_RECORD_RULE}
+def data_key(run_id: str) -> str:
+    """Where peers that hold files of the run's dataset say so (swarm.data.share)."""
+    return f"swarm.{run_id}.data"
+
+
+def protected_keys(recipe: Recipe) -> dict[str, KeyRule]:
+    """A run's keys that accept only owned, signed entries (a node protects them once it knows the run): its peers
+    and its stages' peers, and its data holders."""
+    stages = {peers_key(recipe.stage_run_id(k)): PEER_RECORD_RULE for k in range(recipe.pipeline.stages)}
+    return {peers_key(recipe.run_id): PEER_RECORD_RULE, **stages, data_key(recipe.run_id): DATA_HOLDER_RULE}
 
 
 class InvalidRecord(ValueError):
@@ -81,6 +90,10 @@ class PeerRecord:
     # shard (identical batches) part.
     data_shard: Optional[int] = None
     data_start: Optional[int] = None
+    # Of the run's shared dataset (None: the run shares none): files this peer holds and serves, and bytes of them it
+    # fetched from other peers.
+    data_files: Optional[int] = None
+    data_fetched: Optional[int] = None
     client: bool = False  # --client-mode: accepts no inbound streams, so it serves no state to joiners
     updated: float = 0.0
 
@@ -125,7 +138,7 @@ class PeerRecord:
         for name in ("round", "tokens_in_round", "block_start", "block_end", "attempt"):
             _integer(getattr(self, name), name, 1 << 62)
         _integer(self.device_memory, "device_memory", MAX_MEMORY)
-        for name in ("in_flight_tokens", "data_shard", "data_start"):
+        for name in ("in_flight_tokens", "data_shard", "data_start", "data_files", "data_fetched"):
             if getattr(self, name) is not None:
                 _integer(getattr(self, name), name, 1 << 62)
         if not self.block_start < self.block_end or (n_blocks is not None and self.block_end > n_blocks):
@@ -178,9 +191,13 @@ def parse_peer_records(raw: dict[Any, Any], n_blocks: Optional[int] = None) -> t
     return records, rejected
 
 
-def recipe_value(recipe: Recipe) -> dict:
-    """What the run owner publishes under its owned subkey of RECIPE_KEY."""
-    return {"json": recipe.canonical_json(), "digest": recipe.digest()}
+def recipe_value(recipe: Recipe, dataset: Optional[str] = None) -> dict:
+    """What the run owner publishes under its owned subkey of RECIPE_KEY: the recipe, and the id (manifest sha256)
+    of the dataset it shares, if any (swarm.data.dataset)."""
+    value = {"json": recipe.canonical_json(), "digest": recipe.digest()}
+    if dataset is not None:
+        value[DATASET] = dataset
+    return value
 
 
 def parse_recipes(raw: dict[Any, Any]) -> tuple[dict[str, Recipe], dict[str, str]]:
@@ -205,6 +222,16 @@ def parse_recipes(raw: dict[Any, Any]) -> tuple[dict[str, Recipe], dict[str, str
             continue
         recipes[owner] = recipe
     return recipes, problems
+
+
+def owner_dataset(raw: dict[Any, Any], owner: str) -> Optional[str]:
+    """The dataset id (a sha256 in hex) that `owner`'s recipe record names; None if it names none or garbage."""
+    for subkey, value in raw.items():
+        if subkey_owner(subkey) == owner and isinstance(value, dict):
+            dataset = value.get(DATASET)
+            if isinstance(dataset, str) and len(dataset) == 64 and all(c in "0123456789abcdef" for c in dataset):
+                return dataset
+    return None
 
 
 def choose_recipe(recipes: dict[str, Recipe], problems: dict[str, str], trusted: Sequence[str],

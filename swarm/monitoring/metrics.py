@@ -97,6 +97,16 @@ class PeerMetrics:
         self.data_shard = Gauge("swarm_data_shard", "Data shard this peer reads now (NaN before it chose where "
                                 "to start)", registry=r)
         self.data_shard.set(math.nan)
+        self.data_fetched = Counter("swarm_data_fetched_bytes_total", "Bytes of the run's dataset files fetched from "
+                                    "other peers (verified or not)", registry=r)
+        self.data_refused = Counter("swarm_data_refused_files_total", "Dataset files a holder sent wrong bytes for "
+                                    "(the holder is not asked again)", registry=r)
+        self.data_files_held = Gauge("swarm_data_files_held", "Files of the run's dataset this peer holds (and "
+                                     "serves)", registry=r)
+        self.data_files_total = Gauge("swarm_data_files", "Files in the run's dataset (0: the run shares none, each "
+                                      "peer reads the recipe's data.source)", registry=r)
+        self.data_served = Gauge("swarm_data_served_bytes", "Bytes of dataset files this peer served to others",
+                                 registry=r)
         self.memory_used = Gauge("swarm_device_memory_used_bytes", "Memory in use on the training device: "
                                  "allocated tensors on a GPU, resident set of the process on a CPU", registry=r)
         self.memory_total = Gauge("swarm_device_memory_total_bytes", "Memory of the training device (system "

@@ -80,13 +80,14 @@ def render_status(summary: SwarmSummary, run_id: str, recipe_digest: str) -> str
     nobody = ", ".join(map(str, s.uncovered_blocks)) if s.uncovered_blocks else "none"
     lines.append(f"blocks: {s.n_blocks}; peers per block: {coverage or '-'}; hosted by nobody: {nobody}")
     lines.append(f"{'peer':<14}{'state':<11}{'blocks':<9}{'device':<26}{'tok/s':>9}{'up MB/s':>9}{'down MB/s':>10}"
-                 f"{'round':>7}{'shard':>6}{'loss':>8}{'seen':>7}")
+                 f"{'round':>7}{'shard':>6}{'files':>6}{'loss':>8}{'seen':>7}")
     for p in s.peers:
         loss = f"{p.loss:.3f}" if p.loss is not None else "-"
         shard = "-" if p.data_shard is None else str(p.data_shard)
+        files = "-" if p.data_files is None else str(p.data_files)
         memory = f"{p.device_memory / 2 ** 30:.0f}GiB" if p.device_memory else ""
         device = " ".join(part for part in (p.device, memory, p.device_name) if part)  # the name may be cut
         lines.append(f"{p.peer_id[-12:]:<14}{p.state:<11}{f'{p.block_start}-{p.block_end}':<9}{device[:25]:<26}"
                      f"{p.tokens_per_s:>9.0f}{p.bandwidth_up / 1e6:>9.1f}{p.bandwidth_down / 1e6:>10.1f}"
-                     f"{p.round:>7}{shard:>6}{loss:>8}{max(s.read_at - p.updated, 0):>6.0f}s")
+                     f"{p.round:>7}{shard:>6}{files:>6}{loss:>8}{max(s.read_at - p.updated, 0):>6.0f}s")
     return "\n".join(lines)

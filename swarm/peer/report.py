@@ -17,7 +17,7 @@ logger = logging.getLogger("swarm.peer")
 
 
 def report_round(averaged, round_seconds: float, *, metrics, events, uses_ring: bool, wire_per_param: float,
-                 round_now: int, loss: Optional[float], val_loss: float, digest: str) -> None:
+                 round_now: int, loss: Optional[float], val_loss: Optional[float], digest: str) -> None:
     """Metrics, the log line and the `averaged` event of an applied round (`averaged`: rounds.Averaged);
     `round_now` is our round after its outer step and `wire_per_param` the codec's bytes a value."""
     result, group, round_no = averaged.result, averaged.group, averaged.contribution.round_no
@@ -27,15 +27,16 @@ def report_round(averaged, round_seconds: float, *, metrics, events, uses_ring: 
     metrics.record_allreduce(result.bytes_sent, result.bytes_received, result.seconds, result.group_size,
                              wire_per_param)
     metrics.outer_round.set(round_now)
-    metrics.val_loss.set(val_loss)
+    metrics.val_loss.set(float("nan") if val_loss is None else val_loss)  # a stage's peer evaluates nothing
     metrics.round_seconds.set(round_seconds)
     matchmaking = time.monotonic() - averaged.started - result.seconds
     logger.info("round %d: averaged with %d peers%s in %.2f s (%.1f MB sent, %d tokens), matchmaking %.1f s; "
-                "val loss %.4f, train loss %.4f, digest %s", round_no, result.group_size,
+                "val loss %s, train loss %.4f, digest %s", round_no, result.group_size,
                 f" (one of the groups of {group.swarm_size} peers, params mixed)" if group.mix else
                 f" (one of the groups of {group.swarm_size} peers)" if group.swarm_size > result.group_size
                 else " along a ring" if uses_ring else "", result.seconds, result.bytes_sent / 1e6,
-                int(result.total_weight), matchmaking, val_loss, loss or float("nan"), digest)
+                int(result.total_weight), matchmaking, "-" if val_loss is None else f"{val_loss:.4f}",
+                loss or float("nan"), digest)
     events.emit("averaged", round=round_no, group_size=result.group_size, swarm_size=group.swarm_size, mix=group.mix,
                 ring=uses_ring, members=list(group.members), seconds=round(result.seconds, 3),
                 bytes_sent=result.bytes_sent, total_weight=result.total_weight, val_loss=val_loss, loss=loss,

@@ -16,10 +16,10 @@ import msgpack
 from safetensors.torch import save as save_tensors
 
 from swarm.averaging.faults import FaultPlan
-from swarm.dht.frames import recv_frame, send_frame
+from swarm.dht.frames import answer_seconds, recv_frame, send_frame
 from swarm.dht.node import SwarmNode
 from swarm.peer.diloco import DiLoCo, OuterStep
-from swarm.peer.state_wire import MAX_REPLAY_STEPS, MIN_BYTES_PER_S, STALL_SECONDS, protocol, send_bytes
+from swarm.peer.state_wire import MAX_REPLAY_STEPS, STALL_SECONDS, protocol, send_bytes
 
 logger = logging.getLogger(__name__)
 SNAPSHOT_SECONDS = 300.0  # a served snapshot is kept this long after its last request, for resuming joiners
@@ -135,12 +135,6 @@ class StateServer:
             for view in (view for views in bodies for view in views):
                 await send_bytes(writer, view)
                 self.bytes_served += len(view)
-
-
-def answer_seconds(size: int) -> float:
-    """The longest we keep sending `size` bytes to one requester: what a joiner allows a holder (a stall, then
-    MIN_BYTES_PER_S), so an honest joiner never loses an answer to it and one that stops reading is dropped."""
-    return STALL_SECONDS + size / MIN_BYTES_PER_S
 
 
 def _up_to(steps: list[OuterStep], target: str) -> list[OuterStep]:

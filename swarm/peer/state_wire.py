@@ -11,15 +11,13 @@ from typing import AsyncIterator
 
 import msgpack
 
-from swarm.dht.frames import recv_frame, send_frame
+# The bulk-bytes helpers live with the frames (the data layer uses them too); re-exported for the state's users.
+from swarm.dht.frames import (FRAME_BYTES, MIN_BYTES_PER_S, STALL_SECONDS, failure_reason,  # noqa: F401
+                              receive_bytes, send_bytes, send_frame)
 from swarm.dht.node import SwarmNode
 
 logger = logging.getLogger(__name__)
-FRAME_BYTES = 1 << 20  # bytes per frame within a range or a step
 REQUESTS_PER_HOLDER = 2  # in flight, so a holder's link does not idle between two ranges
-STALL_SECONDS = 60.0  # a holder that sends nothing for this long is dropped (slow links are fine, silent ones not)
-MIN_BYTES_PER_S = 32_000  # a holder slower than this over a whole range or step is dropped (256 kbit/s: a holder
-# dribbling a byte just under the stall would otherwise hold a range, and the training thread, forever)
 MAX_REPLAY_STEPS = 64  # outer steps a holder lists at most in one answer
 
 
@@ -50,26 +48,6 @@ async def request_stream(node: SwarmNode, holder: str, run_id: str, request: dic
         yield reader
     finally:
         writer.close()
-
-
-async def send_bytes(writer: asyncio.StreamWriter, data: bytes | memoryview) -> None:
-    """`data` as frames of FRAME_BYTES, so the receiver can bound each frame it reads."""
-    view = memoryview(data)
-    for start in range(0, len(view), FRAME_BYTES):
-        await send_frame(writer, view[start:start + FRAME_BYTES])
-
-
-async def receive_bytes(reader: asyncio.StreamReader, size: int, stall: float, what: str) -> bytearray:
-    """`size` bytes sent as frames, each within `stall` seconds and all of them at MIN_BYTES_PER_S at least;
-    ValueError if the frames add up to anything else, TimeoutError if the holder is too slow."""
-    data = bytearray()
-    async with asyncio.timeout(stall + size / MIN_BYTES_PER_S):
-        while len(data) < size:
-            frame = await asyncio.wait_for(recv_frame(reader, FRAME_BYTES), stall)
-            if not frame or len(data) + len(frame) > size:
-                raise ValueError(f"{what} of the wrong length")
-            data += frame
-    return data
 
 
 def sync_deadline(state_bytes: int) -> float:
@@ -113,10 +91,3 @@ async def spread(sources: list[str], keys: list, fetch, what: str) -> tuple[dict
     while todo.qsize() and alive:  # one key to each source before a second to any: few keys spread too
         await asyncio.gather(*(fetch_from(h) for _ in range(REQUESTS_PER_HOLDER) for h in sorted(alive)))
     return values, served, len(moved_on)
-
-
-def failure_reason(error: BaseException) -> str:
-    """Why a holder failed us, in a few words for a log line."""
-    if isinstance(error, asyncio.TimeoutError):
-        return "stalled"
-    return str(error).splitlines()[0] if str(error) else type(error).__name__

@@ -1,6 +1,6 @@
 """Text corpora for training: load documents from the bundled Shakespeare corpus or the user's own files, and
 split them into train and validation sets that every peer computes identically without talking to the others.
-Tokenization and batching live in `swarm.peer.data`, which re-exports everything here.
+Tokenization and batching live in `swarm.data.prepare`, which re-exports everything here.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from swarm.peer.corpus_formats import FORMATS, FileError, corpus_format, read_documents
+from swarm.data.corpus_formats import FORMATS, FileError, corpus_format, read_documents
 
 __all__ = ["BUNDLED_CORPUS", "Corpus", "CorpusError", "Document", "Split", "load_corpus", "plan_split",
            "split_by_keys", "split_documents"]

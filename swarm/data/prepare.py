@@ -1,7 +1,7 @@
 """Training data for one peer: a tokenizer every peer derives identically from the corpus, the corpus as one flat
-token stream (kept on disk in memory-mapped token files, swarm.peer.token_store), and deterministic per-peer
+token stream (kept on disk in memory-mapped token files, swarm.data.token_store), and deterministic per-peer
 shards of fixed-length windows over it (plus fixed validation batches). Corpus loading and the train/validation
-split live in `swarm.peer.corpus` and are re-exported here.
+split live in `swarm.data.corpus` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from swarm.peer.corpus import (BUNDLED_CORPUS, Corpus, CorpusError, Document, Split, load_corpus,
+from swarm.data.corpus import (BUNDLED_CORPUS, Corpus, CorpusError, Document, Split, load_corpus,
                                split_by_keys, split_documents)
-from swarm.peer.token_store import BuildStats, TokenStore, build_store, load_store
+from swarm.data.token_store import BuildStats, TokenStore, build_store, load_store
 
 __all__ = [
     "BUNDLED_CORPUS",
@@ -47,6 +47,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+EVAL_BATCHES = 4  # validation batches every peer evaluates the global params on
 EOS_TOKEN = "<|endoftext|>"
 """End-of-document token of the "bpe" tokenizer, also used for padding."""
 
@@ -162,54 +163,16 @@ def _train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-class TokenDataset:
-    """The documents as one token stream (each document followed by the eos token), cut into non-overlapping
-    windows of seq_len + 1 tokens (inputs plus the shifted target); a tail shorter than a window is unused.
+class WindowDataset:
+    """A token stream cut into `num_windows` windows of seq_len + 1 tokens, and the schedule peers read them in
+    (per-shard batches, validation batches); a subclass says where the windows come from (`windows`)."""
 
-    `docs` may be any re-iterable of documents (a list, a Corpus or a split part of one); it is read as a stream.
-    len() counts tokens. With `cache_dir`, the stream is tokenized once into memory-mapped shards on disk
-    (swarm.peer.token_store) under a key of (tokenizer digest, document texts) and read from there after, so
-    the corpus never has to fit in memory; without, it is held in memory. `stats` says what tokenizing took
-    (None when the cache held it). Raises CorpusError if seq_len < 1, there are no documents, or the stream is
-    shorter than one window.
-    """
-
-    def __init__(
-        self,
-        docs: Iterable[Document],
-        tokenizer: PreTrainedTokenizerFast,
-        seq_len: int,
-        cache_dir: str | Path | None = None,
-        progress: Callable[[int, int], None] | None = None,
-    ) -> None:
-        if seq_len < 1:
-            raise CorpusError(f"seq_len must be at least 1, got {seq_len}")
-        if tokenizer.eos_token_id is None:
-            raise CorpusError("tokenizer has no eos token to separate documents")
-        self.seq_len = seq_len
-        texts = _Texts(docs)
-        self.store, self.stats = _load_or_tokenize(texts, tokenizer, cache_dir, progress)
-        if not texts.count:
-            raise CorpusError("cannot build a token dataset from no documents")
-        self.num_windows = self.store.total // (seq_len + 1)
-        if self.num_windows == 0:
-            raise CorpusError(
-                f"{self.store.total} tokens do not fill one window of seq_len + 1 = {seq_len + 1} tokens"
-            )
-
-    @property
-    def tokens(self) -> torch.Tensor:
-        """The whole stream as a 1-D int32 tensor, read into memory: for small corpora and tests."""
-        return torch.from_numpy(self.store.read(0, self.store.total).astype(np.int32))
+    seq_len: int
+    num_windows: int
 
     def windows(self, indices: torch.Tensor) -> torch.Tensor:
         """Windows `indices` (a 1-D tensor) as an int64 tensor of shape (len(indices), seq_len + 1)."""
-        width = self.seq_len + 1
-        rows = [self.store.read(i * width, (i + 1) * width) for i in indices.tolist()]
-        return torch.from_numpy(np.stack(rows)) if rows else torch.zeros((0, width), dtype=torch.long)
-
-    def __len__(self) -> int:
-        return self.store.total
+        raise NotImplementedError
 
     def batches(
         self, shard: int, num_shards: int, batch_size: int, seed: int, start_step: int = 0
@@ -284,6 +247,56 @@ class TokenDataset:
         count = min(self.num_windows, batch_size * max_batches)
         picked = torch.arange(count) * self.num_windows // count
         return [self.windows(chunk) for chunk in picked.split(batch_size)]
+
+
+class TokenDataset(WindowDataset):
+    """The documents as one token stream (each document followed by the eos token), cut into non-overlapping
+    windows of seq_len + 1 tokens (inputs plus the shifted target); a tail shorter than a window is unused.
+
+    `docs` may be any re-iterable of documents (a list, a Corpus or a split part of one); it is read as a stream.
+    len() counts tokens. With `cache_dir`, the stream is tokenized once into memory-mapped shards on disk
+    (swarm.data.token_store) under a key of (tokenizer digest, document texts) and read from there after, so
+    the corpus never has to fit in memory; without, it is held in memory. `stats` says what tokenizing took
+    (None when the cache held it). Raises CorpusError if seq_len < 1, there are no documents, or the stream is
+    shorter than one window.
+    """
+
+    def __init__(
+        self,
+        docs: Iterable[Document],
+        tokenizer: PreTrainedTokenizerFast,
+        seq_len: int,
+        cache_dir: str | Path | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        if seq_len < 1:
+            raise CorpusError(f"seq_len must be at least 1, got {seq_len}")
+        if tokenizer.eos_token_id is None:
+            raise CorpusError("tokenizer has no eos token to separate documents")
+        self.seq_len = seq_len
+        texts = _Texts(docs)
+        self.store, self.stats = _load_or_tokenize(texts, tokenizer, cache_dir, progress)
+        if not texts.count:
+            raise CorpusError("cannot build a token dataset from no documents")
+        self.num_windows = self.store.total // (seq_len + 1)
+        if self.num_windows == 0:
+            raise CorpusError(
+                f"{self.store.total} tokens do not fill one window of seq_len + 1 = {seq_len + 1} tokens"
+            )
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """The whole stream as a 1-D int32 tensor, read into memory: for small corpora and tests."""
+        return torch.from_numpy(self.store.read(0, self.store.total).astype(np.int32))
+
+    def windows(self, indices: torch.Tensor) -> torch.Tensor:
+        """Windows `indices` (a 1-D tensor) as an int64 tensor of shape (len(indices), seq_len + 1)."""
+        width = self.seq_len + 1
+        rows = [self.store.read(i * width, (i + 1) * width) for i in indices.tolist()]
+        return torch.from_numpy(np.stack(rows)) if rows else torch.zeros((0, width), dtype=torch.long)
+
+    def __len__(self) -> int:
+        return self.store.total
 
 
 def choose_data_shard(reading: Sequence[int], num_shards: int, tie_break: int) -> int:
@@ -378,6 +391,7 @@ class RunData:
     n_train_docs: int
     n_val_docs: int
     skipped_files: int = 0
+    tokenizer: PreTrainedTokenizerFast | None = None
 
 
 def prepare_run_data(source: str, tokenizer_spec: str, vocab_size: int, val_fraction: float, seq_len: int,
@@ -401,7 +415,7 @@ def prepare_run_data(source: str, tokenizer_spec: str, vocab_size: int, val_frac
                     train.stats.tokens, train.stats.chars / 1e6, train.stats.seconds, train.stats.tokens_per_s,
                     train.stats.shards)
     evaluation = TokenDataset(val_docs, tokenizer, seq_len, cache_dir=cache_dir).eval_batches(batch_size, eval_batches)
-    return RunData(train, evaluation, len(tokenizer), split.n_train, split.n_val, len(corpus.skipped))
+    return RunData(train, evaluation, len(tokenizer), split.n_train, split.n_val, len(corpus.skipped), tokenizer)
 
 
 @dataclass(frozen=True)
