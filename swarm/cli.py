@@ -133,7 +133,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _join(args: argparse.Namespace) -> int:
     settings = settings_from_args(PeerSettings, args)  # before the slow imports: a bad flag fails at once
     from swarm.dht.node import NodeError
-    from swarm.peer.data import CorpusError
+    from swarm.data.prepare import CorpusError
     from swarm.peer.peer import Peer
 
     try:

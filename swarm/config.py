@@ -99,10 +99,9 @@ class AveragingRecipe(_Section):
                                      "robust aggregate that bounds what one member can move it by (centered_clip, "
                                      "trimmed_mean; weights capped at 1.5x the group's median; no ring)")
     verify_reducers: bool = Field(
-        False, description="members check every reducer's centered_clip before applying it (a reducer that sends "
-                           "back an average of its own making is refused and parted from them); costs about two "
-                           "passes over the vector and one more exchange a round; off by default while a false "
-                           "alarm seen on real pseudo-gradients is open (README, Verified reducers)")
+        True, description="members check every reducer's centered_clip before applying it (a reducer that sends "
+                          "back an average of its own making is refused and parted from them); costs about two "
+                          "passes over the vector and one more exchange a round (README, Verified reducers)")
     min_phase_timeout: float = Field(5.0, gt=0, le=86400,
                                      description="floor of each phase's timeout; in between, timeouts follow "
                                                  "3x the slowest of the last rounds")
@@ -131,6 +130,13 @@ class AveragingRecipe(_Section):
         return self
 
 
+class PipelineRecipe(_Section):
+    """How many pipeline stages the model is cut into (swarm/peer/stages.py); each peer hosts one stage, and the
+    peers of a stage average it among themselves (DiLoCo per stage). 1: every peer hosts the whole model."""
+
+    stages: int = Field(1, ge=1, le=1024, description="stages the model's blocks are cut into, evenly")
+
+
 class Recipe(_Section):
     """Everything every peer of a run must agree on. Its hash identifies the run's configuration."""
 
@@ -149,12 +155,25 @@ class Recipe(_Section):
     admission: Literal["open", "invite"] = Field(
         "open", description="open: anyone may take part; invite: only the run owner and peers it invited (a "
                             "private swarm, `swarm-peer bootstrap --private`)")
+    pipeline: PipelineRecipe = PipelineRecipe()
 
     @model_validator(mode="after")
     def _lengths(self) -> "Recipe":
         if self.model.config_file is None and self.data.seq_len > self.model.max_seq_len:
             raise ValueError(f"data.seq_len {self.data.seq_len} exceeds model.max_seq_len {self.model.max_seq_len}")
         return self
+
+    @model_validator(mode="after")
+    def _stages(self) -> "Recipe":
+        if self.model.config_file is None and self.pipeline.stages > self.model.num_layers:
+            raise ValueError(f"pipeline.stages {self.pipeline.stages} exceeds model.num_layers {self.model.num_layers}")
+        if self.pipeline.stages > 1 and self.outer.overlap:
+            raise ValueError("pipeline.stages > 1 does not run with outer.overlap yet: set one or the other")
+        return self
+
+    def stage_run_id(self, stage: int) -> str:
+        """The run id a stage's peers average, sync and announce under (the run's own for a one-stage run)."""
+        return self.run_id if self.pipeline.stages == 1 else f"{self.run_id}.stage{stage}"
 
     def max_contribution_tokens(self) -> int:
         """The most tokens one peer's contribution to a round may weigh: four rounds' worth (a peer that failed
@@ -167,10 +186,12 @@ class Recipe(_Section):
         fields = self.model_dump(mode="json")
         if fields["admission"] == "open":  # left out: open runs keep the digest (and JSON) of older versions
             del fields["admission"]
-        if not fields["averaging"]["verify_reducers"]:  # (likewise: the default keeps older runs' digest)
+        if fields["averaging"]["verify_reducers"]:  # (likewise: recipes without the field keep their digest)
             del fields["averaging"]["verify_reducers"]
         if fields["data"]["text_field"] == "text":  # the same, for recipes that read no other field
             del fields["data"]["text_field"]
+        if fields["pipeline"]["stages"] == 1:  # and for whole-model runs
+            del fields["pipeline"]
         return json.dumps(fields, sort_keys=True, separators=(",", ":"))
 
     def digest(self) -> str:
@@ -304,34 +325,6 @@ class CheckpointSettings(_Section):
                     "... and every N-th round (default 100; 0 keeps only the recent ones)")
 
 
-def local_path(field: str, value: str, data_dir: str | Path) -> Path:
-    """The local file a recipe's `field` names (`value`, relative to `data_dir` or absolute inside it). A recipe is
-    published by whoever runs the bootstrap, so it may not make a volunteer's peer read files elsewhere (`~` would
-    be their home directory): RecipeError, naming the field and what to do, for a path outside `data_dir` (after
-    following symlinks)."""
-    root = Path(data_dir).expanduser().resolve()
-    path = Path(value)
-    resolved = (path if path.is_absolute() else root / path).resolve()
-    if not resolved.is_relative_to(root):
-        raise RecipeError(f"recipe field {field} names {value!r}, outside this peer's data directory {root}: copy "
-                          f"the files into it (and name them relative to it), or pass --data-dir")
-    return resolved
-
-
-def local_files(recipe: "Recipe", data_dir: str | Path) -> tuple[str, str, "ModelRecipe"]:
-    """(data.source, data.tokenizer, the model recipe) with each local path the recipe names resolved inside
-    `data_dir` (see local_path); the bundled corpus, the trained BPE and a config-less model name no file."""
-    source, tokenizer, model = recipe.data.source, recipe.data.tokenizer, recipe.model
-    if source != DataRecipe.model_fields["source"].default:
-        source = str(local_path("data.source", source, data_dir))
-    if tokenizer != DataRecipe.model_fields["tokenizer"].default:
-        tokenizer = str(local_path("data.tokenizer", tokenizer, data_dir))
-    if model.config_file is not None:
-        model = model.model_copy(update={"config_file": str(local_path("model.config_file", model.config_file,
-                                                                             data_dir))})
-    return source, tokenizer, model
-
-
 class PeerSettings(_Section):
     """Settings of one volunteer's peer (`swarm-peer join`)."""
 
@@ -369,6 +362,10 @@ class PeerSettings(_Section):
     data_shard: Optional[int] = Field(
         None, ge=0, json_schema_extra={"metavar": "K"},
         description="start the data stream at shard K (default: where no live peer reads)")
+    stage: Optional[int] = Field(
+        None, ge=0, json_schema_extra={"metavar": "K"},
+        description="in a run cut into pipeline stages, host stage K (default: the stage with the fewest live "
+                    "peers; a restarted peer passes its checkpoint's)")
     trace_dir: Optional[str] = Field(
         None, json_schema_extra={"metavar": "DIR"},
         description="write every round's pseudo-gradient, average and global params as safetensors, to audit the "
@@ -410,6 +407,16 @@ class BootstrapSettings(_Section):
     events_file: Optional[str] = Field(
         None, json_schema_extra={"metavar": "FILE"},
         description="append one JSON line per event a script or test waits on (listening; see swarm/events.py)")
+    share_data: Optional[bool] = Field(
+        None, description="tokenize the recipe's corpus into content-addressed files, publish their manifest with "
+                          "the recipe and serve them, so peers need no copy of the data (default: when the recipe "
+                          "names local files: data.source, data.tokenizer or model.config_file)")
+    cache_dir: str = Field(
+        str(Path.home() / ".cache" / "swarm"), json_schema_extra={"metavar": "DIR"},
+        description="where the shared dataset's files and the tokenizer cache live (default ~/.cache/swarm)")
+    data_dir: Optional[str] = Field(
+        None, json_schema_extra={"metavar": "DIR"},
+        description="where the recipe's local files are read from (default: --cache-dir)")
 
     @model_validator(mode="after")
     def _private_needs_a_lasting_key(self) -> "BootstrapSettings":

@@ -151,6 +151,39 @@ def http_get(url: str, method: str = "GET") -> tuple[int, dict, bytes]:
         return e.code, dict(e.headers), e.read()
 
 
+@pytest.fixture
+def p2p_network():
+    """(loop, add): `add()` starts one more real node on 127.0.0.1 (its own p2pd), bootstrapped from the first;
+    every node is shut down at the end of the test."""
+    from swarm.dht.node import NetworkOptions, SwarmNode
+    from swarm.runtime import LoopThread
+
+    loop = LoopThread()
+    nodes = []
+
+    def add():
+        initial = [nodes[0].visible_maddrs()[0]] if nodes else []
+        nodes.append(SwarmNode(initial, NetworkOptions(host_maddrs=("/ip4/127.0.0.1/tcp/0",))))
+        return nodes[-1]
+
+    yield loop, add
+    for node in nodes:
+        node.shutdown()
+    loop.close()
+
+
+async def dribble(reader, data: bytes, until) -> None:
+    """Feed `data` to `reader` a byte each 50 ms, so its reader is never silent for a read deadline, until the
+    task `until` is done: how a hostile peer holds a handler's slot without ever stalling."""
+    import asyncio
+
+    for byte in data:
+        if until.done():
+            return
+        reader.feed_data(bytes([byte]))
+        await asyncio.sleep(0.05)
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
     """One tokenizer cache for the whole session, so each run trains the test tokenizer once."""

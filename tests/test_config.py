@@ -5,7 +5,8 @@ import json
 import pytest
 
 from swarm.compression import CODEC_NAMES
-from swarm.config import Recipe, RecipeError, load_recipe, local_files, local_path, parse_recipe, recipe_from_json
+from swarm.config import Recipe, RecipeError, load_recipe, parse_recipe, recipe_from_json
+from swarm.data.paths import local_files, local_path
 
 
 def test_default_recipe_is_the_demo_run():
@@ -87,14 +88,15 @@ def test_a_recipe_names_local_files_only_inside_the_data_dir(tmp_path):
         local_files(parse_recipe({"model": {"config_file": "/etc/passwd"}}), data_dir)
 
 
-def test_verified_reducers_keep_older_runs_digest_while_off():
-    """`averaging.verify_reducers` (off by default for now: see README) is left out of the canonical JSON while it
-    is off, so a run recipe written before the field existed keeps its digest (and its checkpoints); on, it counts."""
+def test_verified_reducers_are_on_by_default_and_keep_older_runs_digest():
+    """`averaging.verify_reducers` is on by default and left out of the canonical JSON while on, so a run recipe
+    written before the field existed keeps its digest (and its checkpoints); turned off, it counts."""
     recipe = Recipe()
-    assert not recipe.averaging.verify_reducers and "verify_reducers" not in recipe.canonical_json()
-    checking = Recipe.model_validate({"averaging": {"verify_reducers": True}})
-    assert '"verify_reducers":true' in checking.canonical_json() and checking.digest() != recipe.digest()
-    assert recipe_from_json(checking.canonical_json()) == checking
+    assert recipe.averaging.verify_reducers and "verify_reducers" not in recipe.canonical_json()
+    assert Recipe.model_validate({"averaging": {"verify_reducers": True}}).digest() == recipe.digest()
+    trusting = Recipe.model_validate({"averaging": {"verify_reducers": False}})
+    assert '"verify_reducers":false' in trusting.canonical_json() and trusting.digest() != recipe.digest()
+    assert recipe_from_json(trusting.canonical_json()) == trusting
 
 
 def test_data_text_field_keeps_the_digest_of_recipes_that_do_not_set_it():
@@ -105,3 +107,18 @@ def test_data_text_field_keeps_the_digest_of_recipes_that_do_not_set_it():
     other = parse_recipe({"data": {"text_field": "content"}})
     assert other.digest() != default.digest() and other.differing_fields(default) == ["data.text_field"]
     assert recipe_from_json(other.canonical_json()) == other
+
+
+def test_pipeline_stages_keep_whole_model_runs_digest_and_are_checked():
+    """`pipeline.stages` (swarm/peer/staged.py): 1, the default, is left out of the canonical JSON, so whole-model
+    runs keep their digest; more stages than layers, or stages with overlapping rounds, are refused by name; each
+    stage has a run id of its own."""
+    recipe = Recipe()
+    assert "pipeline" not in recipe.canonical_json() and recipe.stage_run_id(0) == recipe.run_id
+    staged = Recipe.model_validate({"pipeline": {"stages": 2}})
+    assert staged.digest() != recipe.digest() and staged.stage_run_id(1) == f"{recipe.run_id}.stage1"
+    assert recipe_from_json(staged.canonical_json()) == staged
+    with pytest.raises(ValueError, match="pipeline.stages 9 exceeds model.num_layers 4"):
+        Recipe.model_validate({"pipeline": {"stages": 9}})
+    with pytest.raises(ValueError, match="outer.overlap"):
+        Recipe.model_validate({"pipeline": {"stages": 2}, "outer": {"overlap": True}})

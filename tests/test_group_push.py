@@ -15,6 +15,7 @@ from swarm.averaging.group_push import GroupPush, leader_of
 from swarm.dht.frames import FRAME_HEADER
 from swarm.dht.node import NetworkOptions, SwarmNode
 from swarm.runtime import LoopThread
+from conftest import dribble
 
 
 @pytest.fixture(scope="module")
@@ -94,11 +95,7 @@ def test_a_push_that_does_not_arrive_whole_in_time_is_dropped_at_its_deadline():
         dribbled = asyncio.StreamReader()
         dribbling = asyncio.ensure_future(push._on_stream("mallory", dribbled, _Sink()))
         frame = msgpack.packb({"round": 1, "attempt": 0, "final": {}})
-        for byte in FRAME_HEADER.pack(len(frame)) + frame:  # a byte each 50 ms: never silent for the deadline
-            if dribbling.done():
-                break
-            dribbled.feed_data(bytes([byte]))
-            await asyncio.sleep(0.05)
+        await dribble(dribbled, FRAME_HEADER.pack(len(frame)) + frame, until=dribbling)
         await asyncio.wait_for(asyncio.gather(silent, dribbling), 2)
         assert push.dropped == 2
         members = ["leader", "other"]

@@ -14,10 +14,17 @@ import torch
 from safetensors.torch import load_file
 
 from swarm.config import load_recipe
-from swarm.peer.data import prepare_run_data
-from swarm.peer.simulation import simulate_diloco, simulate_groups
+from swarm.data.prepare import prepare_run_data
+from swarm.peer.simulation import simulate_diloco, simulate_groups, simulate_pipeline
 
 RECIPE = Path(__file__).parent / "recipes" / "fixed_steps.yaml"
+
+
+def _data(recipe, cache_dir):
+    """The recipe's run data, as a peer prepares it (tokenizer and token files cached in `cache_dir`)."""
+    d = recipe.data
+    return prepare_run_data(d.source, d.tokenizer, d.vocab_size, d.val_fraction, d.seq_len, d.batch_size, d.seed,
+                            cache_dir)
 ROUNDS = 3
 
 
@@ -31,9 +38,7 @@ def test_real_swarm_matches_simulation(swarm, cache_dir):
         assert peer.wait(240) == 0, peer.output()[-3000:]
 
     recipe = load_recipe(RECIPE)
-    data = prepare_run_data(recipe.data.source, recipe.data.tokenizer, recipe.data.vocab_size,
-                            recipe.data.val_fraction, recipe.data.seq_len, recipe.data.batch_size, recipe.data.seed,
-                            cache_dir)
+    data = _data(recipe, cache_dir)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the peers ran with one thread: same kernels, same rounding
     try:
@@ -58,9 +63,7 @@ def test_simulated_overlap_keeps_local_progress_on_the_new_global_params(cache_d
     first inner step of the next round (delay 0) re-bases every worker exactly onto the new global params, so the
     run equals plain DiLoCo; one that arrives later gives a different (delayed) run that still learns."""
     recipe = load_recipe(RECIPE)
-    data = prepare_run_data(recipe.data.source, recipe.data.tokenizer, recipe.data.vocab_size,
-                            recipe.data.val_fraction, recipe.data.seq_len, recipe.data.batch_size, recipe.data.seed,
-                            cache_dir)
+    data = _data(recipe, cache_dir)
     runs = {delay: simulate_diloco(recipe, data, shards=[0, 1], rounds=3, inner_steps=4, overlap_delay=delay)
             for delay in (None, 0, 2)}
     flat = {delay: torch.cat([p.view(-1) for p in run.global_params]) for delay, run in runs.items()}
@@ -74,9 +77,7 @@ def test_simulated_groups_are_diloco_when_one_group_holds_everyone_and_mix_other
     swarm is plain DiLoCo; groups of 2 out of 4 leave round 0 with two lineages, which round 1 merges (every
     group averages params across them), and the run still learns."""
     recipe = load_recipe(RECIPE)
-    data = prepare_run_data(recipe.data.source, recipe.data.tokenizer, recipe.data.vocab_size,
-                            recipe.data.val_fraction, recipe.data.seq_len, recipe.data.batch_size, recipe.data.seed,
-                            cache_dir)
+    data = _data(recipe, cache_dir)
     plain = simulate_diloco(recipe, data, shards=[0, 1], rounds=2, inner_steps=3)
     one_group = simulate_groups(recipe, data, shards=[0, 1], rounds=2, inner_steps=3, group_size=2)
     torch.testing.assert_close(torch.cat([p.view(-1) for p in one_group.global_params]),
@@ -115,3 +116,24 @@ def test_bench_diloco_runs_on_the_corpus_it_is_given(tmp_path, cache_dir):
                              timeout=300)
     assert missing.returncode == 2
     assert missing.stderr.strip().splitlines()[-1].endswith(f"corpus path '{tmp_path / 'nowhere'}' does not exist")
+
+
+def test_a_one_stage_pipeline_is_diloco_and_two_stages_learn_with_every_replica_fed(cache_dir):
+    """simulate_pipeline (bench_pipeline.py's DiLoCo-SWARM): with one stage it is plain DiLoCo (same params); cut
+    into 2 stages x 2 replicas with an fp16 wire, microbatches reach both second-stage replicas, the boundary
+    carries hidden_size x 2 bytes forward and back per token, and the validation loss falls."""
+    recipe = load_recipe(RECIPE)
+    recipe = recipe.model_copy(update={"averaging": recipe.averaging.model_copy(update={"codec": "int8"})})
+    data = _data(recipe, cache_dir)
+    plain = simulate_diloco(recipe, data, shards=[0, 1], rounds=2, inner_steps=3)
+    one = simulate_pipeline(recipe, data, shards=[0, 1], stages=1, rounds=2, inner_steps=3)
+    torch.testing.assert_close(torch.cat([p.view(-1) for p in one.global_params]),
+                               torch.cat([p.view(-1) for p in plain.global_params]), rtol=1e-4, atol=1e-5)
+    assert one.activation_bytes == 0 and one.tokens == plain.tokens
+    two = simulate_pipeline(recipe, data, shards=[0, 1], stages=2, rounds=3, inner_steps=4, wire_codec="fp16")
+    assert two.val_losses[-1] < two.val_losses[0]
+    assert all(r[0] == [4, 4] for r in two.stage_microbatches)  # each first-stage replica: its own data
+    assert all(sum(r[1]) == 8 for r in two.stage_microbatches)  # all of it through the second stage
+    assert min(sum(r[1][k] for r in two.stage_microbatches) for k in (0, 1)) > 0, "random wiring feeds both"
+    per_token = two.activation_bytes / two.tokens
+    assert abs(per_token - 2 * 2 * recipe.model.hidden_size) < 1, per_token

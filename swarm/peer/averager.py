@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -45,7 +46,7 @@ class Averager:
 
     def __init__(self, *, loop, node, recipe, allreduce, group_push, announcer, rounds: Rounds, faults, metrics,
                  link: LinkEstimate, client_mode: bool, flat_state: Callable[[], torch.Tensor], events=None,
-                 matchmaking=form_group):
+                 matchmaking=form_group, stopping: Optional[threading.Event] = None):
         self.loop, self.node, self.recipe = loop, node, recipe
         self.allreduce, self.group_push, self.announcer = allreduce, group_push, announcer
         self.rounds, self.faults, self.metrics, self.link = rounds, faults, metrics, link
@@ -53,6 +54,7 @@ class Averager:
         self.flat_state = flat_state
         self.matchmaking = matchmaking
         self.events = events if events is not None else EventLog()
+        self.stopping = stopping  # set by a stop signal: no new attempt starts after it
 
     def reduce(self, contribution: Contribution, attempt: int) -> Outcome:
         """Matchmaking and all-reduce of `contribution`, starting at `attempt`; redone at once (a new attempt)
@@ -67,6 +69,8 @@ class Averager:
     def _reduce(self, contribution: Contribution, attempt: int) -> Outcome:
         round_no, retries, started = contribution.round_no, 0, time.monotonic()
         while True:
+            if self.stopping is not None and self.stopping.is_set():  # a stop that came after its cancellations
+                raise concurrent.futures.CancelledError()
             if self.moved_on(round_no):
                 return NotAveraged(contribution, attempt)  # the training thread re-syncs
             attempt = self.rounds.begin_attempt(round_no, attempt, self.announcer.attempts(round_no))

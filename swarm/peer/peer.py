@@ -21,9 +21,9 @@ from swarm.averaging.deadlines import AdaptiveDeadlines
 from swarm.averaging.faults import FaultPlan
 from swarm.averaging.group_push import GroupPush
 from swarm.compression import ErrorFeedback
-from swarm.config import PeerSettings, RecipeError, load_recipe, local_files
+from swarm.config import PeerSettings, RecipeError, load_recipe
 from swarm.dht.node import SwarmNode
-from swarm.dht.recipes import fetch_recipe, take_part
+from swarm.dht.recipes import fetch_run, take_part
 from swarm.dht.records import PeerRecord
 from swarm.doctor import join_checked
 from swarm.events import EventLog
@@ -33,21 +33,21 @@ from swarm.peer import checkpoint as ckpt
 from swarm.peer.announcer import Announcer
 from swarm.peer.averager import Averager, LinkEstimate
 from swarm.peer.catch_up import CatchUp
-from swarm.peer.data import prepare_run_data
 from swarm.peer.diloco import DiLoCo
 from swarm.peer.model import build_model, n_blocks
 from swarm.peer.probe import describe_device, measure_tokens_per_s
 from swarm.peer.rounds import Averaged, Contribution, Outcome, Rounds
 from swarm.peer.state_sync import serve_state
+from swarm.peer.shared_data import load_data
+from swarm.peer.staged import Part
 from swarm.peer.stop import Stop
 from swarm.peer.stream import DataStream
 from swarm.peer.report import report_round, write_trace
-from swarm.peer.training import (StepClock, inner_step, learning_rate, make_inner_optimizer, pick_device,
+from swarm.peer.training import (StepClock, learning_rate, make_inner_optimizer, pick_device,
                                  schedule_tokens, validation_loss)
 from swarm.runtime import LoopThread
 
 logger = logging.getLogger("swarm.peer")
-EVAL_BATCHES = 4
 
 
 class Peer:
@@ -89,7 +89,8 @@ class Peer:
             self.metrics.watch_streams(self.node.direct.opened)
 
     def _read_recipe(self) -> None:
-        self.recipe = r = self.loop.run(fetch_recipe(self.node, timeout=30.0), timeout=60)
+        self.recipe, self.dataset_id = self.loop.run(fetch_run(self.node, timeout=30.0), timeout=60)
+        r = self.recipe
         take_part(self.node, r, self.settings.invite)  # a private run's stranger stops here, saying what to do
         if self.settings.recipe_file:
             local = load_recipe(self.settings.recipe_file)
@@ -101,23 +102,18 @@ class Peer:
 
     def _build_data_and_model(self) -> None:
         s, r = self.settings, self.recipe
-        source, tokenizer, model_recipe = local_files(r, s.data_dir or s.cache_dir)
-        started = time.monotonic()
-        data = prepare_run_data(source, tokenizer, r.data.vocab_size, r.data.val_fraction, r.data.seq_len,
-                                r.data.batch_size, r.data.seed, s.cache_dir, EVAL_BATCHES, r.data.text_field)
+        data, model_recipe, self.shared = load_data(self.node, self.loop, r, self.dataset_id, s, self.metrics,
+                                                    self.events)
         self.eval_batches = data.eval_batches
         self.stream = DataStream(data.train, r.data.num_shards, r.data.batch_size, r.data.seed,
                                  self.node.peer_id, pinned=s.data_shard)  # placed once we see the swarm
-        logger.info("data: %d train docs (%d tokens), %d validation docs (%d unreadable files skipped), %.1f s",
-                    data.n_train_docs, len(data.train), data.n_val_docs, data.skipped_files, time.monotonic() - started)
-        self.events.emit("data_prepared", train_docs=data.n_train_docs, train_tokens=len(data.train),
-                         val_docs=data.n_val_docs, seconds=round(time.monotonic() - started, 3))
-        self.model = build_model(model_recipe, data.vocab_size).to(self.device)
+        self.model = build_model(model_recipe, len(data.tokenizer)).to(self.device)
         self.n_blocks = n_blocks(self.model)
-        self.diloco = DiLoCo(self.model, r.outer, log_bytes=None if s.replay_log_mb is None else
+        self.part = Part(r, s, self.model, self.node, self.loop, self.n_blocks)  # the whole model, or a stage
+        self.diloco = DiLoCo(self.part.module, r.outer, log_bytes=None if s.replay_log_mb is None else
                              int(s.replay_log_mb * 1e6))
         self.error_feedback = ErrorFeedback()
-        self.inner_optimizer = make_inner_optimizer(self.model, r.inner)
+        self.inner_optimizer = make_inner_optimizer(self.part.module, r.inner)
         logger.info("model: %.2fM parameters, %d blocks, on %s; replay log up to %.2f MB", self.diloco.numel / 1e6,
                     self.n_blocks, self.device, self.diloco.log_bytes / 1e6)
         self.events.emit("model", parameters=self.diloco.numel, blocks=self.n_blocks, device=str(self.device),
@@ -126,7 +122,7 @@ class Peer:
     def _start_services(self) -> None:
         """The all-reduce and state servers, the announcer and its heartbeat, the metrics endpoint, and the round
         machine with its averager."""
-        s, r = self.settings, self.recipe
+        s, r = self.settings, self.part.run  # a stage's peers average, sync and announce under its own run id
         self.allreduce = GroupAllReduce(  # a mixing group averages pseudo-gradient, params and momentum: 3 x numel
             self.node, r.run_id, r.averaging.codec, 3 * self.diloco.numel,
             AdaptiveDeadlines(r.averaging.min_phase_timeout, r.averaging.allreduce_timeout),
@@ -141,27 +137,29 @@ class Peer:
             self.loop.run(self.allreduce.start(), timeout=30)
             self.loop.run(group_push.start(), timeout=30)
             self.loop.run(serve_state(self.node, r.run_id, self.diloco, self.faults), timeout=30)
+            if self.shared is not None:
+                self.shared.serve(corrupt=self.faults.serves_corrupt_data())
         self.rounds = Rounds(overlap=r.outer.overlap, tokens_per_round=r.tokens_per_round,
                              steps_per_round=r.inner_steps_per_round,
-                             retry_tokens=max(r.tokens_per_round // 4, r.data.batch_size * r.data.seq_len))
+                             retry_tokens=0 if not (self.part.whole or self.part.first) else  # (staged.py)
+                             max(r.tokens_per_round // 4, r.data.batch_size * r.data.seq_len))
         self.announcer = Announcer(self.node, r.run_id, self.n_blocks, self._record, self.metrics)
-        # What we announce about ourselves. Every peer trains the whole model for now, so its capacity is all
-        # blocks and the chosen range is [0, n_blocks); routing will lower it.
-        self.device_info = describe_device(self.device)
-        self.block_range = self.loop.run(self.announcer.choose_blocks(capacity=self.n_blocks), timeout=30)
+        self.device_info, self.block_range = describe_device(self.device), self.part.bounds
         self.link = LinkEstimate()
         self.averager = Averager(
-            loop=self.loop, node=self.node, recipe=r, allreduce=self.allreduce, group_push=group_push,
-            announcer=self.announcer, rounds=self.rounds, faults=self.faults, metrics=self.metrics, link=self.link,
-            client_mode=s.network.client_mode, flat_state=self.diloco.flat_state, events=self.events)
+            loop=self.loop, node=self.node, recipe=r, allreduce=self.allreduce, group_push=group_push, link=self.link,
+            announcer=self.announcer, rounds=self.rounds, faults=self.faults, metrics=self.metrics, events=self.events,
+            client_mode=s.network.client_mode, flat_state=self.diloco.flat_state, stopping=self.stop.event)
         self.catch_up = CatchUp(loop=self.loop, node=self.node, run_id=r.run_id, diloco=self.diloco,
                                 rounds=self.rounds, announcer=self.announcer, metrics=self.metrics,
                                 events=self.events, on_synced=self._drop_local_progress)
         self.loss: Optional[float] = None
         self.val_loss: Optional[float] = None
-        self.tokens_per_s = measure_tokens_per_s(self.model, r.data.batch_size, r.data.seq_len, self.device)
+        self.tokens_per_s = measure_tokens_per_s(self.model, r.data.batch_size, r.data.seq_len, self.device) \
+            if self.part.whole else 0.0  # a stage's pace is the pipeline's: announced once measured
         self.inner_steps, self.last_group_size = 0, 1
         self.loop.submit(self.announcer.run())
+        self.part.start()
         port = self.metrics.serve(s.metrics.port, s.metrics.host)
         if port is not None:
             logger.info("metrics at http://%s:%d/metrics", s.metrics.host, port)
@@ -173,11 +171,11 @@ class Peer:
         """The newest params (see _load_state), then where in the data we read (see _place_stream)."""
         self.announcer.refresh_now(self.loop)
         checkpoint = ckpt.load_latest(self.settings.checkpoints.dir) if self.settings.checkpoints.dir else None
-        if checkpoint is not None and checkpoint.meta.get("recipe") != self.recipe.digest():
-            raise RecipeError(f"checkpoint {checkpoint.path} is of another run (recipe {checkpoint.meta.get('recipe')},"
-                              f" not {self.recipe.digest()}): pass another --checkpoint-dir, or move it away")
+        self.part.check(checkpoint)  # refuses one of another run or stage
         self._load_state(checkpoint)
         self._place_stream(checkpoint)
+        if self.shared is not None:
+            self.shared.fetch_rest(self.stream.start)
 
     def _load_state(self, checkpoint: Optional[ckpt.Checkpoint]) -> None:
         """Our checkpoint (else a fresh seeded init), then the swarm's state if it is newer (see CatchUp)."""
@@ -212,7 +210,9 @@ class Peer:
             tokens_per_s=self.tokens_per_s, bandwidth_up=self.link.up, bandwidth_down=self.link.down,
             loss=self.loss, val_loss=self.val_loss, attempt=snap.attempt, updated=self.node.now(),
             in_flight_tokens=snap.in_flight_tokens, data_shard=self.stream.reading(), data_start=self.stream.start,
-            client=self.settings.network.client_mode)
+            client=self.settings.network.client_mode,
+            **(self.shared.record_fields() if self.shared is not None else {}))
+
 
     def _on_bad_peer(self, peer_id: str, reason: str) -> None:
         self.metrics.bad_peers.labels(reason=reason).inc()
@@ -268,18 +268,19 @@ class Peer:
     def _inner_step(self, batches) -> bool:
         """One inner AdamW step, with its metrics; False if the loss was not finite (the round then restarts)."""
         r = self.recipe
-        tokens = r.data.batch_size * r.data.seq_len
         lr = learning_rate(r.inner, schedule_tokens(self.diloco.tokens_seen, self.rounds.tokens_in_round,
                                                     self.last_group_size), r.total_tokens)
         if self.faults.local("diverge", self.rounds.counting_round(self.diloco.round)):
             with torch.no_grad():
                 self.diloco.local_params[0].fill_(float("nan"))  # as if the optimizer blew up
         started = time.monotonic()
-        loss = inner_step(self.model, self.inner_optimizer, next(batches), self.device, lr, r.inner.grad_clip)
+        loss, tokens, read = self.part.step(batches, self.device, self.inner_optimizer, lr, r.inner.grad_clip)
+        self.stream.step += read
+        if loss is None:
+            return True  # a stage that got no microbatch, or one its next stage did not take: nothing trained
         tokens_per_s = self.clock.stepped(time.monotonic() - started, tokens)
         self.metrics.compute_utilization.set(self.clock.utilization())
         self.inner_steps += 1
-        self.stream.step += 1
         self.metrics.inner_steps.inc()
         self.metrics.tokens.inc(tokens)
         if not math.isfinite(loss):
@@ -365,7 +366,7 @@ class Peer:
         self.last_group_size = max(result.group_size, group.swarm_size)
         self.announcer.last_group_size = result.group_size  # its majority must vouch for any state we follow
         self.link.update(result.bytes_sent, result.bytes_received, result.seconds)
-        self.val_loss = validation_loss(self.model, self.eval_batches, self.device)  # of the new global params
+        self.val_loss = validation_loss(self.model, self.eval_batches, self.device) if self.part.whole else None
         if progress_since is not None:
             self.diloco.add_to_local(progress_since)  # overlap: keep the steps made while averaging
         report_round(averaged, round_seconds, metrics=self.metrics, events=self.events,
@@ -388,7 +389,7 @@ class Peer:
         """Our state was replaced by the swarm's: what we owed the old one (error feedback) and the inner
         optimizer's moments are of a model we no longer train."""
         self.error_feedback.reset()
-        self.inner_optimizer = make_inner_optimizer(self.model, self.recipe.inner)
+        self.inner_optimizer = make_inner_optimizer(self.part.module, self.recipe.inner)
 
     def _recover(self, why: str) -> None:
         """Never send a diverged pseudo-gradient: drop local progress and restart the round from global."""
@@ -408,8 +409,8 @@ class Peer:
         tensors.update({f"error_feedback.{k}": v for k, v in self.error_feedback.state_dict().items()})
         path = ckpt.save_checkpoint(
             self.settings.checkpoints.dir, self.diloco.round, self.diloco.tokens_seen, tensors,
-            {"digest": self.diloco.digest(), "recipe": self.recipe.digest(), "loss": self.loss,
-             "val_loss": self.val_loss, "inner_steps": self.inner_steps, **self.stream.meta(),
+            {"digest": self.diloco.digest(), "recipe": self.recipe.digest(), "stage": self.part.index,
+             "loss": self.loss, "val_loss": self.val_loss, "inner_steps": self.inner_steps, **self.stream.meta(),
              "version": __version__},
             keep=self.settings.checkpoints.keep, series_every=self.settings.checkpoints.series)
         self._last_checkpoint_round = self.diloco.round

@@ -14,9 +14,9 @@ import torch
 from swarm.averaging.aggregate import aggregate_parts
 from swarm.compression import ErrorFeedback, get_codec
 from swarm.config import Recipe
-from swarm.peer.data import RunData
+from swarm.data.prepare import RunData
 from swarm.peer.diloco import DiLoCo
-from swarm.peer.model import build_model
+from swarm.peer.model import build_model, n_blocks
 from swarm.peer.training import (inner_step, learning_rate, make_inner_optimizer, schedule_tokens,
                                  validation_loss)
 
@@ -214,4 +214,87 @@ def simulate_data_parallel(recipe: Recipe, data: RunData, shards: list[int], ste
         result.tokens += tokens_per_step
         if (step + 1) % eval_every == 0:
             result.val_losses.append(validation_loss(model, data.eval_batches, torch.device(device)))
+    return result
+
+
+@dataclass
+class PipelineResult(SimulationResult):
+    activation_bytes: int = 0  # forward activations and backward gradients, all boundaries, all microbatches
+    stage_microbatches: list[list[int]] = field(default_factory=list)  # per stage, per replica
+
+
+def simulate_pipeline(recipe: Recipe, data: RunData, shards: list[int], stages: int, rounds: int,
+                      inner_steps: int, wire_codec: str = "fp16", codec_name: Optional[str] = None,
+                      seed: int = 0, device: str = "cpu") -> PipelineResult:
+    """DiLoCo-SWARM: `stages` stages of the model (swarm.peer.stages.even_bounds), each hosted by R = len(shards)
+    replicas (R x stages peers). Each first-stage replica reads its data shard; every microbatch goes on to a
+    replica of the next stage drawn at random (SWARM's stochastic wiring, equal throughputs), activations and
+    their gradients through `wire_codec`, and each replica takes an AdamW step for every microbatch it took part
+    in, clipping its own gradient to grad_clip / sqrt(stages) (a stage sees only its own). After `inner_steps`
+    microbatches per first-stage replica, each stage's replicas average their pseudo-gradients (weighted by the
+    tokens each processed, through the recipe's codec with error feedback) and that stage takes its outer step.
+    Validation uses the stages' global params together. `activation_bytes` counts every boundary crossing."""
+    from swarm.peer.stages import WireStats, even_bounds, make_stages, run_pipeline
+
+    codec, wire = get_codec(codec_name or recipe.averaging.codec), get_codec(wire_codec)
+    replicas = len(shards)
+    models = [build_model(recipe.model, data.vocab_size).to(device) for _ in shards]
+    bounds = even_bounds(n_blocks(models[0]), stages)
+    hosted = [make_stages(model, bounds) for model in models]  # hosted[r][s]: stage s of replica r's model
+    dilocos = [DiLoCo(hosted[0][s], recipe.outer) for s in range(stages)]  # replica 0 holds each stage's globals
+    optimizers = [[make_inner_optimizer(hosted[r][s], recipe.inner) for s in range(stages)] for r in range(replicas)]
+    feedback = [[ErrorFeedback() for _ in range(stages)] for _ in range(replicas)]
+    batches = [data.train.batches(shard, recipe.data.num_shards, recipe.data.batch_size, recipe.data.seed)
+               for shard in shards]
+    wiring = torch.Generator().manual_seed(seed)
+    tokens_per_step = recipe.data.batch_size * recipe.data.seq_len
+    clip = recipe.inner.grad_clip / stages ** 0.5
+    result = PipelineResult([p for d in dilocos for p in d.global_params])
+    stats = WireStats()
+    for round_no in range(rounds):
+        for s in range(stages):
+            for r in range(1, replicas):  # replica 0's stage params are the globals after the outer step
+                with torch.no_grad():
+                    for local, global_ in zip(hosted[r][s].parameters(), dilocos[s].global_params):
+                        local.copy_(global_)
+        processed = [[0] * replicas for _ in range(stages)]
+        for step in range(inner_steps):
+            lr = learning_rate(recipe.inner, schedule_tokens(dilocos[0].tokens_seen, step * tokens_per_step,
+                                                             replicas if round_no else 1), recipe.total_tokens)
+            for first in range(replicas):
+                path = [first] + [int(torch.randint(replicas, (1,), generator=wiring)) for _ in range(stages - 1)]
+                pipeline = [hosted[r][s] for s, r in enumerate(path)]
+                run_pipeline(pipeline, next(batches[first]).to(device), wire, stats)
+                for s, r in enumerate(path):
+                    optimizer = optimizers[r][s]
+                    for group in optimizer.param_groups:
+                        group["lr"] = lr
+                    torch.nn.utils.clip_grad_norm_(hosted[r][s].parameters(), clip)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    processed[s][r] += tokens_per_step
+        for s in range(stages):
+            contributions, weights = [], []
+            for r in range(replicas):
+                if not processed[s][r]:
+                    continue  # took no microbatch this round: nothing to average
+                with torch.no_grad():
+                    pseudo = torch.cat([(g - l.detach().cpu().float()).view(-1)
+                                        for g, l in zip(dilocos[s].global_params, hosted[r][s].parameters())])
+                to_send = feedback[r][s].compensate(pseudo)
+                delivered = codec.decode(codec.encode(to_send)) if codec.name != "none" else to_send
+                feedback[r][s].update(to_send, delivered)
+                contributions.append(delivered)
+                weights.append(processed[s][r])
+            average, total = aggregate_parts(recipe.averaging.aggregator, contributions, weights,
+                                             [1.0] * len(contributions))
+            if codec.name != "none":
+                average = codec.decode(codec.encode(average))
+            dilocos[s].outer_step(average, int(total))
+        result.stage_microbatches.append([[n // tokens_per_step for n in row] for row in processed])
+        result.tokens += sum(processed[0])
+        result.val_losses.append(validation_loss(models[0], data.eval_batches, torch.device(device)))
+        logger.info("pipeline %d stages x %d replicas, round %d: val loss %.4f", stages, replicas, round_no,
+                    result.val_losses[-1])
+    result.activation_bytes = stats.forward_bytes + stats.backward_bytes
     return result

@@ -5,6 +5,7 @@ swarm/dht/lifeline.py)."""
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import threading
@@ -48,6 +49,7 @@ class Stop:
 
     def _now(self) -> None:
         logger.error("did not stop within %.0f s of the signal: exiting without the final checkpoint", self.seconds)
+        faulthandler.dump_traceback(all_threads=True)  # where it hung, on stderr: a hang is a bug to fix
         self.events.emit("stopped", forced=True)
         os._exit(1)
 

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from swarm.dht.records import PeerRecord
-from swarm.peer.data import TokenDataset, choose_data_shard
+from swarm.data.prepare import TokenDataset, choose_data_shard
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,178 @@
+"""Which part of the model a peer trains, and how its inner steps run. A run of one stage (`pipeline.stages: 1`,
+the default) trains the whole model on the peer's own batches, as always. In a run of S stages the peer hosts one
+stage (swarm/peer/stages.py), chosen with `--stage K` or where the fewest live peers are, and every round-related
+service (announcements, groups, state, replay) runs under that stage's run id, so the peers of a stage are a
+DiLoCo swarm of their own. A first-stage peer reads batches and sends each through the pipeline (a Router to the
+next stage's peers, swarm/peer/pipeline.py); the others serve microbatches from the stage before, which their
+training thread runs (so a microbatch never races an outer step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import time
+from collections.abc import Iterator
+from typing import Optional
+
+import torch
+
+from swarm.config import PeerSettings, Recipe, RecipeError
+from swarm.dht import view
+from swarm.dht.node import SwarmNode
+from swarm.dht.records import parse_peer_records, peers_key
+from swarm.peer.pipeline import PipelineError, Router, StageServer, StageWorker, stage_protocol
+from swarm.peer.stages import Stage, even_bounds
+from swarm.peer.stream import peer_id_hash
+from swarm.peer.training import inner_step
+from swarm.runtime import LoopThread
+
+logger = logging.getLogger(__name__)
+PEERS_SECONDS = 2.0  # how often the next stage's peers are read
+WAIT_SECONDS = 0.2  # a serving stage's training thread waits this long for a microbatch before it looks around
+
+
+class Part:
+    """The model or the stage this peer trains (`module`), the recipe its round services run under (`run`: the
+    recipe with the stage's run id), and its inner step (`step`)."""
+
+    def __init__(self, recipe: Recipe, settings: PeerSettings, model: torch.nn.Module, node: SwarmNode,
+                 loop: LoopThread, n_blocks: int):
+        self.recipe, self.model, self.node, self.loop = recipe, model, node, loop
+        self.stages = recipe.pipeline.stages
+        self.index, self.bounds = 0, (0, n_blocks)
+        self.module: torch.nn.Module = model
+        self.run = recipe
+        self.pending: Optional[torch.Tensor] = None  # a first stage's batch no next-stage peer took yet
+        self.work: queue.Queue = queue.Queue()
+        self.router: Optional[Router] = None
+        if self.stages > 1:
+            self.all_bounds = even_bounds(n_blocks, self.stages)
+            client = settings.network.client_mode  # it cannot serve a stage: it reads data and sends
+            self.index = settings.stage if settings.stage is not None else 0 if client else self._weakest(node)
+            if self.index >= self.stages:
+                raise RecipeError(f"--stage {self.index}: the run has {self.stages} stages (0 to {self.stages - 1})")
+            if client and self.index > 0:
+                raise RecipeError("a --client-mode peer accepts no streams, so it can host only stage 0 "
+                                  "(--stage 0)")
+            self.bounds = self.all_bounds[self.index]
+            self.module = Stage(model, *self.bounds)
+            hosted = {id(param) for param in self.module.parameters()}
+            for param in model.parameters():  # the other stages' weights: built once (for the seeded init), freed
+                if id(param) not in hosted:
+                    param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+            self.run = recipe.model_copy(update={"run_id": recipe.stage_run_id(self.index)})
+            logger.info("pipeline: hosting stage %d of %d (blocks [%d, %d))", self.index, self.stages, *self.bounds)
+
+    @property
+    def whole(self) -> bool:
+        return self.stages == 1
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    def _weakest(self, node: SwarmNode) -> int:
+        """The stage with the fewest live peers now; ties go to a stage drawn from our peer id, so peers that
+        join together spread over the tied stages."""
+        counts = []
+        for k in range(self.stages):
+            records, _ = parse_peer_records(self.loop.run(node.get(peers_key(self.recipe.stage_run_id(k))), 30))
+            counts.append(len(view.live(records, node.now())))
+        fewest = [k for k, n in enumerate(counts) if n == min(counts)]
+        logger.info("pipeline: live peers per stage %s", counts)
+        return fewest[peer_id_hash(node.peer_id) % len(fewest)]
+
+    def start(self) -> None:
+        """Serve our stage to the one before (unless first), and follow the next stage's peers (unless last)."""
+        if self.whole:
+            return
+        self.worker = StageWorker(self.module, None, lambda: 0.0, 0.0)  # optimizer, lr and clip: set each step
+        if self.index + 1 < self.stages:
+            self._next_peers: list[tuple[str, float]] = []
+            self.router = Router(self.node, stage_protocol(self.recipe.run_id, *self.all_bounds[self.index + 1]),
+                                 lambda: self._next_peers)
+            self.loop.submit(self._follow(self.recipe.stage_run_id(self.index + 1)))
+        if not self.first:
+            config, data = self.model.config, self.recipe.data
+            server = StageServer(self.worker, config.hidden_size, data.batch_size * data.seq_len, config.vocab_size,
+                                 self.loop.loop, execute=self._hand_over)
+            self.loop.run(self.node.add_stream_handler(stage_protocol(self.recipe.run_id, *self.bounds),
+                                                       server.handle), timeout=30)
+
+    def check(self, checkpoint) -> None:
+        """Refuse a checkpoint of another run, or of another stage (its params would load: equal stages have equal
+        shapes), with one line."""
+        if checkpoint is None:
+            return
+        if checkpoint.meta.get("recipe") != self.recipe.digest():
+            raise RecipeError(f"checkpoint {checkpoint.path} is of another run (recipe {checkpoint.meta.get('recipe')},"
+                              f" not {self.recipe.digest()}): pass another --checkpoint-dir, or move it away")
+        stage = checkpoint.meta.get("stage", 0)
+        if stage != self.index:
+            raise RecipeError(f"checkpoint {checkpoint.path} is of stage {stage}, and this peer hosts stage "
+                              f"{self.index}: pass --stage {stage}")
+
+    async def _follow(self, run_id: str) -> None:
+        """Keep `_next_peers` the live, non-client peers of the next stage with their tokens/s."""
+        while True:
+            try:
+                records, _ = parse_peer_records(await self.node.get(peers_key(run_id)))
+                live = [p for p in view.live(records, self.node.now())
+                        if not p.client and p.peer_id != self.node.peer_id]
+                # A peer that is averaging runs no microbatch until it is done: while others train, wire to them.
+                training = [p for p in live if p.state == "training"] or live
+                self._next_peers = [(p.peer_id, max(p.tokens_per_s, 1.0)) for p in training]
+            except Exception as e:  # noqa: BLE001 - the DHT hiccups; the next read comes anyway
+                logger.debug("could not read the next stage's peers: %r", e)
+            await asyncio.sleep(PEERS_SECONDS)
+
+    async def _hand_over(self, x: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """A served microbatch, run by the training thread (see step)."""
+        done = asyncio.get_running_loop().create_future()
+        self.work.put((x, targets, done))
+        return await done
+
+    def step(self, batches: Iterator[torch.Tensor], device: torch.device, optimizer: torch.optim.Optimizer,
+             lr: float, grad_clip: float) -> tuple[Optional[float], int, bool]:
+        """One inner step: (its loss, or None if no microbatch was trained; tokens trained; whether it took a new
+        batch from our data stream)."""
+        if self.whole:
+            batch = next(batches)
+            return inner_step(self.model, optimizer, batch, device, lr, grad_clip), batch[:, 1:].numel(), True
+        # A stage sees only its own gradient: each clips to its share of the whole model's bound.
+        self.worker.optimizer, self.worker.lr = optimizer, lambda: lr
+        self.worker.grad_clip = grad_clip / self.stages ** 0.5
+        if self.first:
+            fresh = self.pending is None
+            batch = next(batches) if fresh else self.pending
+            try:
+                _, loss = self.worker.step(batch[:, :-1], batch[:, 1:], self.router.hop(self.loop.loop))
+            except PipelineError as e:
+                self.pending = batch  # not lost: sent again once a next-stage peer takes it
+                logger.info("pipeline: %s; trying again in 1 s", e)
+                time.sleep(1.0)
+                return None, 0, fresh
+            self.pending = None
+            return loss, batch[:, 1:].numel(), fresh
+        try:
+            x, targets, done = self.work.get(timeout=WAIT_SECONDS)
+        except queue.Empty:
+            return None, 0, False
+        try:
+            grad, loss = self.worker.step(x, targets, None if self.router is None else self.router.hop(self.loop.loop))
+        except Exception as e:  # noqa: BLE001 - the stage before learns of it and retries elsewhere
+            self.loop.loop.call_soon_threadsafe(_settle, done, None, e)
+            return None, 0, False
+        self.loop.loop.call_soon_threadsafe(_settle, done, (grad, loss), None)
+        return loss, targets.numel(), False
+
+
+def _settle(future: asyncio.Future, result, error: Optional[BaseException]) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -1,0 +1,150 @@
+"""A causal LM cut into pipeline stages: stage [start, end) holds decoder blocks start..end-1, plus the input
+embedding on the first stage and the final norm and LM head on the last. A stage's forward takes token ids (first
+stage) or the previous stage's hidden states and returns hidden states, or logits on the last stage; chained, the
+stages compute exactly what the whole model computes.
+
+A stage runs its family's own base-model forward on its slice of the block list, fed the incoming hidden states as
+`inputs_embeds`, so attention masks and rotary position embeddings are made as the family makes them. That is
+exact for families whose base model hands `inputs_embeds` straight to block 0 (rotary positions: Llama, Mistral,
+Qwen2, OLMo, GPT-NeoX/Pythia, ...); families that add learned position embeddings to them (GPT-2, OPT) would add
+them again at every stage, and are refused with one line. A model whose head is tied to its input embedding is
+refused too: the first and the last stage would each train their own copy.
+
+The activations between stages travel through a codec (swarm.compression), forward and backward: `run_pipeline`
+is one training step of a whole pipeline with that wire in the middle, for the benchmark and the tests.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from swarm.compression import Codec, decode
+from swarm.config import RecipeError
+from swarm.peer.model import block_map
+
+__all__ = ["Stage", "StageError", "WireStats", "even_bounds", "make_stages", "run_pipeline"]
+
+
+class StageError(RecipeError):
+    """A model that cannot be cut into stages; the message names the class and why."""
+
+
+def even_bounds(n_blocks: int, stages: int) -> list[tuple[int, int]]:
+    """`stages` contiguous block ranges covering [0, n_blocks), sizes differing by at most one (earlier ones
+    larger: the first stage also holds the embedding, the last the head, which weigh alike)."""
+    if not 1 <= stages <= n_blocks:
+        raise StageError(f"cannot cut {n_blocks} blocks into {stages} stages: need 1 <= stages <= blocks")
+    size, extra = divmod(n_blocks, stages)
+    bounds, start = [], 0
+    for k in range(stages):
+        end = start + size + (k < extra)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+class Stage(torch.nn.Module):
+    """Blocks [start, end) of `model` (sharing its parameters), with its embedding if start == 0 and its final norm
+    and head if end == n_blocks. `parameters()` are the stage's own."""
+
+    def __init__(self, model: torch.nn.Module, start: int, end: int):
+        super().__init__()
+        name = type(model).__name__
+        parts = block_map(model)
+        n_blocks = len(parts.blocks)
+        if not 0 <= start < end <= n_blocks:
+            raise StageError(f"stage [{start}, {end}) is outside the {n_blocks} blocks of {name}")
+        embedding = model.get_input_embeddings()
+        head = model.get_output_embeddings()
+        base_path, _, blocks_attr = parts.blocks_path.rpartition(".")
+        embedding_paths = [p for p in parts.inputs if model.get_submodule(p) is embedding]
+        if list(parts.inputs) != embedding_paths and (start > 0 or end < n_blocks):
+            others = ", ".join(p for p in parts.inputs if p not in embedding_paths)
+            raise StageError(f"{name} adds {others} to its embeddings before the first block (learned positions): "
+                             f"only families whose blocks take the embeddings as they are (Llama, Mistral, Qwen2, "
+                             f"OLMo, GPT-NeoX, ...) can be cut into stages")
+        if head is not None and head.weight is embedding.weight and (start > 0 or end < n_blocks):
+            raise StageError(f"{name} ties its head to its input embedding: pipeline stages need untied weights "
+                             f"(tie_word_embeddings: false)")
+        base = model.get_submodule(base_path) if base_path else model
+        self.start, self.end, self.n_blocks = start, end, n_blocks
+        self.first, self.last = start == 0, end == n_blocks
+        # The base model's forward on our blocks only: a shallow copy whose child modules we choose. Children of
+        # the base that we do not host become None (the forward skips the embedding when given inputs_embeds) or
+        # Identity (a final norm a middle stage must not apply).
+        stage_base = copy.copy(base)
+        stage_base._modules = dict(base._modules)
+        stage_base._modules[blocks_attr] = torch.nn.ModuleList(list(parts.blocks)[start:end])
+        for path in (*parts.inputs, *parts.outputs):
+            parent, _, attr = path.rpartition(".")
+            if parent != base_path:
+                continue  # the head, outside the base model
+            if path in parts.inputs and not self.first:
+                stage_base._modules[attr] = None
+            elif path in parts.outputs and not self.last:
+                stage_base._modules[attr] = torch.nn.Identity()
+        stage_base.config = copy.copy(base.config)
+        stage_base.config.num_hidden_layers = end - start
+        self.body = stage_base
+        self.head = head if self.last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (first stage) or hidden states -> hidden states, or logits (last stage)."""
+        if self.first:
+            hidden = self.body(input_ids=x, use_cache=False).last_hidden_state
+        else:
+            hidden = self.body(inputs_embeds=x, use_cache=False).last_hidden_state
+        return self.head(hidden) if self.last else hidden
+
+
+def make_stages(model: torch.nn.Module, bounds: Sequence[tuple[int, int]]) -> list[Stage]:
+    """The stages of `model` for consecutive `bounds` covering all its blocks (see even_bounds)."""
+    stages = [Stage(model, start, end) for start, end in bounds]
+    if stages[0].start != 0 or stages[-1].end != stages[-1].n_blocks or \
+            any(a.end != b.start for a, b in zip(stages, stages[1:])):
+        raise StageError(f"stage bounds {list(bounds)} do not cover the blocks one after another")
+    return stages
+
+
+@dataclass
+class WireStats:
+    """What crossed the stage boundaries: bytes forward (activations) and backward (their gradients)."""
+
+    forward_bytes: int = 0
+    backward_bytes: int = 0
+
+
+def run_pipeline(stages: Sequence[Stage], batch: torch.Tensor, codec: Codec, stats: WireStats) -> torch.Tensor:
+    """Forward and backward of one batch (int64, shape (b, seq_len + 1)) through `stages` as peers run them: each
+    boundary's activations are sent through `codec` and arrive as a leaf tensor; the last stage's loss is
+    backpropagated there, and each boundary's input gradient goes back through `codec` into the stage before.
+    Leaves the gradients in each stage's parameters and returns the loss (detached)."""
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    sent: list[torch.Tensor] = []  # each stage's output, as it computed it (for its backward)
+    received: list[torch.Tensor] = []  # what the next stage got: decoded, a leaf that collects its gradient
+    x = inputs
+    for index, stage in enumerate(stages):
+        out = stage(x)
+        if index == len(stages) - 1:
+            loss = F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), targets.reshape(-1))
+            break
+        payload = codec.encode(out.detach().float().reshape(-1))
+        stats.forward_bytes += len(payload)
+        x = _decode_like(payload, out).requires_grad_(True)
+        sent.append(out)
+        received.append(x)
+    loss.backward()
+    for out, arrived in zip(reversed(sent), reversed(received)):
+        payload = codec.encode(arrived.grad.float().reshape(-1))
+        stats.backward_bytes += len(payload)
+        out.backward(_decode_like(payload, out))
+    return loss.detach()
+
+
+def _decode_like(payload: bytes, like: torch.Tensor) -> torch.Tensor:
+    return decode(payload).reshape(like.shape).to(like.dtype)

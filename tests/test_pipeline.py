@@ -1,0 +1,194 @@
+"""Microbatches through a pipeline of peers over real p2p streams (swarm/peer/pipeline.py): a first-stage peer
+and two peers of the last stage, each in its own node. A hop computes what the same pipeline computes in one
+process; the random wiring feeds both last-stage peers; a peer that dies mid-run costs retries, never a
+microbatch; malformed or oversized requests are refused with a reason and the server keeps serving."""
+
+from __future__ import annotations
+
+import signal
+import struct
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+import transformers
+
+from swarm.compression import get_codec
+from swarm.dht.frames import recv_frame, send_frame
+from swarm.peer.pipeline import PipelineError, Router, StageServer, StageWorker, stage_protocol
+from swarm.peer.stages import WireStats, make_stages, run_pipeline
+from swarm.runtime import LoopThread
+
+VOCAB, HIDDEN, RUN = 300, 32, "pipeline-test"
+BOUNDS = [(0, 2), (2, 4)]
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=4,
+                                      num_attention_heads=2, intermediate_size=64, tie_word_embeddings=False)
+    return transformers.AutoModelForCausalLM.from_config(config).float()
+
+
+def _worker(stage) -> StageWorker:
+    return StageWorker(stage, torch.optim.AdamW(stage.parameters(), lr=1e-3), lambda: 1e-3, grad_clip=1.0)
+
+
+def _with_nan(payload: bytes) -> bytes:
+    """A raw fp32 payload whose last value is NaN (no codec encodes one)."""
+    return payload[:-4] + struct.pack("<f", float("nan"))
+
+
+def _batch(seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture
+def pipeline(p2p_network):
+    """A first-stage worker and two last-stage peers serving stage [2, 4) of identical model copies."""
+    loop, node = p2p_network
+    first = node()
+    servers = {}
+    for _ in range(2):
+        peer = node()
+        server = StageServer(_worker(make_stages(_model(), BOUNDS)[1]), HIDDEN, max_tokens=64, vocab_size=VOCAB,
+                             loop=loop.loop)
+        loop.run(peer.add_stream_handler(stage_protocol(RUN, *BOUNDS[1]), server.handle), timeout=30)
+        servers[peer.peer_id] = (peer, server)
+    alive = set(servers)
+    router = Router(first, stage_protocol(RUN, *BOUNDS[1]), lambda: [(p, 1000.0) for p in sorted(alive)],
+                    codec="none", timeout=20, seed=3)
+    worker = _worker(make_stages(_model(), BOUNDS)[0])
+    return loop, worker, router, servers, alive
+
+
+def _run(loop: LoopThread, worker: StageWorker, router: Router, batch: torch.Tensor) -> float:
+    _, loss = worker.step(batch[:, :-1], batch[:, 1:], router.hop(loop.loop))
+    return loss
+
+
+def test_a_hop_over_the_network_computes_what_one_process_computes(pipeline):
+    loop, worker, router, servers, alive = pipeline
+    served = sorted(servers)[1]
+    alive.discard(sorted(servers)[0])  # one last-stage peer, like the one process's single copy of the stage
+    local = _model()
+    stages = make_stages(local, BOUNDS)
+    optimizers = [torch.optim.AdamW(s.parameters(), lr=1e-3) for s in stages]
+    for seed in range(3):
+        batch = _batch(seed)
+        expected = run_pipeline(stages, batch, get_codec("none"), WireStats())
+        for stage, optimizer in zip(stages, optimizers):
+            torch.nn.utils.clip_grad_norm_(stage.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+        assert abs(_run(loop, worker, router, batch) - float(expected)) < 1e-5
+    for ours, theirs in zip(worker.stage.parameters(), stages[0].parameters()):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    for ours, theirs in zip(servers[served][1].worker.stage.parameters(), stages[1].parameters()):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    activations = len(get_codec("none").encode(torch.zeros(2 * 8 * HIDDEN)))
+    assert router.meter.sent == 3 * (activations + 2 * 8 * 4) and router.meter.received == 3 * activations
+
+
+def test_the_wiring_feeds_both_peers_and_a_dead_peer_costs_retries_not_microbatches(pipeline):
+    loop, worker, router, servers, alive = pipeline
+    losses = [_run(loop, worker, router, _batch(seed)) for seed in range(10)]
+    counts = {peer: server.worker.microbatches for peer, (_, server) in servers.items()}
+    assert sum(counts.values()) == 10 and min(counts.values()) > 0, counts
+    dead = sorted(servers)[0]
+    servers[dead][0].shutdown()  # it dies; the swarm's view still lists it for a while
+    losses += [_run(loop, worker, router, _batch(seed)) for seed in range(10, 20)]
+    survivor = next(p for p in servers if p != dead)
+    assert servers[survivor][1].worker.microbatches + counts[dead] == 20, "every microbatch was taken once"
+    assert worker.microbatches == 20 and all(loss == loss for loss in losses)
+    assert router.retries >= 1 and router.failed.keys() == {dead}
+    alive.discard(survivor)
+    alive.discard(dead)
+    with pytest.raises(PipelineError, match="no peer of the next stage"):
+        _run(loop, worker, router, _batch(99))
+    assert worker.microbatches == 20, "a microbatch nobody took changes nothing"
+
+
+def test_malformed_and_oversized_microbatches_are_refused_and_the_server_goes_on(pipeline):
+    loop, worker, router, servers, _ = pipeline
+    node, peer = router.node, sorted(servers)[0]
+    protocol = stage_protocol(RUN, *BOUNDS[1])
+
+    async def ask(header: dict, frames: list[bytes]) -> dict:
+        reader, writer = await node.open_stream(peer, protocol)
+        try:
+            await send_frame(writer, msgpack.packb(header))
+            for frame in frames:
+                await send_frame(writer, frame)
+            return msgpack.unpackb(await recv_frame(reader, 1024))
+        finally:
+            writer.close()
+
+    fp = get_codec("none")
+    cases = [
+        ({"shape": [2, 8, HIDDEN + 1], "codec": "none"}, [], "hidden size"),
+        ({"shape": [16, 8, HIDDEN], "codec": "none"}, [], "over the 64"),
+        ({"shape": [2, 8, HIDDEN], "codec": "topk"}, [], "codec"),
+        ({"shape": "x"}, [], "shape"),
+        ({"shape": [2, 8, HIDDEN], "codec": "none"},
+         [_with_nan(fp.encode(torch.zeros(2 * 8 * HIDDEN))), torch.zeros(16, dtype=torch.int32).numpy().tobytes()],
+         "malformed"),
+        ({"shape": [2, 8, HIDDEN], "codec": "none"}, [b"garbage", b"x" * 64], "malformed"),
+        ({"shape": [2, 8, HIDDEN], "codec": "none"},
+         [fp.encode(torch.zeros(2 * 8 * HIDDEN)), torch.full((16,), VOCAB, dtype=torch.int32).numpy().tobytes()],
+         "malformed"),
+    ]
+    for header, frames, reason in cases:
+        answer = loop.run(ask(header, frames), timeout=30)
+        assert reason in answer["error"], (header, answer)
+    assert servers[peer][1].worker.microbatches == 0
+    assert sum(servers[peer][1].refused.values()) == len(cases)
+    for seed in range(6):
+        _run(loop, worker, router, _batch(seed))
+    assert servers[peer][1].worker.microbatches > 0, "the server that refused them goes on serving"
+    assert sum(s.worker.microbatches for _, s in servers.values()) == 6 and router.retries == 0
+
+
+@pytest.mark.slow
+def test_two_stages_of_two_peers_train_and_joiners_take_the_stage_nobody_hosts(swarm):
+    """The pipeline as peers run it (`pipeline: {stages: 2}`): two peers pinned to stage 0 start first and cannot
+    train alone; two peers that join without --stage see stage 1 unhosted and take it. Then the four train three
+    rounds: each stage's two peers average that stage among themselves and hold bit-identical params after every
+    round, the stages' params differ in shape (the embedding on stage 0, the head on stage 1), and the loss the
+    first stage gets back falls."""
+    from safetensors.torch import load_file
+
+    recipe = Path(__file__).parent / "recipes" / "stages.yaml"
+    _, maddr = swarm.bootstrap(recipe=recipe)
+
+    def join(i: int, *extra: str):
+        return swarm.peer(maddr, "--trace-dir", str(swarm.workdir / f"trace{i}"), *extra, name=f"peer{i}")
+
+    # Every peer runs until each has averaged round 2, then all stop together: a stage cannot train without the
+    # other, and the stages take their rounds apart, so one that stopped at its own third round could leave the
+    # other short of microbatches.
+    first = [join(i, "--stage", "0") for i in (0, 1)]
+    for peer in first:
+        peer.wait_event("training", 120)
+    later = [join(i) for i in (2, 3)]
+    for peer in later:
+        peer.wait_for(r"pipeline: hosting stage 1 of 2 \(blocks \[1, 2\)\)", 120)
+    for peer in first + later:
+        peer.wait_event("averaged", 180, round=2)
+    for peer in first + later:
+        peer.process.send_signal(signal.SIGTERM)
+    for peer in first + later:
+        assert peer.wait(60) == 0, peer.output()[-3000:]
+    traces = {i: [load_file(str(swarm.workdir / f"trace{i}" / f"round-{r:06d}.safetensors"))["global_after"]
+                  for r in range(3)] for i in range(4)}
+    for a, b in ((0, 1), (2, 3)):
+        assert all(torch.equal(x, y) for x, y in zip(traces[a], traces[b])), f"peers {a} and {b} differ"
+    assert traces[0][0].numel() != traces[2][0].numel()
+    # The training loss each peer last saw before a round (none for a peer whose pipeline took no microbatch of
+    # that round yet: the other peer of its stage may have carried the whole round).
+    losses = [[e["loss"] for e in peer.events("averaged")][:3] for peer in first + later]
+    assert all(len(series) == 3 for series in losses)
+    first_round = [series[0] for series in losses if series[0] is not None]
+    last_round = [series[-1] for series in losses if series[-1] is not None]
+    assert first_round and last_round and max(last_round) < max(first_round), losses

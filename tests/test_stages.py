@@ -1,0 +1,90 @@
+"""Pipeline stages (swarm/peer/stages.py): chained stages compute what the whole model computes, forward and
+backward, for every family that can be cut; the others are refused with one line; activations and their gradients
+cross the boundaries through a codec, and the bytes are counted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from swarm.compression import get_codec
+from swarm.peer.stages import StageError, WireStats, even_bounds, make_stages, run_pipeline
+
+VOCAB = 300
+SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, intermediate_size=64,
+             tie_word_embeddings=False)
+CUTTABLE = {
+    "llama": transformers.LlamaConfig(**SMALL),
+    "gpt_neox": transformers.GPTNeoXConfig(**SMALL, max_position_embeddings=64),
+    "mistral": transformers.MistralConfig(**SMALL, num_key_value_heads=1),
+    "qwen2": transformers.Qwen2Config(**SMALL, num_key_value_heads=1),
+}
+
+
+def _model(config) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).float()
+
+
+def test_even_bounds_cover_the_blocks_in_order():
+    assert even_bounds(4, 2) == [(0, 2), (2, 4)]
+    assert even_bounds(5, 3) == [(0, 2), (2, 4), (4, 5)]
+    assert even_bounds(3, 1) == [(0, 3)]
+    with pytest.raises(StageError):
+        even_bounds(2, 3)
+
+
+@pytest.mark.parametrize("family", sorted(CUTTABLE))
+@pytest.mark.parametrize("bounds", [[(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]])
+def test_chained_stages_compute_the_whole_models_logits_and_gradients(family, bounds):
+    model = _model(CUTTABLE[family])
+    model.eval()  # no dropout: the two passes must see the same computation
+    batch = torch.randint(0, VOCAB, (3, 17), generator=torch.Generator().manual_seed(1))
+    logits = model(input_ids=batch[:, :-1]).logits
+    loss = F.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+    loss.backward()
+    whole = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    stages = make_stages(model, bounds)
+    owned = [{id(p) for p in stage.parameters()} for stage in stages]
+    assert sum(len(ids) for ids in owned) == len(list(model.parameters())), "every parameter on exactly one stage"
+    assert all(not a & b for i, a in enumerate(owned) for b in owned[i + 1:])
+    stats = WireStats()
+    piped = run_pipeline(stages, batch, get_codec("none"), stats)
+    assert torch.allclose(piped, loss.detach(), rtol=1e-5, atol=1e-6)
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.grad, whole[name], rtol=1e-4, atol=1e-6), name
+    boundaries, hidden = len(bounds) - 1, model.config.hidden_size
+    assert stats.forward_bytes >= boundaries * 3 * 16 * hidden * 4 and stats.backward_bytes == stats.forward_bytes
+
+
+def test_a_compressed_wire_costs_fewer_bytes_and_stays_close():
+    model = _model(CUTTABLE["llama"])
+    model.eval()
+    batch = torch.randint(0, VOCAB, (4, 33), generator=torch.Generator().manual_seed(2))
+    stages = make_stages(model, even_bounds(4, 2))
+    exact, half = WireStats(), WireStats()
+    loss = run_pipeline(stages, batch, get_codec("none"), exact)
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    loss16 = run_pipeline(stages, batch, get_codec("fp16"), half)
+    assert half.forward_bytes < 0.55 * exact.forward_bytes
+    assert abs(loss16 - loss) < 1e-3
+    cosine = F.cosine_similarity(torch.cat([g.view(-1) for g in grads]),
+                                 torch.cat([p.grad.view(-1) for p in model.parameters()]), dim=0)
+    assert cosine > 0.999
+
+
+def test_families_with_learned_positions_or_tied_heads_are_refused_with_one_line():
+    gpt2 = _model(transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=4, n_head=2, n_positions=64))
+    with pytest.raises(StageError, match="GPT2LMHeadModel adds transformer.wpe"):
+        make_stages(gpt2, even_bounds(4, 2))
+    assert len(make_stages(gpt2, [(0, 4)])) == 1  # uncut, any family runs as one stage
+    tied = _model(transformers.LlamaConfig(**{**SMALL, "tie_word_embeddings": True}))
+    with pytest.raises(StageError, match="ties its head"):
+        make_stages(tied, even_bounds(4, 2))
+    assert len(make_stages(tied, [(0, 4)])) == 1  # one stage holding everything is the whole model
+    with pytest.raises(StageError, match="do not cover"):
+        make_stages(_model(CUTTABLE["llama"]), [(0, 1), (2, 4)])
