@@ -24,7 +24,7 @@ from swarm.events import EventLog
 from swarm.monitoring.http import MonitoringServer
 from swarm.monitoring.metrics import ProcessTreeMemory, SwarmGauges
 from swarm.monitoring.status_page import REFRESH_SECONDS, StatusBoard
-from swarm.monitoring.swarm_status import SwarmExporter, read_swarm, recipe_blocks
+from swarm.monitoring.swarm_status import SwarmExporter, read_swarm
 from swarm.runtime import LoopThread, install_stop_handlers
 
 logger = logging.getLogger("swarm.bootstrap")
@@ -157,7 +157,7 @@ class SwarmMonitor:
         self.exporter, self.gauges, self.board = SwarmExporter(self.registry), SwarmGauges(self.registry), board
 
     async def refresh(self, node: SwarmNode, recipe: Recipe) -> None:
-        summary = await read_swarm(node, recipe.run_id, recipe_blocks(recipe))  # issue #3: coverage
+        summary = await read_swarm(node, recipe)  # issue #3: coverage
         self.exporter.update(summary)
         self.gauges.update(summary)
         self.board.update(summary)

@@ -84,7 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run a bootstrap and N peers on this machine",
                           description="Start a bootstrap and N peers on 127.0.0.1 that train the embedded demo "
                                       "run together, print their progress, and stop after R rounds.")
-    demo.add_argument("--peers", type=int, default=2, metavar="N", help="number of peers (default 2)")
+    demo.add_argument("--peers", type=int, metavar="N", help="number of peers (default 2, or 2 per stage)")
+    demo.add_argument("--stages", type=int, default=1, metavar="S",
+                      help="cut the model into S pipeline stages, peer i hosting stage i mod S (default 1: every "
+                           "peer trains the whole model)")
     demo.add_argument("--rounds", type=int, default=3, metavar="R", help="outer rounds to train (default 3)")
     demo.add_argument("--recipe", metavar="FILE", help="run recipe (default: the embedded demo run)")
     demo.add_argument("--workdir", metavar="DIR",
@@ -118,7 +121,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "demo":
             from swarm.demo import run_demo
 
+            _positive("--stages", args.stages)
+            if args.peers is None:
+                args.peers = 2 * args.stages
             _positive("--peers", args.peers)
+            if args.peers < args.stages:
+                raise SystemExit(f"swarm-peer: error: --peers {args.peers} cannot host --stages {args.stages}: "
+                                 f"give at least one peer per stage")
             _positive("--rounds", args.rounds)
             return run_demo(args)
     except (RecipeError, FlagError) as e:
@@ -197,7 +206,7 @@ def _doctor(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from swarm.dht.node import NetworkOptions, NodeError, SwarmNode
     from swarm.dht.recipes import fetch_recipe
-    from swarm.monitoring.swarm_status import read_swarm, recipe_blocks, render_status
+    from swarm.monitoring.swarm_status import read_swarm, render_status
     from swarm.runtime import LoopThread
 
     if args.json:  # scripts parse stdout: keep log lines off it
@@ -210,7 +219,7 @@ def _status(args: argparse.Namespace) -> int:
         # A client-mode node on loopback only reads: it never stores others' records or accepts connections.
         node = SwarmNode(args.initial_peers, NetworkOptions(client_mode=True, direct_streams=False))
         recipe = loop.run(fetch_recipe(node, timeout=15), timeout=30)
-        summary = loop.run(read_swarm(node, recipe.run_id, recipe_blocks(recipe)), timeout=30)
+        summary = loop.run(read_swarm(node, recipe), timeout=30)
     except (NodeError, TimeoutError) as e:
         logger.error("%s", e)
         return 1

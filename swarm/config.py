@@ -214,6 +214,20 @@ def _diff(a: dict, b: dict, prefix: str = "") -> list[str]:
     return out
 
 
+def even_bounds(n_blocks: int, stages: int) -> list[tuple[int, int]]:
+    """`stages` contiguous block ranges covering [0, n_blocks), sizes differing by at most one (earlier ones
+    larger: the first stage also holds the embedding, the last the head, which weigh alike). ValueError when
+    stages is not between 1 and n_blocks."""
+    if not 1 <= stages <= n_blocks:
+        raise ValueError(f"cannot cut {n_blocks} blocks into {stages} stages: need 1 <= stages <= blocks")
+    size, extra = divmod(n_blocks, stages)
+    bounds, start = [], 0
+    for k in range(stages):
+        bounds.append((start, start + size + (k < extra)))
+        start = bounds[-1][1]
+    return bounds
+
+
 def parse_recipe(data: Any, origin: str = "recipe") -> Recipe:
     """Validate a decoded recipe mapping; raises RecipeError with one line naming the first bad field."""
     if not isinstance(data, dict):

@@ -4,6 +4,7 @@ run (or a given recipe) for R rounds, with their logs interleaved and prefixed."
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import re
@@ -43,6 +44,19 @@ def _relay(process: subprocess.Popen, prefix: str, log_path: Path, found: Option
         ready.set()
 
 
+def _staged_recipe(path: Optional[str], stages: int, workdir: Path) -> Path:
+    """The demo's recipe (or `path`'s) cut into `stages` pipeline stages, written into `workdir`."""
+    from swarm.config import Recipe, load_recipe, parse_recipe
+
+    recipe = load_recipe(path) if path else Recipe()
+    data = recipe.model_dump(mode="json")
+    data["pipeline"]["stages"] = stages
+    staged = parse_recipe(data, origin=f"{path or 'the demo recipe'} with --stages {stages}")
+    out = workdir / "recipe.json"
+    out.write_text(json.dumps(staged.model_dump(mode="json"), indent=1))
+    return out
+
+
 def run_demo(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="swarm-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -64,11 +78,14 @@ def run_demo(args: argparse.Namespace) -> int:
     stopping = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stopping.set())
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
-    logger.info("demo: bootstrap + %d peers, %d rounds, %d torch threads each; logs and checkpoints in %s",
-                args.peers, args.rounds, threads, workdir)
+    logger.info("demo: bootstrap + %d peers%s, %d rounds, %d torch threads each; logs and checkpoints in %s",
+                args.peers, f" in {args.stages} pipeline stages" if args.stages > 1 else "", args.rounds, threads,
+                workdir)
     found: list[str] = []
     ready = threading.Event()
     recipe = ["--recipe", args.recipe] if args.recipe else []
+    if args.stages > 1:
+        recipe = ["--recipe", str(_staged_recipe(args.recipe, args.stages, workdir))]
     spawn(["bootstrap", "--metrics-port", str(ports[0])] + recipe, "[bootstrap]", "bootstrap.log",
                       found=found, ready=ready)
     try:
@@ -82,7 +99,8 @@ def run_demo(args: argparse.Namespace) -> int:
             peers.append(spawn(["join", "--initial-peers", maddr, "--until-round", str(args.rounds),
                                 "--num-threads", str(threads), "--device", "cpu",
                                 "--metrics-port", str(ports[index + 1]),
-                                "--checkpoint-dir", str(workdir / f"peer{index}" / "checkpoints")] + recipe,
+                                "--checkpoint-dir", str(workdir / f"peer{index}" / "checkpoints")] + recipe
+                               + (["--stage", str(index % args.stages)] if args.stages > 1 else []),
                                f"[peer{index}]", f"peer{index}.log"))
             logger.info("peer%d metrics: http://127.0.0.1:%d/metrics", index, ports[index + 1])
         while not stopping.is_set() and any(p.poll() is None for p in peers):

@@ -2,6 +2,7 @@
 clear line and a non-zero exit, never a traceback."""
 
 import argparse
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -147,3 +148,22 @@ def test_fields_that_cannot_be_flags_are_refused_when_the_parser_is_built():
     for model, reason in ((OnByDefault, "--no-"), (Undocumented, "needs a description"), (Unflaggable, "no flag")):
         with pytest.raises(TypeError, match=reason):
             add_flags(argparse.ArgumentParser(), model)
+
+
+@pytest.mark.slow
+def test_the_demo_trains_a_model_cut_into_two_stages(tmp_path):
+    """`swarm-peer demo --stages 2`: a bootstrap and 4 peers, two per stage, each stage averaging its own params.
+    Every peer finishes (the last stage answers the first until the first has trained its last round too), and
+    the two peers of each stage end on one digest, the stages on different ones."""
+    tiny = Path(__file__).parent / "recipes" / "tiny.yaml"
+    result = _run("demo", "--stages", "2", "--rounds", "2", "--recipe", str(tiny), "--workdir", str(tmp_path),
+                  timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert "demo finished: 4 peers trained 2 rounds" in output, output[-3000:]
+    finals = {}
+    for index in range(4):
+        log = (tmp_path / f"peer{index}.log").read_text()
+        assert f"hosting stage {index % 2} of 2" in log, log[-2000:]
+        finals[index] = re.search(r"done: \d+ rounds averaged, round 2, digest (\w+)", log).group(1)
+    assert finals[0] == finals[2] and finals[1] == finals[3] and finals[0] != finals[1], finals

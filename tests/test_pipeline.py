@@ -5,7 +5,9 @@ microbatch; malformed or oversized requests are refused with a reason and the se
 
 from __future__ import annotations
 
+import json
 import signal
+import time
 import struct
 from pathlib import Path
 
@@ -176,6 +178,15 @@ def test_two_stages_of_two_peers_train_and_joiners_take_the_stage_nobody_hosts(s
         peer.wait_for(r"pipeline: hosting stage 1 of 2 \(blocks \[1, 2\)\)", 120)
     for peer in first + later:
         peer.wait_event("averaged", 180, round=2)
+    # What operators see (`status --json`, which the status page and the bootstrap's gauges read too): each stage
+    # with its blocks, its two peers, its own round and digest, and one of them the bottleneck.
+    result = swarm.run("status", "--initial-peers", maddr, "--json", timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    stages = json.loads(result.stdout)["stages"]
+    assert [(t["stage"], t["block_start"], t["block_end"], t["peers_online"]) for t in stages] == \
+        [(0, 0, 1, 2), (1, 1, 2, 2)], stages
+    assert all(t["round"] >= 2 and t["majority_digest"] for t in stages) and sum(t["bottleneck"] for t in stages) == 1
+    assert stages[0]["majority_digest"] != stages[1]["majority_digest"]
     for peer in first + later:
         peer.process.send_signal(signal.SIGTERM)
     for peer in first + later:
@@ -192,3 +203,35 @@ def test_two_stages_of_two_peers_train_and_joiners_take_the_stage_nobody_hosts(s
     first_round = [series[0] for series in losses if series[0] is not None]
     last_round = [series[-1] for series in losses if series[-1] is not None]
     assert first_round and last_round and max(last_round) < max(first_round), losses
+
+
+@pytest.mark.slow
+def test_killing_a_peer_of_a_stage_mid_round_loses_no_microbatch_and_the_swarm_goes_on(swarm):
+    """Two first-stage and three last-stage peers train toward round 3; one last-stage peer is SIGKILLed mid-round
+    1. The first stage's hops to it fail and are retried on the other last-stage peers, so every batch a
+    first-stage peer took from its data was trained exactly once; the four survivors finish round 3 (the last
+    stage's two averaging on without it, then answering the first stage until it is done), and each stage's
+    peers hold bit-identical params after every round."""
+    from safetensors.torch import load_file
+    rounds, stages = 3, [0, 1, 0, 1, 1]
+    _, maddr = swarm.bootstrap(recipe=Path(__file__).parent / "recipes" / "stages.yaml")
+    peers = [swarm.peer(maddr, "--stage", str(stage), "--until-round", str(rounds), "--trace-dir",
+                        str(swarm.workdir / f"trace{i}"), name=f"peer{i}") for i, stage in enumerate(stages)]
+    victim, survivors = peers[4], peers[:4]
+    victim.wait_event("averaged", 180, round=0)
+    time.sleep(1.0)  # into round 1 (a round here is 32 microbatches, several seconds)
+    victim.process.kill()
+    for peer in survivors:
+        assert peer.wait(300) == 0, peer.output()[-3000:]
+    accounts = {peer.name: peer.events("pipeline")[-1] for peer in survivors}
+    for name in ("peer0", "peer2"):  # the first stage's peers
+        account = accounts[name]
+        assert account["taken"] == account["microbatches"] + account["pending"], account
+        assert account["microbatches"] > 0, account
+    assert accounts["peer0"]["retries"] + accounts["peer2"]["retries"] >= 1, "no hop went to the killed peer"
+    assert accounts["peer1"]["microbatches"] + accounts["peer3"]["microbatches"] > 0
+    for a, b in ((0, 2), (1, 3)):
+        for r in range(rounds):
+            x, y = (load_file(str(swarm.workdir / f"trace{i}" / f"round-{r:06d}.safetensors"))["global_after"]
+                    for i in (a, b))
+            assert torch.equal(x, y), f"peers {a} and {b} differ after round {r}"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
@@ -25,8 +26,8 @@ from swarm.dht.records import (PEER_RECORD_RULE, RECIPE_KEY, RECIPE_RULE, PeerRe
                                recipe_value)
 from swarm.dht.validation import (Identity, IdentityError, SwarmValidator, make_validators, owned_subkey,
                                   peer_id_of, subkey_owner)
-from swarm.dht.view import block_throughputs, summarize
-from swarm.monitoring.swarm_status import coverage_runs, render_status
+from swarm.dht.view import block_throughputs, summarize, summarize_stages
+from swarm.monitoring.swarm_status import SwarmExporter, coverage_runs, render_status
 from swarm.peer.block_selection import choose_block_range
 from swarm.peer.model import build_model
 from swarm.peer.probe import describe_device, measure_tokens_per_s
@@ -345,6 +346,40 @@ def test_summary_coverage_agreement_and_json():
     unknown = render_status(summarize([dataclasses.replace(peers[0], data_shard=None, data_files=9)], 0, 5), "r", "f")
     assert unknown.splitlines()[4].split()[-4:-2] == ["-", "9"], "a peer that announces no shard, and 9 files"
     assert summarize([], 0).n_blocks == 0
+
+
+def test_a_pipelined_runs_summary_judges_each_stage_by_itself():
+    """Each stage averages under its own run id, so its round and digest are its own: stage 1 behind stage 0 and
+    holding other params is no disagreement, a peer differing from its own stage's majority is. The stage with
+    the fewest peers is the bottleneck; the run's round is the lowest stage's, its tokens/s the first stage's."""
+    stage0 = [dataclasses.replace(hosting(f"QmA{i}", 0, 2, 100.0), round=5, digest="aa" * 8) for i in range(3)]
+    stage1 = [dataclasses.replace(hosting("QmB0", 2, 4, 90.0), round=4, digest="bb" * 8),
+              dataclasses.replace(hosting("QmB1", 2, 4, 80.0), round=4, digest="cc" * 8),
+              dataclasses.replace(hosting("QmB2", 2, 4, 80.0, state="offline"), round=4, digest="cc" * 8)]
+    summary = summarize_stages([stage0, stage1], [(0, 2), (2, 4)], invalid=1, n_blocks=4, read_at=1010.0)
+    first, second = summary.stages
+    assert (first.round, first.peers_online, first.tokens_per_s, first.digests_agree) == (5, 3, 300.0, True)
+    assert (second.round, second.peers_online, second.tokens_per_s, second.digests_agree) == (4, 2, 170.0, False)
+    assert second.divergent_peers == 1 and first.divergent_peers == 0
+    assert second.bottleneck and not first.bottleneck
+    assert (summary.round, summary.tokens_per_s, summary.digests_agree, summary.peers_online) == (4, 300.0, False, 5)
+    assert summary.block_coverage == [3, 3, 2, 2] and summary.invalid_records == 1
+    assert summary.to_json()["stages"][1]["bottleneck"] is True
+    text = render_status(summary, "r", "f" * 64)
+    assert "through 2 pipeline stages" in text and "DIFFER within a stage" in text
+    assert "stage 0 blocks [0, 2): 3 peers, round 5, 300 tokens/s, digests agree (" in text
+    assert "stage 1 blocks [2, 4): 2 peers, round 4, 170 tokens/s, digests DIFFER" in text
+    assert text.count("<- bottleneck") == 1 and "bottleneck" in next(l for l in text.splitlines() if "stage 1" in l)
+    # A stage nobody hosts is the bottleneck, whatever the others' numbers.
+    empty = summarize_stages([stage0, []], [(0, 2), (2, 4)], 0, 4)
+    assert empty.stages[1].bottleneck and empty.uncovered_blocks == [2, 3] and empty.round == 0
+    registry = CollectorRegistry()
+    SwarmExporter(registry).update(summary)
+    value = registry.get_sample_value
+    assert value("swarm_stage_peers", {"stage": "1"}) == 2 and value("swarm_stage_round", {"stage": "0"}) == 5
+    assert value("swarm_stage_tokens_per_second", {"stage": "0"}) == 300
+    assert value("swarm_stage_divergent_peers", {"stage": "1"}) == 1
+    assert value("swarm_stage_bottleneck") == 1 and value("swarm_swarm_divergent_peers") == 1
 
 
 # ---- start-up probe -------------------------------------------------------------------------------------------

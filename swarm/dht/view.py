@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from typing import NamedTuple, Optional, Sequence
 
 from swarm.dht.records import ONLINE_STATES, PEER_STATES, ROUND_STATES, TRAINING_STATES, PeerRecord
@@ -171,6 +171,22 @@ def block_throughputs(records: Records, n_blocks: int) -> list[float]:
 
 # ---- a summary for operators ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
+class StageSummary:
+    """One stage of a pipelined run (`pipeline.stages` > 1). Its peers average among themselves, so a stage has a
+    round and a state digest of its own."""
+    stage: int
+    block_start: int
+    block_end: int
+    peers_online: int
+    tokens_per_s: float  # summed over its online peers
+    round: int  # the highest round of its training peers
+    digests_agree: bool
+    majority_digest: str
+    divergent_peers: int  # training peers at its round whose digest is not its majority's
+    bottleneck: bool  # the stage that limits the pipelines (see summarize_stages)
+
+
+@dataclass(frozen=True)
 class SwarmSummary:
     peers: list[PeerRecord]  # every valid record, offline ones included, sorted by peer id
     invalid_records: int
@@ -187,6 +203,7 @@ class SwarmSummary:
     uncovered_blocks: list[int]  # blocks no online peer hosts
     block_tokens_per_s: list[float]  # compute hosted on each block
     read_at: float  # DHT time of the read: a peer was last seen `read_at - updated` seconds before it
+    stages: list[StageSummary] = field(default_factory=list)  # empty unless the run is pipelined
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -215,3 +232,30 @@ def summarize(peers: list[PeerRecord], invalid: int, n_blocks: Optional[int] = N
         n_blocks=n_blocks, block_coverage=coverage,
         uncovered_blocks=[block for block, count in enumerate(coverage) if count == 0],
         block_tokens_per_s=block_throughputs(up, n_blocks), read_at=read_at)
+
+
+def summarize_stages(per_stage: Sequence[list[PeerRecord]], bounds: Sequence[tuple[int, int]], invalid: int,
+                     n_blocks: Optional[int] = None, read_at: float = 0.0) -> SwarmSummary:
+    """The summary of a pipelined run from each stage's records (read under its own run id), `bounds` the stages'
+    block ranges. Each stage gets its round and digest agreement; the whole run's round is the lowest stage's
+    (the round every stage has reached), its digests agree when every stage's do, its tokens/s are the first
+    stage's (the tokens the pipelines train: each passes every stage) and its divergent peers are the stages'.
+    The bottleneck is the stage with the fewest online peers, the least tokens/s among those: every token passes
+    every stage, so the stage with the least hardware sets the pace (a stage nobody hosts stops the pipelines)."""
+    stages = []
+    for k, (records, (start, end)) in enumerate(zip(per_stage, bounds)):
+        part = summarize(records, 0, n_blocks, read_at)
+        stages.append(StageSummary(
+            stage=k, block_start=start, block_end=end, peers_online=part.peers_online,
+            tokens_per_s=part.tokens_per_s, round=part.round, digests_agree=part.digests_agree,
+            majority_digest=part.majority_digest,
+            divergent_peers=sum(p.digest != part.majority_digest for p in at_round(online(records), part.round)),
+            bottleneck=False))
+    if stages:
+        slowest = min(stages, key=lambda s: (s.peers_online, s.tokens_per_s, s.stage))
+        stages[slowest.stage] = replace(slowest, bottleneck=True)
+    whole = summarize(sorted((p for records in per_stage for p in records), key=lambda p: p.peer_id), invalid,
+                      n_blocks, read_at)
+    return replace(whole, stages=stages, round=min((s.round for s in stages), default=0),
+                   digests_agree=all(s.digests_agree for s in stages), majority_digest="",
+                   tokens_per_s=stages[0].tokens_per_s if stages else 0.0)

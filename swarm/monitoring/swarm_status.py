@@ -7,10 +7,10 @@ from typing import Optional
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from swarm.config import Recipe
+from swarm.config import Recipe, even_bounds
 from swarm.dht.node import SwarmNode
 from swarm.dht.records import parse_peer_records, peers_key
-from swarm.dht.view import SwarmSummary, at_round, summarize
+from swarm.dht.view import SwarmSummary, at_round, summarize, summarize_stages
 
 
 def recipe_blocks(recipe: Recipe) -> Optional[int]:
@@ -18,11 +18,23 @@ def recipe_blocks(recipe: Recipe) -> Optional[int]:
     return recipe.model.num_layers if recipe.model.config_file is None else None
 
 
-async def read_swarm(node: SwarmNode, run_id: str, n_blocks: Optional[int] = None) -> SwarmSummary:
-    """The run's announcements, validated (records with blocks outside `n_blocks` are rejected) and summarised."""
+async def read_swarm(node: SwarmNode, recipe: Recipe) -> SwarmSummary:
+    """The run's announcements, validated (records with blocks outside the model's are rejected) and summarised;
+    a pipelined run's stage by stage (each stage's peers announce under the stage's run id)."""
+    n_blocks, stages = recipe_blocks(recipe), recipe.pipeline.stages
     read_at = node.now()
-    peers, invalid = parse_peer_records(await node.get(peers_key(run_id)), n_blocks)
-    return summarize(peers, invalid, n_blocks, read_at)
+    per_stage, invalid = [], 0
+    for k in range(stages):
+        records, bad = parse_peer_records(await node.get(peers_key(recipe.stage_run_id(k))), n_blocks)
+        per_stage.append(records)
+        invalid += bad
+    if stages == 1:
+        return summarize(per_stage[0], invalid, n_blocks, read_at)
+    if n_blocks is not None:
+        bounds = even_bounds(n_blocks, stages)
+    else:  # (a config-file model: the stages' bounds as their peers announce them, unknown for an empty stage)
+        bounds = [(records[0].block_start, records[0].block_end) if records else (0, 0) for records in per_stage]
+    return summarize_stages(per_stage, bounds, invalid, n_blocks, read_at)
 
 
 class SwarmExporter:
@@ -40,6 +52,17 @@ class SwarmExporter:
                              registry=registry)
         self.uncovered = Gauge("swarm_swarm_uncovered_blocks", "Model blocks no online peer hosts",
                                registry=registry)
+        # A pipelined run's stages (pipeline.stages > 1), each averaging on its own.
+        self.stage_peers = Gauge("swarm_stage_peers", "Online peers hosting each pipeline stage", ["stage"],
+                                 registry=registry)
+        self.stage_round = Gauge("swarm_stage_round", "Highest outer round of each stage's training peers",
+                                 ["stage"], registry=registry)
+        self.stage_tokens = Gauge("swarm_stage_tokens_per_second", "Sum of each stage's online peers' throughput",
+                                  ["stage"], registry=registry)
+        self.stage_divergent = Gauge("swarm_stage_divergent_peers", "Each stage's training peers whose digest is "
+                                     "not the stage's majority's", ["stage"], registry=registry)
+        self.bottleneck = Gauge("swarm_stage_bottleneck", "The stage that limits the pipelines (fewest peers)",
+                                registry=registry)
 
     def update(self, summary: SwarmSummary) -> None:
         for state, count in summary.by_state.items():
@@ -48,8 +71,19 @@ class SwarmExporter:
         self.round.set(summary.round)
         if summary.loss_mean is not None:
             self.loss.set(summary.loss_mean)
-        self.divergent.set(sum(1 for p in at_round(summary.peers, summary.round)
-                               if p.digest != summary.majority_digest))
+        if summary.stages:
+            self.divergent.set(sum(stage.divergent_peers for stage in summary.stages))
+        else:
+            self.divergent.set(sum(1 for p in at_round(summary.peers, summary.round)
+                                   if p.digest != summary.majority_digest))
+        for stage in summary.stages:
+            label = str(stage.stage)
+            self.stage_peers.labels(stage=label).set(stage.peers_online)
+            self.stage_round.labels(stage=label).set(stage.round)
+            self.stage_tokens.labels(stage=label).set(stage.tokens_per_s)
+            self.stage_divergent.labels(stage=label).set(stage.divergent_peers)
+            if stage.bottleneck:
+                self.bottleneck.set(stage.stage)
         self.invalid.set(summary.invalid_records)
         self.uncovered.set(len(summary.uncovered_blocks))
 
@@ -73,9 +107,18 @@ def render_status(summary: SwarmSummary, run_id: str, recipe_digest: str) -> str
              f"peer{'' if s.peers_online == 1 else 's'} online"
              + (f" ({states})" if states else "") + f", {s.by_state.get('offline', 0)} offline"
              + (f", {s.invalid_records} invalid records" if s.invalid_records else "")]
-    lines.append(f"compute: {s.tokens_per_s:.0f} tokens/s; state digests: "
-                 + ("none yet" if not s.majority_digest else
-                    f"agree ({s.majority_digest})" if s.digests_agree else f"DIFFER (majority {s.majority_digest})"))
+    if s.stages:
+        lines.append(f"compute: {s.tokens_per_s:.0f} tokens/s through {len(s.stages)} pipeline stages; state "
+                     f"digests: {'agree within each stage' if s.digests_agree else 'DIFFER within a stage'}")
+        lines.extend(f"  stage {t.stage} blocks [{t.block_start}, {t.block_end}): {t.peers_online} "
+                     f"peer{'' if t.peers_online == 1 else 's'}, round {t.round}, {t.tokens_per_s:.0f} tokens/s, "
+                     + ("no digest yet" if not t.majority_digest else f"digests agree ({t.majority_digest})"
+                        if t.digests_agree else f"digests DIFFER (majority {t.majority_digest})")
+                     + ("  <- bottleneck" if t.bottleneck else "") for t in s.stages)
+    else:
+        lines.append(f"compute: {s.tokens_per_s:.0f} tokens/s; state digests: "
+                     + ("none yet" if not s.majority_digest else f"agree ({s.majority_digest})" if s.digests_agree
+                        else f"DIFFER (majority {s.majority_digest})"))
     coverage = ", ".join(f"[{start}, {end}) {count}" for start, end, count in coverage_runs(s.block_coverage))
     nobody = ", ".join(map(str, s.uncovered_blocks)) if s.uncovered_blocks else "none"
     lines.append(f"blocks: {s.n_blocks}; peers per block: {coverage or '-'}; hosted by nobody: {nobody}")

@@ -1,10 +1,8 @@
 """The local peer: joins the swarm, fetches the recipe, loads data and model, syncs state, then runs DiLoCo
 rounds (inner AdamW steps until the swarm's progress reaches tokens_per_round, then group averaging and the
-outer step), announcing itself, checkpointing and exporting metrics until stopped.
-
-The round's bookkeeping is `Rounds` (swarm/peer/rounds.py), the averaging `Averager` (swarm/peer/averager.py);
-this module wires them to the model, the data and the network and runs the training loop.
-"""
+outer step), announcing itself, checkpointing and exporting metrics until stopped. The round's bookkeeping is
+`Rounds` (rounds.py), the averaging `Averager` (averager.py); this module wires them to the model, the data
+and the network and runs the training loop."""
 
 from __future__ import annotations
 
@@ -259,6 +257,7 @@ class Peer:
                     self._conclude(outcome)
         if self.rounds.in_flight:
             self._conclude(self.rounds.wait())  # stopping: do not leave the swarm with a round half-known to us
+        self.part.finish(self.stop.event, self.events)  # (a serving stage answers the stage before until it ends)
         self.rounds.close()
         logger.info("compute utilisation %.1f%% (time in inner steps / wall time)", 100 * self.clock.utilization())
         if self.settings.checkpoints.dir and self.diloco.round > 0 and self._last_checkpoint_round != self.diloco.round:

@@ -61,6 +61,7 @@ class StageWorker:
         self.lock = threading.Lock()  # one microbatch at a time; also what an outer step takes to change params
         self.microbatches = 0
         self.tokens = 0
+        self.frozen = False  # answer microbatches (gradients of their inputs) without changing our params
 
     def step(self, x: torch.Tensor, targets: torch.Tensor, downstream: Optional[Downstream]) -> tuple[
             Optional[torch.Tensor], float]:
@@ -81,6 +82,9 @@ class StageWorker:
                     self.optimizer.zero_grad(set_to_none=True)
                     raise PipelineError("the next stage returned a gradient of the wrong shape or not finite")
                 out.backward(grad.to(out.dtype))
+            if self.frozen:
+                self.stage.zero_grad(set_to_none=True)
+                return (None if self.stage.first else inputs.grad.detach()), loss
             for group in self.optimizer.param_groups:
                 group["lr"] = self.lr()
             torch.nn.utils.clip_grad_norm_(self.stage.parameters(), self.grad_clip)

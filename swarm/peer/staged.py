@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import threading
 import time
 from collections.abc import Iterator
 from typing import Optional
@@ -31,6 +32,7 @@ from swarm.runtime import LoopThread
 logger = logging.getLogger(__name__)
 PEERS_SECONDS = 2.0  # how often the next stage's peers are read
 WAIT_SECONDS = 0.2  # a serving stage's training thread waits this long for a microbatch before it looks around
+DRAIN_SECONDS = 600.0  # the longest a serving stage answers the stage before after its own last round
 
 
 class Part:
@@ -45,6 +47,7 @@ class Part:
         self.module: torch.nn.Module = model
         self.run = recipe
         self.pending: Optional[torch.Tensor] = None  # a first stage's batch no next-stage peer took yet
+        self.taken = 0  # batches a first stage took from its data stream (each trained once, or pending)
         self.work: queue.Queue = queue.Queue()
         self.router: Optional[Router] = None
         if self.stages > 1:
@@ -147,6 +150,7 @@ class Part:
         if self.first:
             fresh = self.pending is None
             batch = next(batches) if fresh else self.pending
+            self.taken += fresh
             try:
                 _, loss = self.worker.step(batch[:, :-1], batch[:, 1:], self.router.hop(self.loop.loop))
             except PipelineError as e:
@@ -156,6 +160,10 @@ class Part:
                 return None, 0, fresh
             self.pending = None
             return loss, batch[:, 1:].numel(), fresh
+        return self._serve_one()
+
+    def _serve_one(self) -> tuple[Optional[float], int, bool]:
+        """Run the next microbatch from the stage before, if one comes within WAIT_SECONDS."""
         try:
             x, targets, done = self.work.get(timeout=WAIT_SECONDS)
         except queue.Empty:
@@ -167,6 +175,41 @@ class Part:
             return None, 0, False
         self.loop.loop.call_soon_threadsafe(_settle, done, (grad, loss), None)
         return loss, targets.numel(), False
+
+    def finish(self, stop: threading.Event, events) -> None:
+        """At the end of training: drain (a serving stage), then account for the microbatches: a first stage took
+        `taken` batches from its stream and trained each once (`microbatches`), but for one still pending."""
+        if self.whole:
+            return
+        self.drain(stop)
+        retries = self.router.retries if self.router is not None else 0
+        logger.info("pipeline: stage %d trained %d microbatches (%d taken from our data, %s pending), %d hops "
+                    "retried", self.index, self.worker.microbatches, self.taken, int(self.pending is not None),
+                    retries)
+        events.emit("pipeline", stage=self.index, microbatches=self.worker.microbatches, taken=self.taken,
+                    pending=int(self.pending is not None), retries=retries)
+
+    def drain(self, stop: threading.Event) -> None:
+        """After our last round (--until-round, --max-rounds), keep answering the stage before, our params frozen,
+        while any of its peers still trains: its rounds need microbatches through us, and a serving stage counts
+        every token its upstream peers count and some they retried, so it reaches a round first. At most
+        DRAIN_SECONDS; a stop signal ends it."""
+        if self.whole or self.first:
+            return
+        upstream = self.recipe.stage_run_id(self.index - 1)
+        self.worker.frozen = True
+        deadline, served, check_at = time.monotonic() + DRAIN_SECONDS, 0, 0.0
+        while not stop.is_set() and time.monotonic() < deadline:
+            if time.monotonic() >= check_at:
+                records, _ = parse_peer_records(self.loop.run(self.node.get(peers_key(upstream)), 30))
+                if not view.live(records, self.node.now()):
+                    break
+                if check_at == 0.0:
+                    logger.info("pipeline: our rounds are done; answering stage %d's peers, our params frozen, "
+                                "until they finish", self.index - 1)
+                check_at = time.monotonic() + PEERS_SECONDS
+            served += self._serve_one()[1] > 0
+        logger.info("pipeline: answered %d microbatches after our last round", served)
 
 
 def _settle(future: asyncio.Future, result, error: Optional[BaseException]) -> None:

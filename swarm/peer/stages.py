@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from swarm.compression import Codec, decode
+from swarm import config
 from swarm.config import RecipeError
 from swarm.peer.model import block_map
 
@@ -35,17 +36,11 @@ class StageError(RecipeError):
 
 
 def even_bounds(n_blocks: int, stages: int) -> list[tuple[int, int]]:
-    """`stages` contiguous block ranges covering [0, n_blocks), sizes differing by at most one (earlier ones
-    larger: the first stage also holds the embedding, the last the head, which weigh alike)."""
-    if not 1 <= stages <= n_blocks:
-        raise StageError(f"cannot cut {n_blocks} blocks into {stages} stages: need 1 <= stages <= blocks")
-    size, extra = divmod(n_blocks, stages)
-    bounds, start = [], 0
-    for k in range(stages):
-        end = start + size + (k < extra)
-        bounds.append((start, end))
-        start = end
-    return bounds
+    """swarm.config.even_bounds (which the monitoring reads too), raising StageError."""
+    try:
+        return config.even_bounds(n_blocks, stages)
+    except ValueError as e:
+        raise StageError(str(e)) from None
 
 
 class Stage(torch.nn.Module):
