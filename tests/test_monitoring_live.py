@@ -320,3 +320,41 @@ def test_join_on_a_terminal_draws_a_live_progress_line(live_swarm):
     assert re.search(r"\r\x1b\[K\d\d:\d\d:\d\d INFO swarm\.peer: round \d+: averaged with 2 peers[^\r\x1b]*\r?\n", text)
     assert text.count("\x1b[K") > 10, "the line is redrawn in place as training goes on"
     print(f"progress line seen in {time.monotonic() - started:.1f} s")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (Debian package `chromium`; .ci/run "
+                    "installs it when run as root)")
+def test_status_page_shows_a_pipelined_runs_stages_in_headless_chromium(tmp_path):
+    """The page of a run cut into two stages (from records, as the bootstrap would read them): a Pipeline stages
+    panel with a row per stage and the bottleneck marked, every peer listed, and a peer judged against its own
+    stage's digest (stage 1 holds other params than stage 0: not divergent; a stage-1 peer off its stage's
+    majority: divergent)."""
+    from swarm.dht.records import PeerRecord
+    from swarm.dht.view import summarize_stages
+    from swarm.monitoring.status_page import StatusBoard, render_page
+
+    def record(peer_id: str, start: int, end: int, digest: str, round_no: int) -> PeerRecord:
+        return PeerRecord(peer_id=peer_id, state="training", version="0.1.0", run_id="run", round=round_no,
+                          tokens_in_round=0, block_start=start, block_end=end, digest=digest,
+                          tokens_per_s=100.0 if start == 0 else 60.0)
+
+    stage0 = [record(f"QmFirst{i}", 0, 2, "aa" * 8, 5) for i in range(3)]
+    stage1 = [record("QmLastA", 2, 4, "bb" * 8, 4), record("QmLastB", 2, 4, "bb" * 8, 4),
+              record("QmLastOff", 2, 4, "cc" * 8, 4)]
+    board = StatusBoard("run", "f" * 64, "QmBootstrap")
+    board.update(summarize_stages([stage0, stage1], [(0, 2), (2, 4)], 0, 4, read_at=time.time()))
+    page = tmp_path / "page.html"
+    page.write_bytes(render_page(board.payload()))
+    result = _run_chromium([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                            "--disable-background-networking", "--disable-dev-shm-usage",
+                            f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=2000", "--dump-dom",
+                            page.as_uri()])
+    dom = result.stdout
+    assert result.returncode == 0 and "<table" in dom, result.stderr[-3000:]
+    assert not re.search(r'id="stages-panel"[^>]*hidden', dom), "the stages panel is shown"
+    rows = dict(re.findall(r'<tr data-stage="(\d)">(.*?)</tr>', dom, re.S))
+    # (three peers each: the stage with the fewer tokens/s is the bottleneck)
+    assert sorted(rows) == ["0", "1"] and "bottleneck" not in rows["0"] and "bottleneck" in rows["1"], rows
+    peers = dict(re.findall(r'<tr class="[^"]*" data-peer-id="([^"]+)">(.*?)</tr>', dom, re.S))
+    assert len(peers) == 6, sorted(peers)
+    assert "≠" in peers["QmLastOff"] and "≠" not in peers["QmLastA"] and "≠" not in peers["QmFirst0"]
