@@ -44,22 +44,60 @@ class Needs:
 def estimate_needs(recipe: Recipe, device: str, replay_log_mb: Optional[float]) -> Needs:
     """Counts the model's parameters on the meta device (nothing allocated). Raises RecipeError for a model the
     recipe cannot build."""
-    import torch
-
-    from swarm.peer.model import build_model
-
-    with torch.device("meta"):
-        n = sum(p.numel() for p in build_model(recipe.model, recipe.data.vocab_size).parameters())
-    d, m = recipe.data, recipe.model
-    activations = 4 * d.batch_size * d.seq_len * (m.num_layers * (34 * m.hidden_size + 5 * m.num_heads * d.seq_len)
-                                                  + 3 * d.vocab_size)
-    training = 16 * n + activations  # fp32 weights and gradients, AdamW's two moments
+    n = sum(params for params, _, _ in part_params(recipe))
+    training = training_bytes(recipe, n, recipe.model.num_layers, last=True)
     replay = 8 * n if replay_log_mb is None else int(replay_log_mb * 1e6)
     host = 8 * n + replay + 12 * n + (training if device == "cpu" else 0)
     return Needs(n, 12 * n, host, training if device != "cpu" else 0)
 
 
-def _fmt(n: float) -> str:
+def part_params(recipe: Recipe) -> list[tuple[int, int, bool]]:
+    """(parameters, blocks, whether it holds the head) of each pipeline stage of the recipe's model (one entry for
+    a whole-model run), counted on the meta device."""
+    import torch
+
+    from swarm.peer.model import build_model, n_blocks
+    from swarm.peer.stages import Stage, even_bounds
+
+    with torch.device("meta"):
+        model = build_model(recipe.model, recipe.data.vocab_size)
+    blocks = n_blocks(model)
+    if recipe.pipeline.stages == 1:
+        return [(sum(p.numel() for p in model.parameters()), blocks, True)]
+    return [(sum(p.numel() for p in Stage(model, a, b).parameters()), b - a, b == blocks)
+            for a, b in even_bounds(blocks, recipe.pipeline.stages)]
+
+
+def check_max_memory(recipe: Recipe, limit_mb: float) -> Check:
+    """Whether the whole model, or some stage of a pipelined run, trains within --max-memory."""
+    stages = recipe.pipeline.stages
+    needs = [training_bytes(recipe, *part) for part in part_params(recipe)]
+    limit, details = int(limit_mb * 1e6), {"limit": int(limit_mb * 1e6), "needs": needs}
+    fits = [k for k, need in enumerate(needs) if need <= limit]
+    if stages == 1 and fits:
+        return Check("max memory", True, f"training the model needs about {fmt_bytes(needs[0])} of "
+                                         f"{fmt_bytes(limit)}", details)
+    if stages == 1:
+        return Check("max memory", False, f"training the whole model needs about {fmt_bytes(needs[0])} but "
+                                          f"--max-memory allows {fmt_bytes(limit)}: join a run cut into pipeline "
+                                          "stages, or raise --max-memory", details, fatal=True)
+    if fits:
+        many = len(fits) > 1
+        return Check("max memory", True, f"stage{'s' if many else ''} {', '.join(map(str, fits))} of {stages} "
+                                         f"fit{'' if many else 's'} in {fmt_bytes(limit)}", details)
+    return Check("max memory", False, f"no stage fits in --max-memory {fmt_bytes(limit)}: the smallest needs about "
+                                      f"{fmt_bytes(min(needs))}; raise --max-memory", details, fatal=True)
+
+
+def training_bytes(recipe: Recipe, params: int, layers: int, last: bool) -> int:
+    """Memory to train `params` parameters in `layers` blocks (and the LM head's logits when `last`): fp32 weights
+    and gradients, AdamW's two moments, and one microbatch's activations."""
+    d, m = recipe.data, recipe.model
+    per_block = 34 * m.hidden_size + 5 * m.num_heads * d.seq_len
+    return 16 * params + 4 * d.batch_size * d.seq_len * (layers * per_block + (3 * d.vocab_size if last else 0))
+
+
+def fmt_bytes(n: float) -> str:
     for unit in ("B", "kB", "MB", "GB"):
         if abs(n) < 1000:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -77,9 +115,9 @@ def check_disk(directory: Optional[str], checkpoint: int, keep: int) -> Check:
     need = checkpoint * (keep + 1)  # a new checkpoint is written before the oldest is removed
     details = {"directory": directory, "free": free, "need": need, "checkpoint": checkpoint}
     if free >= need:
-        return Check("disk", True, f"{_fmt(free)} free for checkpoints of {_fmt(checkpoint)}", details)
-    return Check("disk", False, f"{_fmt(free)} free in {directory} but {keep} checkpoints and the one being written "
-                                f"need {_fmt(need)}: free space there, pass a --checkpoint-dir on a larger disk, or "
+        return Check("disk", True, f"{fmt_bytes(free)} free for checkpoints of {fmt_bytes(checkpoint)}", details)
+    return Check("disk", False, f"{fmt_bytes(free)} free in {directory} but {keep} checkpoints and the one being written "
+                                f"need {fmt_bytes(need)}: free space there, pass a --checkpoint-dir on a larger disk, or "
                                 "lower --keep-checkpoints", details)
 
 
@@ -103,21 +141,21 @@ def device_memory(device: str) -> Optional[tuple[str, int]]:
 
 def check_memory(need: int, free: Optional[int], replay: Optional[float]) -> Check:
     if free is None:
-        return Check("memory", True, f"about {_fmt(need)} needed; this system does not say how much is free")
+        return Check("memory", True, f"about {fmt_bytes(need)} needed; this system does not say how much is free")
     details = {"need": need, "free": free}
     if free >= need:
-        return Check("memory", True, f"{_fmt(free)} available, about {_fmt(need)} needed", details)
+        return Check("memory", True, f"{fmt_bytes(free)} available, about {fmt_bytes(need)} needed", details)
     log = f"--replay-log-mb {replay:g}" if replay is not None else "--replay-log-mb, one state's size by default"
-    return Check("memory", False, f"{_fmt(free)} of memory available but this peer needs about {_fmt(need)}: close "
+    return Check("memory", False, f"{fmt_bytes(free)} of memory available but this peer needs about {fmt_bytes(need)}: close "
                                   f"other programs, or lower {log}", details)
 
 
 def check_device_memory(name: str, need: int, free: int) -> Check:
     details = {"device": name, "need": need, "free": free}
     if free >= need:
-        return Check("device memory", True, f"{name}: {_fmt(free)} free, about {_fmt(need)} needed", details)
-    return Check("device memory", False, f"{name} has {_fmt(free)} free but training this model needs about "
-                                         f"{_fmt(need)}: free the GPU (`nvidia-smi` shows who holds it), or join "
+        return Check("device memory", True, f"{name}: {fmt_bytes(free)} free, about {fmt_bytes(need)} needed", details)
+    return Check("device memory", False, f"{name} has {fmt_bytes(free)} free but training this model needs about "
+                                         f"{fmt_bytes(need)}: free the GPU (`nvidia-smi` shows who holds it), or join "
                                          "with --device cpu", details)
 
 
@@ -141,6 +179,8 @@ def resource_checks(recipe: Recipe, settings: PeerSettings, shared: bool = False
                                           "model.config_file or --data-dir")]
     checks = [check_disk(settings.checkpoints.dir, needs.checkpoint, settings.checkpoints.keep),
               check_memory(needs.host, available_memory(), settings.replay_log_mb)]
+    if settings.max_memory is not None:
+        checks.append(check_max_memory(recipe.model_copy(update={"model": model}), settings.max_memory))
     gpu = device_memory(device)
     if gpu is not None:
         checks.append(check_device_memory(*gpu, needs.device))

@@ -376,6 +376,10 @@ class PeerSettings(_Section):
     data_shard: Optional[int] = Field(
         None, ge=0, json_schema_extra={"metavar": "K"},
         description="start the data stream at shard K (default: where no live peer reads)")
+    max_memory: Optional[float] = Field(
+        None, gt=0, allow_inf_nan=False, json_schema_extra={"metavar": "MB"},
+        description="train within this much memory: the whole model, or in a run cut into pipeline stages a stage "
+                    "that fits (simulates a small GPU; default: no limit, a GPU's memory only guides the choice)")
     stage: Optional[int] = Field(
         None, ge=0, json_schema_extra={"metavar": "K"},
         description="in a run cut into pipeline stages, host stage K (default: the stage with the fewest live "

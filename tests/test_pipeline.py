@@ -154,8 +154,8 @@ def test_malformed_and_oversized_microbatches_are_refused_and_the_server_goes_on
 
 @pytest.mark.slow
 def test_two_stages_of_two_peers_train_and_joiners_take_the_stage_nobody_hosts(swarm):
-    """The pipeline as peers run it (`pipeline: {stages: 2}`): two peers pinned to stage 0 start first and cannot
-    train alone; two peers that join without --stage see stage 1 unhosted and take it. Then the four train three
+    """The pipeline as peers run it (`pipeline: {stages: 2}`), every peer limited (--max-memory) to about 0.6 of
+    what the whole model needs: two peers pinned to stage 0 start first and cannot train alone; two peers that join without --stage see stage 1 unhosted and take it. Then the four train three
     rounds: each stage's two peers average that stage among themselves and hold bit-identical params after every
     round, the stages' params differ in shape (the embedding on stage 0, the head on stage 1), and the loss the
     first stage gets back falls."""
@@ -164,8 +164,9 @@ def test_two_stages_of_two_peers_train_and_joiners_take_the_stage_nobody_hosts(s
     recipe = Path(__file__).parent / "recipes" / "stages.yaml"
     _, maddr = swarm.bootstrap(recipe=recipe)
 
-    def join(i: int, *extra: str):
-        return swarm.peer(maddr, "--trace-dir", str(swarm.workdir / f"trace{i}"), *extra, name=f"peer{i}")
+    def join(i: int, *extra: str):  # each limited to about 0.6 of the model (6 of 10 MB; a stage needs 4-6)
+        return swarm.peer(maddr, "--trace-dir", str(swarm.workdir / f"trace{i}"), "--max-memory", "6", *extra,
+                          name=f"peer{i}")
 
     # Every peer runs until each has averaged round 2, then all stop together: a stage cannot train without the
     # other, and the stages take their rounds apart, so one that stopped at its own third round could leave the
@@ -175,7 +176,7 @@ def test_two_stages_of_two_peers_train_and_joiners_take_the_stage_nobody_hosts(s
         peer.wait_event("training", 120)
     later = [join(i) for i in (2, 3)]
     for peer in later:
-        peer.wait_for(r"pipeline: hosting stage 1 of 2 \(blocks \[1, 2\)\)", 120)
+        peer.wait_for(r"pipeline: hosting stage 1 of 2 \(blocks \[1, 2\)\), about 5.8 MB to train of 6.0 MB", 120)
     for peer in first + later:
         peer.wait_event("averaged", 180, round=2)
     # What operators see (`status --json`, which the status page and the bootstrap's gauges read too): each stage

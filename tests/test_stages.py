@@ -4,6 +4,8 @@ cross the boundaries through a codec, and the bytes are counted."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -88,3 +90,40 @@ def test_families_with_learned_positions_or_tied_heads_are_refused_with_one_line
     assert len(make_stages(tied, [(0, 4)])) == 1  # one stage holding everything is the whole model
     with pytest.raises(StageError, match="do not cover"):
         make_stages(_model(CUTTABLE["llama"]), [(0, 1), (2, 4)])
+
+
+def test_max_memory_decides_which_stages_a_peer_may_host():
+    """--max-memory bounds what a peer trains (weights, gradients, AdamW moments, one microbatch's activations):
+    stages.yaml's model needs about 10.0 MB whole, 4.2 MB for stage 0 (with the embedding) and 5.8 MB for stage 1
+    (with the head and its logits). A limit below what it would host stops the peer with one line naming the fix;
+    without --stage, a peer takes a stage it can hold."""
+    from swarm.checks import check_max_memory
+    from swarm.config import PeerSettings, RecipeError, load_recipe
+    from swarm.peer.model import build_model
+    from swarm.peer.staged import Part
+
+    recipe = load_recipe(Path(__file__).parent / "recipes" / "stages.yaml")
+    whole = recipe.model_copy(update={"pipeline": recipe.pipeline.model_copy(update={"stages": 1})})
+
+    def part(run, **settings):
+        model = build_model(run.model, run.data.vocab_size)  # (a stage frees the others' weights: a new one each)
+        return Part(run, PeerSettings(initial_peers=("/ip4/127.0.0.1/tcp/1/p2p/x",), **settings), model, None, None, 2)
+
+    with pytest.raises(RecipeError, match=r"the whole model needs about 10\.0 MB but --max-memory allows 6\.0 MB: "
+                                          r"join a run cut into pipeline stages"):
+        part(whole, max_memory=6)
+    assert part(whole, max_memory=11).whole and part(whole).whole
+    assert part(recipe, max_memory=6, stage=1).bounds == (1, 2), "half the model's memory holds either stage"
+    with pytest.raises(RecipeError, match=r"stage 1 needs about 5\.8 MB to train but --max-memory allows 5\.0 MB: "
+                                          r"host a stage that fits \(0\)"):
+        part(recipe, max_memory=5, stage=1)
+    assert part(recipe, max_memory=5).index == 0, "the one stage it can hold, without asking the swarm"
+    with pytest.raises(RecipeError, match=r"no stage of this run fits in --max-memory 4\.0 MB: the smallest needs "
+                                          r"about 4\.2 MB"):
+        part(recipe, max_memory=4)
+    # `swarm-peer doctor --max-memory` and join's start-up checks estimate the same (on the meta device).
+    check = check_max_memory(recipe, 5)
+    assert check.ok and check.message == "stage 0 of 2 fits in 5.0 MB"
+    assert check.details["needs"] == part(recipe, stage=0).needs
+    assert not check_max_memory(recipe, 4).ok and check_max_memory(recipe, 4).fatal
+    assert not check_max_memory(whole, 6).ok and check_max_memory(whole, 11).ok

@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from swarm.checks import fmt_bytes, training_bytes
 from swarm.config import PeerSettings, Recipe, RecipeError
 from swarm.dht import view
 from swarm.dht.node import SwarmNode
@@ -50,15 +51,34 @@ class Part:
         self.taken = 0  # batches a first stage took from its data stream (each trained once, or pending)
         self.work: queue.Queue = queue.Queue()
         self.router: Optional[Router] = None
+        limit, capacity = _capacity(settings)
+        if self.stages == 1:
+            need = training_bytes(recipe, sum(p.numel() for p in model.parameters()), n_blocks, last=True)
+            if limit is not None and need > limit:
+                raise RecipeError(f"training the whole model needs about {fmt_bytes(need)} but --max-memory allows "
+                                  f"{fmt_bytes(limit)}: join a run cut into pipeline stages (recipe pipeline: "
+                                  "{stages: N}), or raise --max-memory")
         if self.stages > 1:
             self.all_bounds = even_bounds(n_blocks, self.stages)
+            self.needs = [training_bytes(recipe, sum(p.numel() for p in Stage(model, a, b).parameters()), b - a,
+                                         last=b == n_blocks) for a, b in self.all_bounds]
+            fits = [k for k, need in enumerate(self.needs) if capacity is None or need <= capacity]
+            if limit is not None and not fits:
+                raise RecipeError(f"no stage of this run fits in --max-memory {fmt_bytes(limit)}: the smallest needs "
+                                  f"about {fmt_bytes(min(self.needs))}; raise --max-memory, or ask the run's owner "
+                                  "for more stages")
             client = settings.network.client_mode  # it cannot serve a stage: it reads data and sends
-            self.index = settings.stage if settings.stage is not None else 0 if client else self._weakest(node)
+            self.index = settings.stage if settings.stage is not None else 0 if client else \
+                self._weakest(node, fits or list(range(self.stages)))
             if self.index >= self.stages:
                 raise RecipeError(f"--stage {self.index}: the run has {self.stages} stages (0 to {self.stages - 1})")
             if client and self.index > 0:
                 raise RecipeError("a --client-mode peer accepts no streams, so it can host only stage 0 "
                                   "(--stage 0)")
+            if limit is not None and self.index not in fits:
+                raise RecipeError(f"stage {self.index} needs about {fmt_bytes(self.needs[self.index])} to train but "
+                                  f"--max-memory allows {fmt_bytes(limit)}: host a stage that fits "
+                                  f"({', '.join(map(str, fits))}), or raise --max-memory")
             self.bounds = self.all_bounds[self.index]
             self.module = Stage(model, *self.bounds)
             hosted = {id(param) for param in self.module.parameters()}
@@ -66,7 +86,9 @@ class Part:
                 if id(param) not in hosted:
                     param.data = torch.empty(0, dtype=param.dtype, device=param.device)
             self.run = recipe.model_copy(update={"run_id": recipe.stage_run_id(self.index)})
-            logger.info("pipeline: hosting stage %d of %d (blocks [%d, %d))", self.index, self.stages, *self.bounds)
+            logger.info("pipeline: hosting stage %d of %d (blocks [%d, %d)), about %s to train%s", self.index,
+                        self.stages, *self.bounds, fmt_bytes(self.needs[self.index]),
+                        "" if capacity is None else f" of {fmt_bytes(capacity)}")
 
     @property
     def whole(self) -> bool:
@@ -76,15 +98,17 @@ class Part:
     def first(self) -> bool:
         return self.index == 0
 
-    def _weakest(self, node: SwarmNode) -> int:
-        """The stage with the fewest live peers now; ties go to a stage drawn from our peer id, so peers that
-        join together spread over the tied stages."""
-        counts = []
-        for k in range(self.stages):
+    def _weakest(self, node: SwarmNode, candidates: list[int]) -> int:
+        """Of the `candidates` (the stages we can hold), the one with the fewest live peers now; ties go to a stage
+        drawn from our peer id, so peers that join together spread over the tied stages."""
+        if len(candidates) == 1:
+            return candidates[0]
+        counts = {}
+        for k in candidates:
             records, _ = parse_peer_records(self.loop.run(node.get(peers_key(self.recipe.stage_run_id(k))), 30))
-            counts.append(len(view.live(records, node.now())))
-        fewest = [k for k, n in enumerate(counts) if n == min(counts)]
-        logger.info("pipeline: live peers per stage %s", counts)
+            counts[k] = len(view.live(records, node.now()))
+        fewest = [k for k, n in counts.items() if n == min(counts.values())]
+        logger.info("pipeline: live peers per stage we can hold %s", counts)
         return fewest[peer_id_hash(node.peer_id) % len(fewest)]
 
     def start(self) -> None:
@@ -210,6 +234,16 @@ class Part:
                 check_at = time.monotonic() + PEERS_SECONDS
             served += self._serve_one()[1] > 0
         logger.info("pipeline: answered %d microbatches after our last round", served)
+
+
+def _capacity(settings: PeerSettings) -> tuple[Optional[int], Optional[int]]:
+    """(the memory --max-memory allows, which a peer must keep to; the memory that guides the choice of a stage:
+    that limit, else a GPU's total memory, else None: any stage)."""
+    if settings.max_memory is not None:
+        return int(settings.max_memory * 1e6), int(settings.max_memory * 1e6)
+    if settings.device != "cpu" and torch.cuda.is_available():
+        return None, torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return None, None
 
 
 def _settle(future: asyncio.Future, result, error: Optional[BaseException]) -> None:
