@@ -145,28 +145,33 @@ def _join(args: argparse.Namespace) -> int:
     from swarm.data.prepare import CorpusError
     from swarm.peer.peer import Peer
 
-    try:
-        peer = Peer(settings)
-    except ValueError as e:
-        logger.error("%s", e)
-        return 2
-    peer.install_signal_handlers()
-    try:
-        peer.start()
-        rounds = peer.run()
-        logger.info("done: %d rounds averaged, round %d, digest %s", rounds, peer.diloco.round,
-                    peer.diloco.digest())
-        return 0
-    except concurrent.futures.CancelledError:
-        if not peer.stop.event.is_set():
-            raise
-        logger.info("stopped during start-up")
-        return 0
-    except (NodeError, CorpusError, RuntimeError) as e:
-        logger.error("%s", e)
-        return 1
-    finally:
-        peer.shutdown()
+    move_to = None
+    while True:  # a peer that moves to a weaker pipeline stage (rebalancing) leaves the swarm and joins it again
+        try:
+            peer = Peer(settings, move_to)
+        except ValueError as e:
+            logger.error("%s", e)
+            return 2
+        peer.install_signal_handlers()
+        try:
+            peer.start()
+            rounds = peer.run()
+            move_to = peer.part.move_to if not peer.stop.event.is_set() else None
+            if move_to is None:
+                logger.info("done: %d rounds averaged, round %d, digest %s", rounds, peer.diloco.round,
+                            peer.diloco.digest())
+                return 0
+        except concurrent.futures.CancelledError:
+            if not peer.stop.event.is_set():
+                raise
+            logger.info("stopped during start-up")
+            return 0
+        except (NodeError, CorpusError, RuntimeError) as e:
+            logger.error("%s", e)
+            return 1
+        finally:
+            peer.shutdown()
+        logger.info("moving to pipeline stage %d: joining again", move_to)
 
 
 def _identity_command(args: argparse.Namespace) -> int:

@@ -236,3 +236,37 @@ def test_killing_a_peer_of_a_stage_mid_round_loses_no_microbatch_and_the_swarm_g
             x, y = (load_file(str(swarm.workdir / f"trace{i}" / f"round-{r:06d}.safetensors"))["global_after"]
                     for i in (a, b))
             assert torch.equal(x, y), f"peers {a} and {b} differ after round {r}"
+
+
+@pytest.mark.slow
+def test_a_stage_that_loses_its_hosts_gets_a_peer_from_a_stronger_stage(swarm):
+    """Peer A hosts stage 1 (pinned); C joins without --stage and takes the empty stage 0; B joins pinned to stage
+    0. Two peers against one is balanced enough. Then A is SIGKILLed: stage 1 has nobody, so the first stage cannot
+    train, and C, the one peer of stage 0 free to move, leaves after REBALANCE_SECONDS, joins again on stage 1
+    (starting it from the recipe's init: nobody held it) and both stages average rounds again."""
+    recipe = Path(__file__).parent / "recipes" / "rebalance.yaml"
+    _, maddr = swarm.bootstrap(recipe=recipe)
+    a = swarm.peer(maddr, "--stage", "1", name="a")
+    a.wait_event("joined", 120)
+    c = swarm.peer(maddr, name="c")
+    c.wait_for(r"pipeline: hosting stage 0 of 2", 120)
+    b = swarm.peer(maddr, "--stage", "0", name="b")
+    b.wait_event("averaged", 180)
+    c.wait_event("averaged", 180)
+    assert not c.events("stopped"), "two peers against one: nobody moves"
+    a.process.kill()
+    c.wait_for(r"moving to pipeline stage 1: joining again", 120)
+    c.wait_for(r"pipeline: hosting stage 1 of 2", 120)
+    moved = c.events("stopped")[0]["time"]
+    assert len(c.events("joined")) == 2
+    c.wait_event("averaged", 180, where=lambda e: e["time"] > moved)
+    deadline = time.monotonic() + 180
+    while len(after := b.events("averaged", where=lambda e: e["time"] > moved)) < 2:  # stage 0 trains again
+        assert time.monotonic() < deadline and b.process.poll() is None, b.output()[-3000:]
+        time.sleep(0.2)
+    rounds = [e["round"] for e in after]
+    for peer in (b, c):
+        peer.process.send_signal(signal.SIGTERM)
+    for peer in (b, c):
+        assert peer.wait(60) == 0, peer.output()[-3000:]
+    assert rounds == sorted(rounds) and len(set(rounds)) == len(rounds), "stage 0 moved on round by round"

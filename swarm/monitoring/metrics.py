@@ -167,8 +167,15 @@ class PeerMetrics:
         """Start the /metrics HTTP server; returns the bound port (port 0 picks a free one)."""
         if port is None:
             return None
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
-        return server.server_address[1]
+        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return self._server.server_address[1]
+
+    def close(self) -> None:
+        """Stop the /metrics server, freeing its port (a peer that joins again in this process binds it anew)."""
+        server, self._server = getattr(self, "_server", None), None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
 
 
 def process_resident_bytes() -> float:

@@ -49,7 +49,7 @@ logger = logging.getLogger("swarm.peer")
 
 
 class Peer:
-    def __init__(self, settings: PeerSettings):
+    def __init__(self, settings: PeerSettings, move_to: Optional[int] = None):
         self.settings = settings
         self.metrics = PeerMetrics()
         self.events = EventLog(settings.events_file)
@@ -61,7 +61,7 @@ class Peer:
         self.announcer: Optional[Announcer] = None
         self.allreduce: Optional[GroupAllReduce] = None
         self.rounds: Optional[Rounds] = None
-        self._last_checkpoint_round = -1
+        self._last_checkpoint_round, self.move_to = -1, move_to  # move_to: a stage to host (rebalancing), not pinned
         self._seen_view: Optional[list[PeerRecord]] = None  # the swarm view the data stream last looked at
 
     # ---- start-up ------------------------------------------------------------------------------------------
@@ -107,7 +107,8 @@ class Peer:
                                  self.node.peer_id, pinned=s.data_shard)  # placed once we see the swarm
         self.model = build_model(model_recipe, len(data.tokenizer)).to(self.device)
         self.n_blocks = n_blocks(self.model)
-        self.part = Part(r, s, self.model, self.node, self.loop, self.n_blocks)  # the whole model, or a stage
+        self.part = Part(r, s, self.model, self.node, self.loop, self.n_blocks, self.move_to)  # whole, or a stage
+        self.settings = s = self.part.settings  # (a stage's checkpoints go in a directory of their own)
         self.diloco = DiLoCo(self.part.module, r.outer, log_bytes=None if s.replay_log_mb is None else
                              int(s.replay_log_mb * 1e6))
         self.error_feedback = ErrorFeedback()
@@ -210,7 +211,6 @@ class Peer:
             in_flight_tokens=snap.in_flight_tokens, data_shard=self.stream.reading(), data_start=self.stream.start,
             client=self.settings.network.client_mode,
             **(self.shared.record_fields() if self.shared is not None else {}))
-
 
     def _on_bad_peer(self, peer_id: str, reason: str) -> None:
         self.metrics.bad_peers.labels(reason=reason).inc()
@@ -320,7 +320,7 @@ class Peer:
 
     def _finished(self) -> bool:
         s = self.settings
-        return bool((s.until_round and self.diloco.round >= s.until_round)
+        return bool((s.until_round and self.diloco.round >= s.until_round) or self.part.move_to is not None
                     or (s.max_rounds and self.rounds.rounds_done >= s.max_rounds))
 
     # ---- one round's contribution and outcome --------------------------------------------------------------
@@ -443,6 +443,7 @@ class Peer:
             self.node.shutdown()
         if self.loop is not None:
             self.loop.close()
+        self.metrics.close()
         logger.info("stopped")
         opened = self.node.direct.opened if self.node is not None and self.node.direct is not None else {}
         self.events.emit("stopped", streams_direct=opened.get("direct", 0), streams_fallback=opened.get("fallback", 0))

@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -23,7 +24,7 @@ from swarm.checks import fmt_bytes, training_bytes
 from swarm.config import PeerSettings, Recipe, RecipeError
 from swarm.dht import view
 from swarm.dht.node import SwarmNode
-from swarm.dht.records import parse_peer_records, peers_key
+from swarm.dht.records import ONLINE_STATES, TRAINING_STATES, parse_peer_records, peers_key
 from swarm.peer.pipeline import PipelineError, Router, StageServer, StageWorker, stage_protocol
 from swarm.peer.stages import Stage, even_bounds
 from swarm.peer.stream import peer_id_hash
@@ -33,6 +34,7 @@ from swarm.runtime import LoopThread
 logger = logging.getLogger(__name__)
 PEERS_SECONDS = 2.0  # how often the next stage's peers are read
 WAIT_SECONDS = 0.2  # a serving stage's training thread waits this long for a microbatch before it looks around
+REBALANCE_SECONDS = 15.0  # how long a stage must stay weaker before a peer of a stronger one moves to it
 DRAIN_SECONDS = 600.0  # the longest a serving stage answers the stage before after its own last round
 
 
@@ -41,8 +43,10 @@ class Part:
     recipe with the stage's run id), and its inner step (`step`)."""
 
     def __init__(self, recipe: Recipe, settings: PeerSettings, model: torch.nn.Module, node: SwarmNode,
-                 loop: LoopThread, n_blocks: int):
-        self.recipe, self.model, self.node, self.loop = recipe, model, node, loop
+                 loop: LoopThread, n_blocks: int, prefer: Optional[int] = None):
+        self.recipe, self.model, self.node, self.loop, self.settings = recipe, model, node, loop, settings
+        self.pinned = settings.stage is not None  # --stage: we stay there; otherwise we may move (rebalancing)
+        self.move_to: Optional[int] = None  # the weaker stage we leave ours for, once decided (see _watch)
         self.stages = recipe.pipeline.stages
         self.index, self.bounds = 0, (0, n_blocks)
         self.module: torch.nn.Module = model
@@ -68,7 +72,8 @@ class Part:
                                   f"about {fmt_bytes(min(self.needs))}; raise --max-memory, or ask the run's owner "
                                   "for more stages")
             client = settings.network.client_mode  # it cannot serve a stage: it reads data and sends
-            self.index = settings.stage if settings.stage is not None else 0 if client else \
+            self.fits = fits or list(range(self.stages))
+            self.index = settings.stage if self.pinned else 0 if client else prefer if prefer is not None else \
                 self._weakest(node, fits or list(range(self.stages)))
             if self.index >= self.stages:
                 raise RecipeError(f"--stage {self.index}: the run has {self.stages} stages (0 to {self.stages - 1})")
@@ -86,6 +91,10 @@ class Part:
                 if id(param) not in hosted:
                     param.data = torch.empty(0, dtype=param.dtype, device=param.device)
             self.run = recipe.model_copy(update={"run_id": recipe.stage_run_id(self.index)})
+            if settings.checkpoints.dir is not None:  # each stage's checkpoints apart: a peer may host several
+                directory = str(Path(settings.checkpoints.dir) / f"stage{self.index}")
+                self.settings = settings.model_copy(
+                    update={"checkpoints": settings.checkpoints.model_copy(update={"dir": directory})})
             logger.info("pipeline: hosting stage %d of %d (blocks [%d, %d)), about %s to train%s", self.index,
                         self.stages, *self.bounds, fmt_bytes(self.needs[self.index]),
                         "" if capacity is None else f" of {fmt_bytes(capacity)}")
@@ -116,11 +125,11 @@ class Part:
         if self.whole:
             return
         self.worker = StageWorker(self.module, None, lambda: 0.0, 0.0)  # optimizer, lr and clip: set each step
+        self._next_peers: list[tuple[str, float]] = []
         if self.index + 1 < self.stages:
-            self._next_peers: list[tuple[str, float]] = []
             self.router = Router(self.node, stage_protocol(self.recipe.run_id, *self.all_bounds[self.index + 1]),
                                  lambda: self._next_peers)
-            self.loop.submit(self._follow(self.recipe.stage_run_id(self.index + 1)))
+        self.loop.submit(self._watch())
         if not self.first:
             config, data = self.model.config, self.recipe.data
             server = StageServer(self.worker, config.hidden_size, data.batch_size * data.seq_len, config.vocab_size,
@@ -141,19 +150,47 @@ class Part:
             raise RecipeError(f"checkpoint {checkpoint.path} is of stage {stage}, and this peer hosts stage "
                               f"{self.index}: pass --stage {stage}")
 
-    async def _follow(self, run_id: str) -> None:
-        """Keep `_next_peers` the live, non-client peers of the next stage with their tokens/s."""
-        while True:
+    async def _watch(self) -> None:
+        """Read every stage's peers every PEERS_SECONDS: keep `_next_peers` the live, non-client peers of the next
+        stage with their tokens/s, and decide whether to move to a weaker stage (see _weaker)."""
+        weaker_since: Optional[tuple[int, float]] = None
+        while self.move_to is None:
             try:
-                records, _ = parse_peer_records(await self.node.get(peers_key(run_id)))
-                live = [p for p in view.live(records, self.node.now())
-                        if not p.client and p.peer_id != self.node.peer_id]
-                # A peer that is averaging runs no microbatch until it is done: while others train, wire to them.
-                training = [p for p in live if p.state == "training"] or live
-                self._next_peers = [(p.peer_id, max(p.tokens_per_s, 1.0)) for p in training]
+                hosts = []
+                for k in range(self.stages):
+                    records, _ = parse_peer_records(await self.node.get(peers_key(self.recipe.stage_run_id(k))))
+                    hosts.append(view.live(records, self.node.now(), ONLINE_STATES))
+                if self.index + 1 < self.stages:
+                    live = [p for p in hosts[self.index + 1] if p.state in TRAINING_STATES and not p.client
+                            and p.peer_id != self.node.peer_id]
+                    # A peer that is averaging runs no microbatch until it is done: while others train, wire to them.
+                    training = [p for p in live if p.state == "training"] or live
+                    self._next_peers = [(p.peer_id, max(p.tokens_per_s, 1.0)) for p in training]
+                target, delay = self._weaker(hosts)
+                if target is None or weaker_since is None or weaker_since[0] != target:
+                    weaker_since = None if target is None else (target, time.monotonic())
+                elif time.monotonic() - weaker_since[1] >= delay:
+                    self.move_to = target
+                    logger.warning("pipeline: stage %d has %d live peers and ours %d: moving to stage %d after this "
+                                   "step", target, len(hosts[target]), len(hosts[self.index]), target)
             except Exception as e:  # noqa: BLE001 - the DHT hiccups; the next read comes anyway
-                logger.debug("could not read the next stage's peers: %r", e)
+                logger.debug("could not read the stages' peers: %r", e)
             await asyncio.sleep(PEERS_SECONDS)
+
+    def _weaker(self, hosts: list[list]) -> tuple[Optional[int], float]:
+        """The stage we should move to, and how long it must stay that weak first. Only an unpinned peer of a stage
+        with at least two more live peers than another stage it can hold moves (so that ours stays at least as
+        strong), and its stage's peers take turns: REBALANCE_SECONDS for the first in the order of their id's
+        hash, one more period for each after it, so that one moves and the others see the counts change."""
+        if self.pinned or self.settings.network.client_mode:
+            return None, 0.0
+        counts = [len(stage) for stage in hosts]
+        weakest = min((k for k in self.fits if k != self.index), key=lambda k: (counts[k], k), default=None)
+        if weakest is None or counts[self.index] < counts[weakest] + 2:
+            return None, 0.0
+        turn = sorted(peer_id_hash(p.peer_id) for p in hosts[self.index]).index(peer_id_hash(self.node.peer_id)) \
+            if any(p.peer_id == self.node.peer_id for p in hosts[self.index]) else len(hosts[self.index])
+        return weakest, REBALANCE_SECONDS * (1 + turn)
 
     async def _hand_over(self, x: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, float]:
         """A served microbatch, run by the training thread (see step)."""
@@ -205,7 +242,8 @@ class Part:
         `taken` batches from its stream and trained each once (`microbatches`), but for one still pending."""
         if self.whole:
             return
-        self.drain(stop)
+        if self.move_to is None:
+            self.drain(stop)
         retries = self.router.retries if self.router is not None else 0
         logger.info("pipeline: stage %d trained %d microbatches (%d taken from our data, %s pending), %d hops "
                     "retried", self.index, self.worker.microbatches, self.taken, int(self.pending is not None),
