@@ -378,8 +378,11 @@ class PeerSettings(_Section):
         description="start the data stream at shard K (default: where no live peer reads)")
     max_memory: Optional[float] = Field(
         None, gt=0, allow_inf_nan=False, json_schema_extra={"metavar": "MB"},
-        description="train within this much memory: the whole model, or in a run cut into pipeline stages a stage "
-                    "that fits (simulates a small GPU; default: no limit, a GPU's memory only guides the choice)")
+        description="train within this much memory: the whole model, or a pipeline stage that fits (default: no limit)")
+    microbatches: int = Field(
+        2, ge=1, le=64, json_schema_extra={"metavar": "K"},
+        description="a first-stage peer of a pipelined run sends each batch as K microbatches in flight at once, "
+                    "one optimizer step over all: the next stage computes one while this one computes another")
     stage: Optional[int] = Field(
         None, ge=0, json_schema_extra={"metavar": "K"},
         description="in a run cut into pipeline stages, host stage K (default: the stage with the fewest live "

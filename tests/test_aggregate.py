@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swarm.averaging.aggregate import (WEIGHT_SPREAD, aggregator, capped_weights, centered_clip, centered_clip_radius,
-                                      mean, trimmed, trimmed_mean)
+from swarm.averaging.aggregate import (AGGREGATORS, WEIGHT_SPREAD, aggregator, capped_weights, centered_clip,
+                                      centered_clip_radius, mean, trimmed, trimmed_mean)
 
 NUMEL = 50_000
 
@@ -70,6 +70,20 @@ def test_an_inflated_weight_counts_as_at_most_the_spread_times_the_median():
     assert total == 310.0 + WEIGHT_SPREAD * 100.0, "the total weight counts the capped weight"
     assert _error(robust, parts[:3]) < 2.0
     assert _error(trimmed_mean(liar, weights)[0], parts[:3]) < 2.0
+
+
+def test_members_that_trained_nothing_do_not_cap_the_others_to_nothing():
+    """A pipeline stage's peer that no microbatch reached hands in weight 0. With the median over all weights, a
+    group of one trained member and two idle ones capped every weight to 0, and the aggregate was 0/0: NaN, which
+    the codec refused and the peer died of. The cap follows the members that trained; the idle ones count nothing,
+    and zero weights from Sybils cannot cap honest members either."""
+    parts = _honest(3)
+    assert capped_weights([8192.0, 0.0, 0.0]) == [8192.0, 0.0, 0.0]
+    assert capped_weights([100.0, 0.0, 0.0, 0.0, 120.0, 1e9]) == [100.0, 0.0, 0.0, 0.0, 120.0, WEIGHT_SPREAD * 120.0]
+    for name in AGGREGATORS:
+        average, total = aggregator(name)(parts, [8192.0, 0.0, 0.0])
+        assert total == 8192.0 and torch.isfinite(average).all(), name
+        assert torch.allclose(average, parts[0], atol=1e-6), (name, "the one member that trained is the average")
 
 
 def test_the_trimmed_mean_drops_each_coordinate_s_extremes():

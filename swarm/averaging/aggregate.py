@@ -34,11 +34,14 @@ Aggregate = Callable[[Sequence[torch.Tensor], Sequence[float]], tuple[torch.Tens
 
 
 def capped_weights(weights: Sequence[float]) -> list[float]:
-    """`weights`, each at most WEIGHT_SPREAD times the lower median of them (the median of an honest majority).
-    Two weights are left as they are: of two members neither is a majority, and either could send any values."""
-    if len(weights) <= 2:
+    """`weights`, each at most WEIGHT_SPREAD times the lower median of the positive ones (the median of an honest
+    majority of the members that trained: members that trained nothing this round, such as a pipeline stage's
+    peers no microbatch reached, must not cap the rest to nothing). Two positive weights are left as they are: of
+    two members neither is a majority, and either could send any values."""
+    positive = sorted(float(w) for w in weights if w > 0)
+    if len(positive) <= 2:
         return [float(w) for w in weights]
-    ceiling = WEIGHT_SPREAD * sorted(weights)[(len(weights) - 1) // 2]
+    ceiling = WEIGHT_SPREAD * positive[(len(positive) - 1) // 2]
     return [min(float(w), ceiling) for w in weights]
 
 
@@ -54,7 +57,11 @@ def mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> tuple[torch
 
 def trimmed_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> tuple[torch.Tensor, float]:
     """Per coordinate, the weighted mean of what is left after dropping the `trimmed(n)` largest and smallest
-    values; weights capped (capped_weights). The total weight is that of all contributions: each took part."""
+    values; weights capped (capped_weights). The total weight is that of all contributions: each took part.
+    Contributions of weight 0 (members that trained nothing) are left out first: trimmed, they could leave a
+    coordinate with no weight at all."""
+    if 0 < sum(1 for w in weights if w > 0) < len(weights):
+        parts, weights = zip(*[(p, w) for p, w in zip(parts, weights) if w > 0])
     weights = capped_weights(weights)
     n, cut = len(parts), trimmed(len(parts))
     if cut == 0:

@@ -133,6 +133,8 @@ class Butterfly(Verifying, Run):
                 average, total_weight, radius = centered_clip_radius(parts, weights)
             else:
                 average, total_weight = self.context.aggregate(parts, weights)
+            if not torch.isfinite(average).all():  # (finite parts and weights give a finite aggregate: a bug)
+                raise AllReduceError("bad_data", "the aggregate of this part is not finite", set())
             if self.bad == "lying-reducer":
                 average = average * SCALE
             encoded = self.codec_at(a).encode(average)

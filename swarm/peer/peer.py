@@ -242,7 +242,7 @@ class Peer:
             counting = self.rounds.counting_round(self.diloco.round)
             swarm_tokens = self.announcer.swarm_progress(counting, self.rounds.tokens_in_round)
             self._show_progress(swarm_tokens)
-            if not self.rounds.due(swarm_tokens, self.announcer.handed_in(counting)):
+            if not self.rounds.due(swarm_tokens, self.announcer.handed_in(counting) or self.part.behind(counting)):
                 continue
             if self.rounds.in_flight:  # the last average is still in flight: wait for it (time not computing)
                 waited = time.monotonic()

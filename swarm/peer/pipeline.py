@@ -4,16 +4,19 @@ backpropagates the gradient that comes back; the last stage computes the loss. E
 (fp16 by default), and both directions are metered.
 
 `StageWorker` runs one stage: forward, the downstream hop (or the loss), backward, clip, optimizer step, one
-microbatch at a time. `StageServer` serves it to the previous stage on the run's stage protocol. `Router` picks
-the next stage's peer for each microbatch at random, weighted by announced throughput over the microbatches in
-flight to it (SWARM's stochastic wiring), and retries a failed hop on another peer of that stage, so a peer that
-dies mid-microbatch costs a retry, never the microbatch: the caller learns of a loss only when no peer of the
-stage could take it (PipelineError).
+microbatch at a time; a first stage can cut a batch into microbatches that are all in flight at once
+(`step_split`), each scaled by its share of the batch, and a serving stage then steps once per batch's worth of
+rows, so the gradient of a batch is the same however it was cut. `StageServer` serves it to the previous stage on
+the run's stage protocol. `Router` picks the next stage's peer for each microbatch at random, weighted by announced
+throughput over the microbatches in flight to it (SWARM's stochastic wiring), and retries a failed hop on another
+peer of that stage, so a peer that dies mid-microbatch costs a retry, never the microbatch: the caller learns of a
+loss only when no peer of the stage could take it (PipelineError).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import random
 import threading
@@ -48,8 +51,9 @@ def stage_protocol(run_id: str, start: int, end: int) -> str:
     return f"swarm.{run_id}.stage.{start}-{end}"
 
 
-Downstream = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, float]]
-Execute = Callable[[torch.Tensor, torch.Tensor], Awaitable[tuple[torch.Tensor, float]]]
+# (activations, targets, the microbatch's share of its batch) -> (their gradient, the microbatch's loss)
+Downstream = Callable[[torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, float]]
+Execute = Callable[[torch.Tensor, torch.Tensor, float], Awaitable[tuple[torch.Tensor, float]]]
 
 
 class StageWorker:
@@ -62,37 +66,75 @@ class StageWorker:
         self.microbatches = 0
         self.tokens = 0
         self.frozen = False  # answer microbatches (gradients of their inputs) without changing our params
+        self.step_rows: Optional[int] = None  # step once this many rows' gradients are in (None: every microbatch)
+        self._rows = 0
 
-    def step(self, x: torch.Tensor, targets: torch.Tensor, downstream: Optional[Downstream]) -> tuple[
-            Optional[torch.Tensor], float]:
+    def step(self, x: torch.Tensor, targets: torch.Tensor, downstream: Optional[Downstream],
+             scale: float = 1.0) -> tuple[Optional[torch.Tensor], float]:
         """Run a microbatch: `x` token ids (first stage) or the previous stage's activations, `targets` the next
-        tokens. The last stage takes the loss; the others pass their output to `downstream`, which returns its
-        gradient and the loss. Returns (the gradient of `x`, None on the first stage; the loss). Raises what
-        `downstream` raises, with nothing applied."""
+        tokens, `scale` its share of its batch (its loss counts that much). The last stage takes the loss; the
+        others pass their output to `downstream`, which returns its gradient and the loss. Returns (the gradient
+        of `x`, None on the first stage; the loss). Raises what `downstream` raises, with nothing applied."""
         with self.lock:
             inputs = x if self.stage.first else x.detach().requires_grad_(True)
             out = self.stage(inputs)
             if self.stage.last:
                 loss_tensor = F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), targets.reshape(-1))
-                loss_tensor.backward()
+                (loss_tensor * scale).backward()
                 loss = float(loss_tensor.detach())
             else:
-                grad, loss = downstream(out.detach(), targets)
-                if grad.shape != out.shape or not torch.isfinite(grad).all():
-                    self.optimizer.zero_grad(set_to_none=True)
-                    raise PipelineError("the next stage returned a gradient of the wrong shape or not finite")
-                out.backward(grad.to(out.dtype))
+                grad, loss = downstream(out.detach(), targets, scale)
+                self._backward(out, grad)
             if self.frozen:
                 self.stage.zero_grad(set_to_none=True)
-                return (None if self.stage.first else inputs.grad.detach()), loss
-            for group in self.optimizer.param_groups:
-                group["lr"] = self.lr()
-            torch.nn.utils.clip_grad_norm_(self.stage.parameters(), self.grad_clip)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.microbatches += 1
-            self.tokens += targets.numel()
+            else:
+                self._rows += x.shape[0]
+                if self.step_rows is None or self._rows >= self.step_rows:
+                    self._apply()
+                self.microbatches += 1
+                self.tokens += targets.numel()
             return (None if self.stage.first else inputs.grad.detach()), loss
+
+    def step_split(self, x: torch.Tensor, targets: torch.Tensor, parts: int,
+                   send: Callable[[torch.Tensor, torch.Tensor, float], "concurrent.futures.Future"]) -> float:
+        """A first stage's batch as `parts` microbatches, all in flight at once: forward each and `send` it on
+        (which returns a future of its gradient and loss), then backpropagate each gradient as it comes, and take
+        one step. Each microbatch is scaled by its share of the batch's rows, so the gradient is the batch's.
+        Returns the batch's loss. Raises what a future raises, with nothing applied."""
+        with self.lock:
+            xs, ts = x.chunk(parts), targets.chunk(parts)
+            outs = [self.stage(part) for part in xs]
+            futures = [send(out.detach(), t, part.shape[0] / x.shape[0]) for out, t, part in zip(outs, ts, xs)]
+            loss = 0.0
+            try:
+                for out, future, part in zip(outs, futures, xs):
+                    grad, part_loss = future.result()
+                    self._backward(out, grad)
+                    loss += part_loss * part.shape[0] / x.shape[0]
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                self.stage.zero_grad(set_to_none=True)
+                raise
+            self._apply()
+            self.microbatches += len(xs)
+            self.tokens += targets.numel()
+            return loss
+
+    def _backward(self, out: torch.Tensor, grad: torch.Tensor) -> None:
+        if grad.shape != out.shape or not torch.isfinite(grad).all():
+            self.stage.zero_grad(set_to_none=True)
+            raise PipelineError("the next stage returned a gradient of the wrong shape or not finite")
+        out.backward(grad.to(out.dtype))
+
+    def _apply(self) -> None:
+        """Clip and step on the gradients gathered since the last step."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr()
+        torch.nn.utils.clip_grad_norm_(self.stage.parameters(), self.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._rows = 0
 
 
 @dataclass
@@ -104,16 +146,18 @@ class WireMeter:
 
 
 async def call_stage(node: SwarmNode, peer: str, protocol: str, x: torch.Tensor, targets: torch.Tensor,
-                     codec_name: str, meter: WireMeter, timeout: float = HOP_SECONDS) -> tuple[torch.Tensor, float]:
-    """One hop: `x` (activations, shape (b, t, h)) and `targets` (b, t) to `peer`'s stage; its answer: the gradient
-    of `x` and the microbatch's loss. Raises on any failure (the caller retries elsewhere)."""
+                     codec_name: str, meter: WireMeter, timeout: float = HOP_SECONDS,
+                     scale: float = 1.0) -> tuple[torch.Tensor, float]:
+    """One hop: `x` (activations, shape (b, t, h)) and `targets` (b, t) to `peer`'s stage, `scale` the microbatch's
+    share of its batch; its answer: the gradient of `x` and the microbatch's loss. Raises on any failure (the
+    caller retries elsewhere)."""
     codec = get_codec(codec_name)
     payload = codec.encode(x.detach().float().reshape(-1))
     ids = targets.to(torch.int32).numpy().tobytes()
     async with asyncio.timeout(timeout):
         reader, writer = await node.open_stream(peer, protocol)
         try:
-            await send_frame(writer, msgpack.packb({"shape": list(x.shape), "codec": codec_name}))
+            await send_frame(writer, msgpack.packb({"shape": list(x.shape), "codec": codec_name, "scale": scale}))
             await send_frame(writer, payload)
             await send_frame(writer, ids)
             meter.sent += len(payload) + len(ids)
@@ -166,7 +210,9 @@ class StageServer:
                 header = msgpack.unpackb(await recv_frame(reader, HEADER_BYTES))
                 shape = header.get("shape") if isinstance(header, dict) else None
                 codec = header.get("codec") if isinstance(header, dict) else None
-                problem = self._check(shape, codec)
+                scale = header.get("scale", 1.0) if isinstance(header, dict) else None
+                problem = self._check(shape, codec) or (
+                    None if isinstance(scale, float) and 0.0 < scale <= 1.0 else f"scale {scale!r} is not in (0, 1]")
                 if problem is not None:
                     self.refused[problem] += 1
                     await send_frame(writer, msgpack.packb({"error": problem}))
@@ -186,7 +232,7 @@ class StageServer:
                     self.refused["malformed"] += 1
                     await send_frame(writer, msgpack.packb({"error": "activations or targets malformed"}))
                     return
-                grad, loss = await self.execute(x.reshape(b, t, h), targets.reshape(b, t))
+                grad, loss = await self.execute(x.reshape(b, t, h), targets.reshape(b, t), scale)
                 back = get_codec(codec).encode(grad.float().reshape(-1))
                 await send_frame(writer, msgpack.packb({"loss": float(loss)}))
                 await send_frame(writer, back)
@@ -210,9 +256,10 @@ class StageServer:
             return f"codec {codec!r} is not one for activations (none, fp16, bf16, int8)"
         return None
 
-    def _in_executor(self, x: torch.Tensor, targets: torch.Tensor) -> Awaitable[tuple[torch.Tensor, float]]:
+    def _in_executor(self, x: torch.Tensor, targets: torch.Tensor,
+                     scale: float) -> Awaitable[tuple[torch.Tensor, float]]:
         hop = None if self.downstream is None else self.downstream.hop(self.loop)
-        return self.loop.run_in_executor(None, self.worker.step, x, targets, hop)
+        return self.loop.run_in_executor(None, self.worker.step, x, targets, hop, scale)
 
 
 @dataclass
@@ -234,16 +281,28 @@ class Router:
     sent_to: Counter = field(default_factory=Counter)
     failed: dict = field(default_factory=dict)  # peer -> when it last failed a hop
     retries: int = 0
+    most_in_flight: int = 0  # the most microbatches we had in flight at once
 
     def __post_init__(self) -> None:
         self._random = random.Random(self.seed)
 
     def hop(self, loop: asyncio.AbstractEventLoop) -> Downstream:
         """forward() as a blocking call, for a thread other than `loop`'s (a StageWorker's)."""
-        def hop(out: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, float]:
-            return asyncio.run_coroutine_threadsafe(self.forward(out, targets), loop).result()
+        send = self.send(loop)
+
+        def hop(out: torch.Tensor, targets: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, float]:
+            return send(out, targets, scale).result()
 
         return hop
+
+    def send(self, loop: asyncio.AbstractEventLoop) -> Callable[[torch.Tensor, torch.Tensor, float],
+                                                                 concurrent.futures.Future]:
+        """forward() started from a thread other than `loop`'s: returns its future at once, so that several
+        microbatches can be in flight (StageWorker.step_split)."""
+        def send(out: torch.Tensor, targets: torch.Tensor, scale: float = 1.0) -> concurrent.futures.Future:
+            return asyncio.run_coroutine_threadsafe(self.forward(out, targets, scale), loop)
+
+        return send
 
     def choose(self, exclude: set[str]) -> Optional[str]:
         now = time.monotonic()
@@ -254,7 +313,7 @@ class Router:
         weights = [max(speed, 1e-9) / (1 + self.in_flight[peer]) for peer, speed in candidates]
         return self._random.choices([peer for peer, _ in candidates], weights)[0]
 
-    async def forward(self, x: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, float]:
+    async def forward(self, x: torch.Tensor, targets: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, float]:
         tried: set[str] = set()
         last_error: Optional[BaseException] = None
         for _ in range(self.attempts):
@@ -263,9 +322,10 @@ class Router:
                 break
             tried.add(peer)
             self.in_flight[peer] += 1
+            self.most_in_flight = max(self.most_in_flight, sum(self.in_flight.values()))
             try:
                 answer = await call_stage(self.node, peer, self.protocol, x, targets, self.codec, self.meter,
-                                          self.timeout)
+                                          self.timeout, scale)
                 self.sent_to[peer] += 1
                 return answer
             except Exception as e:  # noqa: BLE001 - any failure of the hop: the next peer

@@ -47,12 +47,13 @@ class Part:
         self.recipe, self.model, self.node, self.loop, self.settings = recipe, model, node, loop, settings
         self.pinned = settings.stage is not None  # --stage: we stay there; otherwise we may move (rebalancing)
         self.move_to: Optional[int] = None  # the weaker stage we leave ours for, once decided (see _watch)
+        self._upstream_round = -1  # the highest round the stage before announces (see behind)
         self.stages = recipe.pipeline.stages
         self.index, self.bounds = 0, (0, n_blocks)
         self.module: torch.nn.Module = model
         self.run = recipe
         self.pending: Optional[torch.Tensor] = None  # a first stage's batch no next-stage peer took yet
-        self.taken = 0  # batches a first stage took from its data stream (each trained once, or pending)
+        self.taken = self.trained = 0  # batches a first stage took from its data stream, and trained (each once)
         self.work: queue.Queue = queue.Queue()
         self.router: Optional[Router] = None
         limit, capacity = _capacity(settings)
@@ -125,6 +126,8 @@ class Part:
         if self.whole:
             return
         self.worker = StageWorker(self.module, None, lambda: 0.0, 0.0)  # optimizer, lr and clip: set each step
+        if not self.first:  # one step per batch's worth of rows, however the stage before cut its batches
+            self.worker.step_rows = self.recipe.data.batch_size
         self._next_peers: list[tuple[str, float]] = []
         if self.index + 1 < self.stages:
             self.router = Router(self.node, stage_protocol(self.recipe.run_id, *self.all_bounds[self.index + 1]),
@@ -160,6 +163,9 @@ class Part:
                 for k in range(self.stages):
                     records, _ = parse_peer_records(await self.node.get(peers_key(self.recipe.stage_run_id(k))))
                     hosts.append(view.live(records, self.node.now(), ONLINE_STATES))
+                    if k == self.index - 1:  # (peers that stopped announce their last round as they go offline)
+                        self._upstream_round = max((p.round for p in records if p.state not in ("joining", "syncing")),
+                                                   default=-1)
                 if self.index + 1 < self.stages:
                     live = [p for p in hosts[self.index + 1] if p.state in TRAINING_STATES and not p.client
                             and p.peer_id != self.node.peer_id]
@@ -177,6 +183,13 @@ class Part:
                 logger.debug("could not read the stages' peers: %r", e)
             await asyncio.sleep(PEERS_SECONDS)
 
+    def behind(self, round_no: int) -> bool:
+        """Whether the stage before has just finished `round_no` (its peers announce the next round): then ours is
+        due too, with the tokens it has. Every microbatch passes every stage, so a stage's rounds would end
+        together, but one whose peer died mid-round lost the tokens that peer counted, and waited for tokens the
+        stage before, done with the round (or with training, at --until-round), would never send."""
+        return not self.whole and not self.first and self._upstream_round == round_no + 1
+
     def _weaker(self, hosts: list[list]) -> tuple[Optional[int], float]:
         """The stage we should move to, and how long it must stay that weak first. Only an unpinned peer of a stage
         with at least two more live peers than another stage it can hold moves (so that ours stays at least as
@@ -192,10 +205,10 @@ class Part:
             if any(p.peer_id == self.node.peer_id for p in hosts[self.index]) else len(hosts[self.index])
         return weakest, REBALANCE_SECONDS * (1 + turn)
 
-    async def _hand_over(self, x: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, float]:
+    async def _hand_over(self, x: torch.Tensor, targets: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
         """A served microbatch, run by the training thread (see step)."""
         done = asyncio.get_running_loop().create_future()
-        self.work.put((x, targets, done))
+        self.work.put((x, targets, scale, done))
         return await done
 
     def step(self, batches: Iterator[torch.Tensor], device: torch.device, optimizer: torch.optim.Optimizer,
@@ -213,24 +226,27 @@ class Part:
             batch = next(batches) if fresh else self.pending
             self.taken += fresh
             try:
-                _, loss = self.worker.step(batch[:, :-1], batch[:, 1:], self.router.hop(self.loop.loop))
+                loss = self.worker.step_split(batch[:, :-1], batch[:, 1:], self.settings.microbatches,
+                                              self.router.send(self.loop.loop))
             except PipelineError as e:
                 self.pending = batch  # not lost: sent again once a next-stage peer takes it
                 logger.info("pipeline: %s; trying again in 1 s", e)
                 time.sleep(1.0)
                 return None, 0, fresh
             self.pending = None
+            self.trained += 1
             return loss, batch[:, 1:].numel(), fresh
         return self._serve_one()
 
     def _serve_one(self) -> tuple[Optional[float], int, bool]:
         """Run the next microbatch from the stage before, if one comes within WAIT_SECONDS."""
         try:
-            x, targets, done = self.work.get(timeout=WAIT_SECONDS)
+            x, targets, scale, done = self.work.get(timeout=WAIT_SECONDS)
         except queue.Empty:
             return None, 0, False
         try:
-            grad, loss = self.worker.step(x, targets, None if self.router is None else self.router.hop(self.loop.loop))
+            grad, loss = self.worker.step(x, targets, None if self.router is None else self.router.hop(self.loop.loop),
+                                          scale)
         except Exception as e:  # noqa: BLE001 - the stage before learns of it and retries elsewhere
             self.loop.loop.call_soon_threadsafe(_settle, done, None, e)
             return None, 0, False
@@ -239,17 +255,18 @@ class Part:
 
     def finish(self, stop: threading.Event, events) -> None:
         """At the end of training: drain (a serving stage), then account for the microbatches: a first stage took
-        `taken` batches from its stream and trained each once (`microbatches`), but for one still pending."""
+        `taken` batches from its stream and trained each once (`trained`), but for one still pending."""
         if self.whole:
             return
         if self.move_to is None:
             self.drain(stop)
         retries = self.router.retries if self.router is not None else 0
-        logger.info("pipeline: stage %d trained %d microbatches (%d taken from our data, %s pending), %d hops "
-                    "retried", self.index, self.worker.microbatches, self.taken, int(self.pending is not None),
-                    retries)
+        logger.info("pipeline: stage %d trained %d microbatches (%d batches of %d taken from our data, %d pending), "
+                    "%d hops retried, at most %d microbatches in flight", self.index, self.worker.microbatches,
+                    self.trained, self.taken, int(self.pending is not None), retries,
+                    self.router.most_in_flight if self.router is not None else 0)
         events.emit("pipeline", stage=self.index, microbatches=self.worker.microbatches, taken=self.taken,
-                    pending=int(self.pending is not None), retries=retries)
+                    trained=self.trained, pending=int(self.pending is not None), retries=retries)
 
     def drain(self, stop: threading.Event) -> None:
         """After our last round (--until-round, --max-rounds), keep answering the stage before, our params frozen,
