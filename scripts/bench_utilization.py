@@ -9,6 +9,9 @@ other's progress through announcements, so a round ends a little after the swarm
     python scripts/bench_utilization.py --peers 2 --rounds 3 --modes overlap
     python scripts/bench_utilization.py --netns --mbit 20 --rounds 6   # each peer in its own network namespace,
                                                                         # up and down links shaped by tc tbf (root)
+    python scripts/bench_utilization.py --stages 2 --peers 2 --microbatches 2 --netns --mbit 100
+        # a pipeline: peer i hosts stage i mod 2; each reports the share of wall time its stage computed (not
+        # waiting for the other stage) and the activation and gradient bytes per token on its hops
 
 All peers share this machine's cores (4 peers on 2 cores: each inner step takes about twice as long as alone).
 Without --netns the links are loopback.
@@ -35,6 +38,7 @@ MADDR = re.compile(r"--initial-peers (\S+)")
 ROUND_TOKENS = re.compile(r"round \d+: averaged with .* sent, (\d+) tokens\)")
 ALLREDUCE_SECONDS = re.compile(r"round \d+: averaged with .* in ([\d.]+) s \(")
 MATCHMAKING = re.compile(r"round \d+: averaged with .* matchmaking ([\d.]+) s")
+BUSY = re.compile(r"pipeline: stage (\d+) busy ([\d.]+)% of .* s .*; (\d+) bytes of activations")
 
 
 def recipe(args: argparse.Namespace, overlap: bool) -> dict:
@@ -46,9 +50,11 @@ def recipe(args: argparse.Namespace, overlap: bool) -> dict:
         "data": {"vocab_size": 512, "seq_len": args.seq_len, "batch_size": args.batch},
         "inner": {"lr": 0.003, "warmup_tokens": 4 * tokens_per_step},
         "outer": {"overlap": overlap},
+        **({"pipeline": {"stages": args.stages}} if args.stages > 1 else {}),
         "averaging": {"codec": "none", "min_group_size": 2, "target_group_size": args.peers,
                       "matchmaking_timeout": 10, "allreduce_timeout": 60},
-        "tokens_per_round": args.peers * args.inner_steps * tokens_per_step,
+        # (in a pipeline only the first stage's peers read batches)
+        "tokens_per_round": -(-args.peers // args.stages) * args.inner_steps * tokens_per_step,
         "total_tokens": 10 * args.rounds * args.peers * args.inner_steps * tokens_per_step,
     }
 
@@ -118,20 +124,26 @@ def _run(args: argparse.Namespace, overlap: bool, workdir: Path, spaces) -> dict
             raise RuntimeError("the bootstrap printed no address:\n" + "".join(boot.lines[-20:]))
         started = time.monotonic()
         peers = [Child(["join", "--initial-peers", found.group(1), "--device", "cpu", "--num-threads", "1",
-                        "--cache-dir", args.cache_dir, "--until-round", str(args.rounds), *where(i)[1]],
+                        "--cache-dir", args.cache_dir, "--until-round", str(args.rounds), *where(i)[1],
+                        *(["--stage", str(i % args.stages), "--microbatches", str(args.microbatches)]
+                          if args.stages > 1 else [])],
                        where(i)[0])
                  for i in range(args.peers)]
         children += peers
-        values = []
+        values, wire = [], []
         for index, peer in enumerate(peers):
-            match = peer.find(UTILIZATION, args.timeout - (time.monotonic() - started))
+            # (a stage peer's inner steps include waiting for the other stages: it reports its busy share instead)
+            match = peer.find(BUSY if args.stages > 1 else UTILIZATION, args.timeout - (time.monotonic() - started))
             if match is None:
                 raise RuntimeError(f"peer {index} reported no utilisation:\n" + "".join(peer.lines[-30:]))
-            values.append(float(match.group(1)) / 100)
+            values.append(float(match.group(2 if args.stages > 1 else 1)) / 100)
+            wire.append(int(match.group(3)) if args.stages > 1 else 0)
         # Tokens each round averaged (every member logs the same total), against the recipe's target.
         tokens = [int(m.group(1)) for line in peers[0].lines if (m := ROUND_TOKENS.search(line))]
         target = recipe(args, overlap)["tokens_per_round"]
         return {"overlap": overlap, "peers": args.peers, "rounds": args.rounds, "mbit": args.mbit or "",
+                "stages": args.stages, "microbatches": args.microbatches if args.stages > 1 else None,
+                "wire_bytes_per_token": wire,
                 "allreduce_seconds": _mean(ALLREDUCE_SECONDS, peers),
                 "matchmaking_seconds": _mean(MATCHMAKING, peers), "utilization": values,
                 "mean": sum(values) / len(values), "seconds": time.monotonic() - started,
@@ -157,6 +169,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--modes", default="plain,overlap", help="comma-separated: plain, overlap")
+    parser.add_argument("--stages", type=int, default=1, help="cut the model into this many pipeline stages")
+    parser.add_argument("--microbatches", type=int, default=2, help="with --stages: each batch as K in flight")
     parser.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "swarm-bench-cache"))
     parser.add_argument("--timeout", type=float, default=600.0, help="per mode")
     parser.add_argument("--log-dir", help="write every process's output there")
@@ -165,6 +179,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.mbit and not args.netns:
         parser.error("--mbit needs --netns")
+    if args.stages > 1:
+        args.modes = "plain"  # (stages do not run with outer.overlap yet)
     if args.netns:
         from allreduce_bench import netns_available
 
@@ -185,6 +201,10 @@ def main() -> None:
               f"{row['mean']:>8.1%}{min(row['utilization']):>8.1%}{max(row['utilization']):>8.1%}"
               f"{row['seconds']:>9.0f}{row['seconds'] / row['rounds']:>9.1f}{row['matchmaking_seconds']:>15.2f}"
               f"{row['allreduce_seconds']:>14.2f}{row['tokens_over_target']:>+24.1%}")
+        if row["stages"] > 1:  # per peer: its stage, the share of wall time it computed, its hops' bytes per token
+            for index, (busy, wire) in enumerate(zip(row["utilization"], row["wire_bytes_per_token"])):
+                print(f"  peer {index} stage {index % row['stages']} ({row['microbatches']} microbatches in flight): "
+                      f"busy {busy:.1%}, {wire} activation and gradient bytes per token")
     print(json.dumps(results))
 
 

@@ -120,6 +120,7 @@ def test_a_batch_cut_into_microbatches_in_flight_trains_what_the_whole_batch_tra
     for ours, theirs in zip(server.worker.stage.parameters(), stages[1].parameters()):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-6)
     assert worker.microbatches == 6 and server.worker.microbatches == 6 and router.most_in_flight == 2
+    assert 0 < worker.busy and 0 < server.worker.busy, "both count the time they computed"
     with pytest.raises(PipelineError, match="no peer of the next stage"):
         alive.clear()
         worker.step_split(_batch(7)[:, :-1], _batch(7)[:, 1:], 2, router.send(loop.loop))

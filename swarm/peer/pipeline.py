@@ -68,6 +68,7 @@ class StageWorker:
         self.frozen = False  # answer microbatches (gradients of their inputs) without changing our params
         self.step_rows: Optional[int] = None  # step once this many rows' gradients are in (None: every microbatch)
         self._rows = 0
+        self.busy = 0.0  # seconds computing (forward, backward, steps), not waiting for the next stage
 
     def step(self, x: torch.Tensor, targets: torch.Tensor, downstream: Optional[Downstream],
              scale: float = 1.0) -> tuple[Optional[torch.Tensor], float]:
@@ -76,6 +77,7 @@ class StageWorker:
         others pass their output to `downstream`, which returns its gradient and the loss. Returns (the gradient
         of `x`, None on the first stage; the loss). Raises what `downstream` raises, with nothing applied."""
         with self.lock:
+            started = time.perf_counter()
             inputs = x if self.stage.first else x.detach().requires_grad_(True)
             out = self.stage(inputs)
             if self.stage.last:
@@ -83,7 +85,9 @@ class StageWorker:
                 (loss_tensor * scale).backward()
                 loss = float(loss_tensor.detach())
             else:
+                self.busy += time.perf_counter() - started
                 grad, loss = downstream(out.detach(), targets, scale)
+                started = time.perf_counter()
                 self._backward(out, grad)
             if self.frozen:
                 self.stage.zero_grad(set_to_none=True)
@@ -93,6 +97,7 @@ class StageWorker:
                     self._apply()
                 self.microbatches += 1
                 self.tokens += targets.numel()
+            self.busy += time.perf_counter() - started
             return (None if self.stage.first else inputs.grad.detach()), loss
 
     def step_split(self, x: torch.Tensor, targets: torch.Tensor, parts: int,
@@ -102,21 +107,29 @@ class StageWorker:
         one step. Each microbatch is scaled by its share of the batch's rows, so the gradient is the batch's.
         Returns the batch's loss. Raises what a future raises, with nothing applied."""
         with self.lock:
+            started = time.perf_counter()
             xs, ts = x.chunk(parts), targets.chunk(parts)
-            outs = [self.stage(part) for part in xs]
-            futures = [send(out.detach(), t, part.shape[0] / x.shape[0]) for out, t, part in zip(outs, ts, xs)]
+            outs, futures = [], []
+            for part, t in zip(xs, ts):  # each sent as soon as it is computed
+                outs.append(self.stage(part))
+                futures.append(send(outs[-1].detach(), t, part.shape[0] / x.shape[0]))
+            self.busy += time.perf_counter() - started
             loss = 0.0
             try:
                 for out, future, part in zip(outs, futures, xs):
                     grad, part_loss = future.result()
+                    started = time.perf_counter()
                     self._backward(out, grad)
+                    self.busy += time.perf_counter() - started
                     loss += part_loss * part.shape[0] / x.shape[0]
             except BaseException:
                 for future in futures:
                     future.cancel()
                 self.stage.zero_grad(set_to_none=True)
                 raise
+            started = time.perf_counter()
             self._apply()
+            self.busy += time.perf_counter() - started
             self.microbatches += len(xs)
             self.tokens += targets.numel()
             return loss

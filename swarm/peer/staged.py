@@ -133,10 +133,11 @@ class Part:
             self.router = Router(self.node, stage_protocol(self.recipe.run_id, *self.all_bounds[self.index + 1]),
                                  lambda: self._next_peers)
         self.loop.submit(self._watch())
+        self.started, self.server = time.monotonic(), None
         if not self.first:
             config, data = self.model.config, self.recipe.data
-            server = StageServer(self.worker, config.hidden_size, data.batch_size * data.seq_len, config.vocab_size,
-                                 self.loop.loop, execute=self._hand_over)
+            self.server = server = StageServer(self.worker, config.hidden_size, data.batch_size * data.seq_len,
+                                               config.vocab_size, self.loop.loop, execute=self._hand_over)
             self.loop.run(self.node.add_stream_handler(stage_protocol(self.recipe.run_id, *self.bounds),
                                                        server.handle), timeout=30)
 
@@ -261,12 +262,19 @@ class Part:
         if self.move_to is None:
             self.drain(stop)
         retries = self.router.retries if self.router is not None else 0
+        wall = time.monotonic() - self.started
+        meters = [part.meter for part in (self.router, self.server) if part is not None]
+        wire = sum(m.sent + m.received for m in meters)  # (both directions of our hops in and out)
+        logger.info("pipeline: stage %d busy %.1f%% of %.0f s (computing, not waiting for other stages); %.0f bytes "
+                    "of activations and gradients per token", self.index, 100 * self.worker.busy / max(wall, 1e-9),
+                    wall, wire / max(self.worker.tokens, 1))
         logger.info("pipeline: stage %d trained %d microbatches (%d batches of %d taken from our data, %d pending), "
                     "%d hops retried, at most %d microbatches in flight", self.index, self.worker.microbatches,
                     self.trained, self.taken, int(self.pending is not None), retries,
                     self.router.most_in_flight if self.router is not None else 0)
         events.emit("pipeline", stage=self.index, microbatches=self.worker.microbatches, taken=self.taken,
-                    trained=self.trained, pending=int(self.pending is not None), retries=retries)
+                    trained=self.trained, pending=int(self.pending is not None), retries=retries,
+                    busy=self.worker.busy, wall=wall, wire_bytes=wire, tokens=self.worker.tokens)
 
     def drain(self, stop: threading.Event) -> None:
         """After our last round (--until-round, --max-rounds), keep answering the stage before, our params frozen,
