@@ -51,7 +51,8 @@ def recipe(args: argparse.Namespace, overlap: bool) -> dict:
         "inner": {"lr": 0.003, "warmup_tokens": 4 * tokens_per_step},
         "outer": {"overlap": overlap},
         **({"pipeline": {"stages": args.stages}} if args.stages > 1 else {}),
-        "averaging": {"codec": "none", "min_group_size": 2, "target_group_size": args.peers,
+        "averaging": {"codec": "none", "min_group_size": min(2, args.peers // args.stages),  # (a lone stage peer)
+                      "target_group_size": args.peers,
                       "matchmaking_timeout": 10, "allreduce_timeout": 60},
         # (in a pipeline only the first stage's peers read batches)
         "tokens_per_round": -(-args.peers // args.stages) * args.inner_steps * tokens_per_step,
