@@ -51,16 +51,17 @@ def estimate_needs(recipe: Recipe, device: str, replay_log_mb: Optional[float]) 
     return Needs(n, 12 * n, host, training if device != "cpu" else 0)
 
 
-def part_params(recipe: Recipe) -> list[tuple[int, int, bool]]:
+def part_params(recipe: Recipe, model=None) -> list[tuple[int, int, bool]]:
     """(parameters, blocks, whether it holds the head) of each pipeline stage of the recipe's model (one entry for
-    a whole-model run), counted on the meta device."""
+    a whole-model run): of `model`, or of one built on the meta device."""
     import torch
 
     from swarm.peer.model import build_model, n_blocks
     from swarm.peer.stages import Stage, even_bounds
 
-    with torch.device("meta"):
-        model = build_model(recipe.model, recipe.data.vocab_size)
+    if model is None:
+        with torch.device("meta"):
+            model = build_model(recipe.model, recipe.data.vocab_size)
     blocks = n_blocks(model)
     if recipe.pipeline.stages == 1:
         return [(sum(p.numel() for p in model.parameters()), blocks, True)]

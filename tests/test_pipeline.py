@@ -257,8 +257,8 @@ def test_killing_a_peer_of_a_stage_mid_round_loses_no_microbatch_and_the_swarm_g
     peers = [swarm.peer(maddr, "--stage", str(stage), "--until-round", str(rounds), "--trace-dir",
                         str(swarm.workdir / f"trace{i}"), name=f"peer{i}") for i, stage in enumerate(stages)]
     victim, survivors = peers[4], peers[:4]
-    victim.wait_event("averaged", 180, round=0)
-    time.sleep(1.0)  # into round 1 (a round here is 32 microbatches, several seconds)
+    for peer in peers:  # every peer is into round 1 (32 microbatches, several seconds): kill it there
+        peer.wait_event("averaged", 180, round=0)
     victim.process.kill()
     for peer in survivors:
         assert peer.wait(300) == 0, peer.output()[-3000:]

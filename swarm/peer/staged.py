@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from swarm.checks import fmt_bytes, training_bytes
+from swarm.checks import fmt_bytes, part_params, training_bytes
 from swarm.config import PeerSettings, Recipe, RecipeError
 from swarm.dht import view
 from swarm.dht.node import SwarmNode
@@ -57,16 +57,16 @@ class Part:
         self.work: queue.Queue = queue.Queue()
         self.router: Optional[Router] = None
         limit, capacity = _capacity(settings)
+        needs = [training_bytes(recipe, *part) for part in part_params(recipe, model)]  # (as doctor estimates)
         if self.stages == 1:
-            need = training_bytes(recipe, sum(p.numel() for p in model.parameters()), n_blocks, last=True)
+            need = needs[0]
             if limit is not None and need > limit:
                 raise RecipeError(f"training the whole model needs about {fmt_bytes(need)} but --max-memory allows "
                                   f"{fmt_bytes(limit)}: join a run cut into pipeline stages (recipe pipeline: "
                                   "{stages: N}), or raise --max-memory")
         if self.stages > 1:
             self.all_bounds = even_bounds(n_blocks, self.stages)
-            self.needs = [training_bytes(recipe, sum(p.numel() for p in Stage(model, a, b).parameters()), b - a,
-                                         last=b == n_blocks) for a, b in self.all_bounds]
+            self.needs = needs
             fits = [k for k, need in enumerate(self.needs) if capacity is None or need <= capacity]
             if limit is not None and not fits:
                 raise RecipeError(f"no stage of this run fits in --max-memory {fmt_bytes(limit)}: the smallest needs "
