@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swarm.averaging.aggregate import (AGGREGATORS, WEIGHT_SPREAD, aggregator, capped_weights, centered_clip,
-                                      centered_clip_radius, mean, trimmed, trimmed_mean)
+from swarm.averaging.aggregate import (AGGREGATORS, OTHERS_SHARE, WEIGHT_SPREAD, aggregator, capped_weights,
+                                      centered_clip, centered_clip_radius, mean, trimmed, trimmed_mean)
 
 NUMEL = 50_000
 
@@ -72,6 +72,24 @@ def test_an_inflated_weight_counts_as_at_most_the_spread_times_the_median():
     assert _error(trimmed_mean(liar, weights)[0], parts[:3]) < 2.0
 
 
+@pytest.mark.parametrize("lie", [1e3, -1e3, 1e6])
+def test_no_member_holds_half_the_weight_when_honest_weights_differ(lie):
+    """Three members of honest weights 1 and 2 and a liar declaring 4: the median cap alone left the liar 3 of 6,
+    half the weight, and CenteredClip breaks down at half (its fixed point follows the liar as far as it goes). The
+    cap on a member's share of the others' total leaves it 3/7, and the result stays near the honest members."""
+    parts = _honest(3)
+    weights = [1.0, 2.0, 4.0]
+    capped = capped_weights(weights)
+    assert capped == [1.0, 2.0, OTHERS_SHARE * 3.0] and max(capped) / sum(capped) <= 3 / 7 + 1e-12
+    for many in ([1.0] * 4 + [50.0], [0.5, 1.0, 1.0, 1.5, 1.5, 1e9], [3.0, 1.0, 1.0]):
+        shares = [w / sum(capped_weights(many)) for w in capped_weights(many)]
+        assert max(shares) <= 3 / 7 + 1e-12, (many, shares)
+    sent = parts[:2] + [parts[2] * lie]
+    robust, total = centered_clip(sent, weights)
+    assert total == sum(capped)
+    assert _error(robust, parts[:2]) < 3.0, _error(robust, parts[:2])
+
+
 def test_members_that_trained_nothing_do_not_cap_the_others_to_nothing():
     """A pipeline stage's peer that no microbatch reached hands in weight 0. With the median over all weights, a
     group of one trained member and two idle ones capped every weight to 0, and the aggregate was 0/0: NaN, which
@@ -79,7 +97,7 @@ def test_members_that_trained_nothing_do_not_cap_the_others_to_nothing():
     and zero weights from Sybils cannot cap honest members either."""
     parts = _honest(3)
     assert capped_weights([8192.0, 0.0, 0.0]) == [8192.0, 0.0, 0.0]
-    assert capped_weights([100.0, 0.0, 0.0, 0.0, 120.0, 1e9]) == [100.0, 0.0, 0.0, 0.0, 120.0, WEIGHT_SPREAD * 120.0]
+    assert capped_weights([100.0, 0.0, 0.0, 0.0, 120.0, 1e9]) == [100.0, 0.0, 0.0, 0.0, 120.0, OTHERS_SHARE * 220.0]
     for name in AGGREGATORS:
         average, total = aggregator(name)(parts, [8192.0, 0.0, 0.0])
         assert total == 8192.0 and torch.isfinite(average).all(), name

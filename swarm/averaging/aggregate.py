@@ -22,6 +22,11 @@ AGGREGATORS = ("mean", "trimmed_mean", "centered_clip")
 # members holds at most 3/7 of the weight, one of four 1/3). An honest peer 10x faster than the median counts 1.5x;
 # its pseudo-gradient, from more steps, is larger anyway.
 WEIGHT_SPREAD = 1.5
+# ... and no contribution as more than this fraction of the other members' (capped) total, so that no member holds
+# more than 3/7 of a group's weight (the share the spread allows one of three equal members). The median cap alone
+# let a member of a group of three whose honest weights differ hold half the weight (1, 2 and a liar's 4: the 4
+# capped to 3 of 6), and a member holding half can pull CenteredClip anywhere.
+OTHERS_SHARE = 0.75
 # CenteredClip's radius, in medians of the distances between the medoid and the other contributions. Within it a
 # contribution counts whole; honest contributions lie well inside (an honest one is about 0.7 of these distances
 # from the group's mean: see tests/test_aggregate.py).
@@ -36,13 +41,16 @@ Aggregate = Callable[[Sequence[torch.Tensor], Sequence[float]], tuple[torch.Tens
 def capped_weights(weights: Sequence[float]) -> list[float]:
     """`weights`, each at most WEIGHT_SPREAD times the lower median of the positive ones (the median of an honest
     majority of the members that trained: members that trained nothing this round, such as a pipeline stage's
-    peers no microbatch reached, must not cap the rest to nothing). Two positive weights are left as they are: of
-    two members neither is a majority, and either could send any values."""
+    peers no microbatch reached, must not cap the rest to nothing), then at most OTHERS_SHARE times the sum of the
+    others' (so no member holds more than 3/7 of the total). Two positive weights are left as they are: of two
+    members neither is a majority, and either could send any values."""
     positive = sorted(float(w) for w in weights if w > 0)
     if len(positive) <= 2:
         return [float(w) for w in weights]
     ceiling = WEIGHT_SPREAD * positive[(len(positive) - 1) // 2]
-    return [min(float(w), ceiling) for w in weights]
+    capped = [min(float(w), ceiling) for w in weights]
+    total = sum(capped)
+    return [min(w, OTHERS_SHARE * (total - w)) for w in capped]
 
 
 def mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> tuple[torch.Tensor, float]:
