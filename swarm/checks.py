@@ -54,14 +54,11 @@ def estimate_needs(recipe: Recipe, device: str, replay_log_mb: Optional[float]) 
 def part_params(recipe: Recipe, model=None) -> list[tuple[int, int, bool]]:
     """(parameters, blocks, whether it holds the head) of each pipeline stage of the recipe's model (one entry for
     a whole-model run): of `model`, or of one built on the meta device."""
-    import torch
-
     from swarm.peer.model import build_model, n_blocks
     from swarm.peer.stages import Stage, even_bounds
 
     if model is None:
-        with torch.device("meta"):
-            model = build_model(recipe.model, recipe.data.vocab_size)
+        model = build_model(recipe.model, recipe.data.vocab_size, meta=True)
     blocks = n_blocks(model)
     if recipe.pipeline.stages == 1:
         return [(sum(p.numel() for p in model.parameters()), blocks, True)]

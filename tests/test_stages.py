@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import transformers
 
 from swarm.compression import get_codec
-from swarm.peer.stages import StageError, WireStats, even_bounds, make_stages, run_pipeline
+from swarm.peer.stages import Stage, StageError, WireStats, even_bounds, make_stages, materialize, run_pipeline
 
 VOCAB = 300
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, intermediate_size=64,
@@ -92,6 +92,50 @@ def test_families_with_learned_positions_or_tied_heads_are_refused_with_one_line
         make_stages(_model(CUTTABLE["llama"]), [(0, 1), (2, 4)])
 
 
+def _meta(config) -> torch.nn.Module:
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config).float()
+
+
+@pytest.mark.parametrize("family", sorted(CUTTABLE))
+def test_a_stage_is_built_alone_the_same_on_every_peer(family):
+    """A peer hosting a stage builds the model on the meta device and allocates its stage alone: the other stages'
+    weights never exist on it. Two peers building the same stage get the same bits; the init has the family's
+    shape (normal weights of its initializer_range, norms at one, the rotary tables of a whole build), and stages
+    built on different peers chain into a pipeline that trains."""
+    config = CUTTABLE[family]
+    whole = _model(config)
+    built = []
+    for start, end in even_bounds(4, 2):
+        model = _meta(config)
+        stage = Stage(model, start, end)
+        materialize(model, stage, seed=7)
+        hosted = {id(p) for p in stage.parameters()}
+        assert all(p.is_meta for p in model.parameters() if id(p) not in hosted), "another stage's weights exist"
+        assert not any(p.is_meta for p in stage.parameters()) and all(torch.isfinite(p).all() for p in stage.parameters())
+        again = _meta(config)
+        twin = Stage(again, start, end)
+        materialize(again, twin, seed=7)
+        assert all(torch.equal(a, b) for a, b in zip(stage.state_dict().values(), twin.state_dict().values()))
+        reference = dict(Stage(whole, start, end).named_parameters())
+        for name, param in stage.named_parameters():
+            if param.dim() == 2:  # linear and embedding weights: normal, of the family's std
+                assert abs(float(param.std()) - float(reference[name].std())) < 0.25 * float(reference[name].std())
+            elif name.endswith("norm.weight"):
+                assert torch.equal(param, reference[name]), name
+        for name, buffer in stage.named_buffers():
+            assert torch.equal(buffer, dict(Stage(whole, start, end).named_buffers())[name]), name
+        built.append(stage)
+    other = _meta(config)
+    differs = Stage(other, 0, 2)
+    materialize(other, differs, seed=8)
+    assert not torch.equal(next(differs.parameters()), next(built[0].parameters())), "the recipe's seed matters"
+    batch = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    loss = run_pipeline(built, batch, get_codec("fp16"), WireStats())
+    assert 0.5 * torch.log(torch.tensor(VOCAB)) < loss < 2 * torch.log(torch.tensor(VOCAB))
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for stage in built for p in stage.parameters())
+
+
 def test_max_memory_decides_which_stages_a_peer_may_host():
     """--max-memory bounds what a peer trains (weights, gradients, AdamW moments, one microbatch's activations):
     stages.yaml's model needs about 10.0 MB whole, 4.2 MB for stage 0 (with the embedding) and 5.8 MB for stage 1
@@ -106,7 +150,7 @@ def test_max_memory_decides_which_stages_a_peer_may_host():
     whole = recipe.model_copy(update={"pipeline": recipe.pipeline.model_copy(update={"stages": 1})})
 
     def part(run, **settings):
-        model = build_model(run.model, run.data.vocab_size)  # (a stage frees the others' weights: a new one each)
+        model = build_model(run.model, run.data.vocab_size, meta=run.pipeline.stages > 1)  # (as a peer builds it)
         return Part(run, PeerSettings(initial_peers=("/ip4/127.0.0.1/tcp/1/p2p/x",), **settings), model, None, None, 2)
 
     with pytest.raises(RecipeError, match=r"the whole model needs about 10\.0 MB but --max-memory allows 6\.0 MB: "

@@ -7,6 +7,7 @@ same parameters; `block_map` finds its embeddings, decoder blocks and head whate
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from pathlib import Path
 from dataclasses import dataclass
@@ -42,16 +43,24 @@ def model_config(recipe: ModelRecipe, vocab_size: int) -> PretrainedConfig:
     )
 
 
-def build_model(recipe: ModelRecipe, vocab_size: int) -> torch.nn.Module:
-    """A freshly initialised model on the CPU in fp32; identical on every peer for the same recipe."""
+def build_model(recipe: ModelRecipe, vocab_size: int, meta: bool = False) -> torch.nn.Module:
+    """A freshly initialised model on the CPU in fp32; identical on every peer for the same recipe. With `meta`, on
+    the meta device instead: shapes only, nothing allocated (a pipeline stage then allocates and initialises its own
+    part alone, swarm.peer.stages.materialize)."""
     config = model_config(recipe, vocab_size)
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), torch.device("meta") if meta else contextlib.nullcontext():
         torch.manual_seed(recipe.seed)
         if isinstance(config, LlamaConfig):
             model = LlamaForCausalLM(config)
         else:
             model = AutoModelForCausalLM.from_config(config)
     return model.float()
+
+
+def module_seed(seed: int, path: str) -> int:
+    """The seed of one module's initialisation in a model built part by part: the recipe's seed and the module's
+    path in the whole model, so a block gets the same params whichever stage holds it."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{path}".encode()).digest()[:8], "little")
 
 
 @dataclass(frozen=True)

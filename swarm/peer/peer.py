@@ -32,7 +32,6 @@ from swarm.peer.announcer import Announcer
 from swarm.peer.averager import Averager, LinkEstimate
 from swarm.peer.catch_up import CatchUp
 from swarm.peer.diloco import DiLoCo
-from swarm.peer.model import build_model, n_blocks
 from swarm.peer.probe import describe_device, measure_tokens_per_s
 from swarm.peer.rounds import Averaged, Contribution, Outcome, Rounds
 from swarm.peer.state_sync import serve_state
@@ -105,9 +104,9 @@ class Peer:
         self.eval_batches = data.eval_batches
         self.stream = DataStream(data.train, r.data.num_shards, r.data.batch_size, r.data.seed,
                                  self.node.peer_id, pinned=s.data_shard)  # placed once we see the swarm
-        self.model = build_model(model_recipe, len(data.tokenizer)).to(self.device)
-        self.n_blocks = n_blocks(self.model)
-        self.part = Part(r, s, self.model, self.node, self.loop, self.n_blocks, self.move_to)  # whole, or a stage
+        self.part = Part.build(r, s, model_recipe, len(data.tokenizer), self.node, self.loop, self.device,
+                               self.move_to)  # the whole model, or a stage of it
+        self.model, self.n_blocks = self.part.model, self.part.n_blocks
         self.settings = s = self.part.settings  # (a stage's checkpoints go in a directory of their own)
         self.diloco = DiLoCo(self.part.module, r.outer, log_bytes=None if s.replay_log_mb is None else
                              int(s.replay_log_mb * 1e6))

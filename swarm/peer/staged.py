@@ -21,12 +21,13 @@ from typing import Optional
 import torch
 
 from swarm.checks import fmt_bytes, part_params, training_bytes
-from swarm.config import PeerSettings, Recipe, RecipeError
+from swarm.config import ModelRecipe, PeerSettings, Recipe, RecipeError
 from swarm.dht import view
 from swarm.dht.node import SwarmNode
 from swarm.dht.records import ONLINE_STATES, TRAINING_STATES, parse_peer_records, peers_key
+from swarm.peer.model import build_model, n_blocks as count_blocks
 from swarm.peer.pipeline import PipelineError, Router, StageServer, StageWorker, stage_protocol
-from swarm.peer.stages import Stage, even_bounds
+from swarm.peer.stages import Stage, even_bounds, materialize
 from swarm.peer.stream import peer_id_hash
 from swarm.peer.training import inner_step
 from swarm.runtime import LoopThread
@@ -43,8 +44,12 @@ class Part:
     recipe with the stage's run id), and its inner step (`step`)."""
 
     def __init__(self, recipe: Recipe, settings: PeerSettings, model: torch.nn.Module, node: SwarmNode,
-                 loop: LoopThread, n_blocks: int, prefer: Optional[int] = None):
+                 loop: LoopThread, n_blocks: int, prefer: Optional[int] = None, device: torch.device | str = "cpu"):
+        """`model` is the whole model, or in a run of stages best built on the meta device (build_model(meta=True)):
+        our stage alone is then allocated and initialised (stages.materialize), so a peer never holds weights of
+        the stages it does not host, even at start."""
         self.recipe, self.model, self.node, self.loop, self.settings = recipe, model, node, loop, settings
+        self.n_blocks = n_blocks
         self.pinned = settings.stage is not None  # --stage: we stay there; otherwise we may move (rebalancing)
         self.move_to: Optional[int] = None  # the weaker stage we leave ours for, once decided (see _watch)
         self._upstream_round = -1  # the highest round the stage before announces (see behind)
@@ -87,9 +92,10 @@ class Part:
                                   f"({', '.join(map(str, fits))}), or raise --max-memory")
             self.bounds = self.all_bounds[self.index]
             self.module = Stage(model, *self.bounds)
+            materialize(model, self.module, recipe.model.seed, device)
             hosted = {id(param) for param in self.module.parameters()}
-            for param in model.parameters():  # the other stages' weights: built once (for the seeded init), freed
-                if id(param) not in hosted:
+            for param in model.parameters():  # the other stages' weights, where the model was built whole: freed
+                if id(param) not in hosted and not param.is_meta:
                     param.data = torch.empty(0, dtype=param.dtype, device=param.device)
             self.run = recipe.model_copy(update={"run_id": recipe.stage_run_id(self.index)})
             if settings.checkpoints.dir is not None:  # each stage's checkpoints apart: a peer may host several
@@ -99,6 +105,16 @@ class Part:
             logger.info("pipeline: hosting stage %d of %d (blocks [%d, %d)), about %s to train%s", self.index,
                         self.stages, *self.bounds, fmt_bytes(self.needs[self.index]),
                         "" if capacity is None else f" of {fmt_bytes(capacity)}")
+
+    @classmethod
+    def build(cls, recipe: Recipe, settings: PeerSettings, model_recipe: ModelRecipe, vocab_size: int,
+              node: SwarmNode, loop: LoopThread, device: torch.device, prefer: Optional[int] = None) -> "Part":
+        """The model as this peer needs it and the part of it we train: the whole model on `device`, or in a run of
+        stages the model on the meta device with our stage alone allocated on `device`."""
+        staged = recipe.pipeline.stages > 1
+        model = build_model(model_recipe, vocab_size, meta=staged)
+        return cls(recipe, settings, model if staged else model.to(device), node, loop, count_blocks(model), prefer,
+                   device)
 
     @property
     def whole(self) -> bool:

@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from swarm.compression import Codec, decode
 from swarm import config
 from swarm.config import RecipeError
-from swarm.peer.model import block_map
+from swarm.peer.model import block_map, module_seed
 
-__all__ = ["Stage", "StageError", "WireStats", "even_bounds", "make_stages", "run_pipeline"]
+__all__ = ["Stage", "StageError", "WireStats", "even_bounds", "make_stages", "materialize", "run_pipeline"]
 
 
 class StageError(RecipeError):
@@ -95,6 +95,41 @@ class Stage(torch.nn.Module):
         else:
             hidden = self.body(inputs_embeds=x, use_cache=False).last_hidden_state
         return self.head(hidden) if self.last else hidden
+
+
+def materialize(model: torch.nn.Module, stage: Stage, seed: int, device: torch.device | str = "cpu") -> None:
+    """Allocate `stage`'s params and buffers (of `model`, typically built on the meta device, so that the other
+    stages' weights never exist here) and initialise them as the model's family does (`_init_weights`), each module
+    from its own seed (swarm.peer.model.module_seed), on the CPU so every peer gets the same bits, then move them to
+    `device`. The stage's init is therefore not the whole model's seeded one (that draws every module in turn from
+    one stream, so a stage's share of it needs the whole model built), but the same on every peer for the recipe.
+    Raises StageError naming a parameter that the family's init leaves unset."""
+    stage.to_empty(device="cpu")  # (a shallow copy of the base model shares its parameter dicts: same tensors)
+    owners = {}  # id of a param or buffer -> the module of `model` holding it, and that module's path
+    for path, module in model.named_modules():
+        for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+            owners.setdefault(id(tensor), (path, module))
+    tensors = [*stage.named_parameters(), *stage.named_buffers()]
+    with torch.no_grad():
+        for _, tensor in tensors:
+            if tensor.is_floating_point():
+                tensor.fill_(float("nan"))  # so a tensor the init skips is seen
+            if hasattr(tensor, "_is_hf_initialized"):  # (transformers' init functions skip tensors marked done)
+                del tensor._is_hf_initialized
+    done = set()
+    for _, tensor in tensors:
+        path, module = owners.get(id(tensor), (None, None))
+        if module is None or path in done:
+            continue
+        done.add(path)
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(module_seed(seed, path))
+            model._init_weights(module)
+    unset = [name for name, tensor in tensors if tensor.is_floating_point() and torch.isnan(tensor).any()]
+    if unset:
+        raise StageError(f"{type(model).__name__}'s init leaves {unset[0]} unset when a stage is built alone: this "
+                         "model family cannot be cut into stages yet")
+    stage.to(device)
 
 
 def make_stages(model: torch.nn.Module, bounds: Sequence[tuple[int, int]]) -> list[Stage]:
