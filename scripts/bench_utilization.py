@@ -38,7 +38,8 @@ MADDR = re.compile(r"--initial-peers (\S+)")
 ROUND_TOKENS = re.compile(r"round \d+: averaged with .* sent, (\d+) tokens\)")
 ALLREDUCE_SECONDS = re.compile(r"round \d+: averaged with .* in ([\d.]+) s \(")
 MATCHMAKING = re.compile(r"round \d+: averaged with .* matchmaking ([\d.]+) s")
-BUSY = re.compile(r"pipeline: stage (\d+) busy ([\d.]+)% of .* s .*; (\d+) bytes of activations")
+BUSY = re.compile(r"pipeline: stage (\d+) busy ([\d.]+)% of .* s \(.*\), ([\d.]+)% of the .*; (\d+) bytes of "
+                  r"activations")
 
 
 def recipe(args: argparse.Namespace, overlap: bool) -> dict:
@@ -131,20 +132,22 @@ def _run(args: argparse.Namespace, overlap: bool, workdir: Path, spaces) -> dict
                        where(i)[0])
                  for i in range(args.peers)]
         children += peers
-        values, wire = [], []
+        values, wire, spans = [], [], []
         for index, peer in enumerate(peers):
-            # (a stage peer's inner steps include waiting for the other stages: it reports its busy share instead)
+            # (a stage peer's inner steps include waiting for the other stages: it reports its busy share instead,
+            # of its whole run and of the span from its first microbatch to its last)
             match = peer.find(BUSY if args.stages > 1 else UTILIZATION, args.timeout - (time.monotonic() - started))
             if match is None:
                 raise RuntimeError(f"peer {index} reported no utilisation:\n" + "".join(peer.lines[-30:]))
             values.append(float(match.group(2 if args.stages > 1 else 1)) / 100)
-            wire.append(int(match.group(3)) if args.stages > 1 else 0)
+            spans.append(float(match.group(3)) / 100 if args.stages > 1 else None)
+            wire.append(int(match.group(4)) if args.stages > 1 else 0)
         # Tokens each round averaged (every member logs the same total), against the recipe's target.
         tokens = [int(m.group(1)) for line in peers[0].lines if (m := ROUND_TOKENS.search(line))]
         target = recipe(args, overlap)["tokens_per_round"]
         return {"overlap": overlap, "peers": args.peers, "rounds": args.rounds, "mbit": args.mbit or "",
                 "stages": args.stages, "microbatches": args.microbatches if args.stages > 1 else None,
-                "wire_bytes_per_token": wire,
+                "wire_bytes_per_token": wire, "busy_of_span": spans,
                 "allreduce_seconds": _mean(ALLREDUCE_SECONDS, peers),
                 "matchmaking_seconds": _mean(MATCHMAKING, peers), "utilization": values,
                 "mean": sum(values) / len(values), "seconds": time.monotonic() - started,
@@ -203,9 +206,11 @@ def main() -> None:
               f"{row['seconds']:>9.0f}{row['seconds'] / row['rounds']:>9.1f}{row['matchmaking_seconds']:>15.2f}"
               f"{row['allreduce_seconds']:>14.2f}{row['tokens_over_target']:>+24.1%}")
         if row["stages"] > 1:  # per peer: its stage, the share of wall time it computed, its hops' bytes per token
-            for index, (busy, wire) in enumerate(zip(row["utilization"], row["wire_bytes_per_token"])):
+            for index, (busy, span, wire) in enumerate(zip(row["utilization"], row["busy_of_span"],
+                                                           row["wire_bytes_per_token"])):
                 print(f"  peer {index} stage {index % row['stages']} ({row['microbatches']} microbatches in flight): "
-                      f"busy {busy:.1%}, {wire} activation and gradient bytes per token")
+                      f"busy {busy:.1%} of its run, {span:.1%} from its first microbatch to its last; {wire} "
+                      "activation and gradient bytes per token")
     print(json.dumps(results))
 
 

@@ -243,6 +243,8 @@ class Peer:
             self._show_progress(swarm_tokens)
             if not self.rounds.due(swarm_tokens, self.announcer.handed_in(counting) or self.part.behind(counting)):
                 continue
+            if self.part.in_flight and not self._inner_step(batches, settle=True):  # (a first stage's batches)
+                continue
             if self.rounds.in_flight:  # the last average is still in flight: wait for it (time not computing)
                 waited = time.monotonic()
                 self._conclude(self.rounds.wait())
@@ -263,7 +265,7 @@ class Peer:
             self._checkpoint()
         return self.rounds.rounds_done
 
-    def _inner_step(self, batches) -> bool:
+    def _inner_step(self, batches, settle: bool = False) -> bool:
         """One inner AdamW step, with its metrics; False if the loss was not finite (the round then restarts)."""
         r = self.recipe
         lr = learning_rate(r.inner, schedule_tokens(self.diloco.tokens_seen, self.rounds.tokens_in_round,
@@ -272,7 +274,7 @@ class Peer:
             with torch.no_grad():
                 self.diloco.local_params[0].fill_(float("nan"))  # as if the optimizer blew up
         started = time.monotonic()
-        loss, tokens, read = self.part.step(batches, self.device, self.inner_optimizer, lr, r.inner.grad_clip)
+        loss, tokens, read = self.part.step(batches, self.device, self.inner_optimizer, lr, r.inner.grad_clip, settle)
         self.stream.step += read
         if loss is None:
             return True  # a stage that got no microbatch, or one its next stage did not take: nothing trained
@@ -312,10 +314,6 @@ class Peer:
                              loss=self.loss, swarm_tokens=swarm_tokens, steps_in_round=self.rounds.steps_in_round,
                              recipe=self.recipe, view=self.announcer.view, peer_id=self.node.peer_id,
                              last_group_size=self.metrics.last_group_size)
-
-    def _set_state(self, state: str) -> None:
-        self.rounds.set_state(state)
-        self.metrics.set_state(state)
 
     def _finished(self) -> bool:
         s = self.settings

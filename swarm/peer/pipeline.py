@@ -4,9 +4,9 @@ backpropagates the gradient that comes back; the last stage computes the loss. E
 (fp16 by default), and both directions are metered.
 
 `StageWorker` runs one stage: forward, the downstream hop (or the loss), backward, clip, optimizer step, one
-microbatch at a time; a first stage can cut a batch into microbatches that are all in flight at once
-(`step_split`), each scaled by its share of the batch, and a serving stage then steps once per batch's worth of
-rows, so the gradient of a batch is the same however it was cut. `StageServer` serves it to the previous stage on
+microbatch at a time (a first stage streams its batches' microbatches instead: swarm/peer/microbatches.py), each
+scaled by its share of its batch, and a serving stage steps once per batch's worth of rows, so the gradient of a
+batch is the same however it was cut. `StageServer` serves it to the previous stage on
 the run's stage protocol. `Router` picks the next stage's peer for each microbatch at random, weighted by announced
 throughput over the microbatches in flight to it (SWARM's stochastic wiring), and retries a failed hop on another
 peer of that stage, so a peer that dies mid-microbatch costs a retry, never the microbatch: the caller learns of a
@@ -69,6 +69,8 @@ class StageWorker:
         self.step_rows: Optional[int] = None  # step once this many rows' gradients are in (None: every microbatch)
         self._rows = 0
         self.busy = 0.0  # seconds computing (forward, backward, steps), not waiting for the next stage
+        self.first_at: Optional[float] = None  # (time.perf_counter) when it first computed, and last did
+        self.last_at = 0.0
 
     def step(self, x: torch.Tensor, targets: torch.Tensor, downstream: Optional[Downstream],
              scale: float = 1.0) -> tuple[Optional[torch.Tensor], float]:
@@ -85,7 +87,7 @@ class StageWorker:
                 (loss_tensor * scale).backward()
                 loss = float(loss_tensor.detach())
             else:
-                self.busy += time.perf_counter() - started
+                self.computed(started)
                 grad, loss = downstream(out.detach(), targets, scale)
                 started = time.perf_counter()
                 self._backward(out, grad)
@@ -97,42 +99,15 @@ class StageWorker:
                     self._apply()
                 self.microbatches += 1
                 self.tokens += targets.numel()
-            self.busy += time.perf_counter() - started
+            self.computed(started)
             return (None if self.stage.first else inputs.grad.detach()), loss
 
-    def step_split(self, x: torch.Tensor, targets: torch.Tensor, parts: int,
-                   send: Callable[[torch.Tensor, torch.Tensor, float], "concurrent.futures.Future"]) -> float:
-        """A first stage's batch as `parts` microbatches, all in flight at once: forward each and `send` it on
-        (which returns a future of its gradient and loss), then backpropagate each gradient as it comes, and take
-        one step. Each microbatch is scaled by its share of the batch's rows, so the gradient is the batch's.
-        Returns the batch's loss. Raises what a future raises, with nothing applied."""
-        with self.lock:
-            started = time.perf_counter()
-            xs, ts = x.chunk(parts), targets.chunk(parts)
-            outs, futures = [], []
-            for part, t in zip(xs, ts):  # each sent as soon as it is computed
-                outs.append(self.stage(part))
-                futures.append(send(outs[-1].detach(), t, part.shape[0] / x.shape[0]))
-            self.busy += time.perf_counter() - started
-            loss = 0.0
-            try:
-                for out, future, part in zip(outs, futures, xs):
-                    grad, part_loss = future.result()
-                    started = time.perf_counter()
-                    self._backward(out, grad)
-                    self.busy += time.perf_counter() - started
-                    loss += part_loss * part.shape[0] / x.shape[0]
-            except BaseException:
-                for future in futures:
-                    future.cancel()
-                self.stage.zero_grad(set_to_none=True)
-                raise
-            started = time.perf_counter()
-            self._apply()
-            self.busy += time.perf_counter() - started
-            self.microbatches += len(xs)
-            self.tokens += targets.numel()
-            return loss
+    def computed(self, started: float) -> None:
+        """Count the time since `started` (time.perf_counter) as computing."""
+        now = time.perf_counter()
+        self.busy += now - started
+        self.first_at = started if self.first_at is None else self.first_at
+        self.last_at = now
 
     def _backward(self, out: torch.Tensor, grad: torch.Tensor) -> None:
         if grad.shape != out.shape or not torch.isfinite(grad).all():
@@ -311,7 +286,7 @@ class Router:
     def send(self, loop: asyncio.AbstractEventLoop) -> Callable[[torch.Tensor, torch.Tensor, float],
                                                                  concurrent.futures.Future]:
         """forward() started from a thread other than `loop`'s: returns its future at once, so that several
-        microbatches can be in flight (StageWorker.step_split)."""
+        microbatches can be in flight (swarm/peer/microbatches.py)."""
         def send(out: torch.Tensor, targets: torch.Tensor, scale: float = 1.0) -> concurrent.futures.Future:
             return asyncio.run_coroutine_threadsafe(self.forward(out, targets, scale), loop)
 

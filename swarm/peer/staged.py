@@ -25,6 +25,7 @@ from swarm.config import ModelRecipe, PeerSettings, Recipe, RecipeError
 from swarm.dht import view
 from swarm.dht.node import SwarmNode
 from swarm.dht.records import ONLINE_STATES, TRAINING_STATES, parse_peer_records, peers_key
+from swarm.peer.microbatches import MicrobatchStream
 from swarm.peer.model import build_model, n_blocks as count_blocks
 from swarm.peer.pipeline import PipelineError, Router, StageServer, StageWorker, stage_protocol
 from swarm.peer.stages import Stage, even_bounds, materialize
@@ -57,8 +58,7 @@ class Part:
         self.index, self.bounds = 0, (0, n_blocks)
         self.module: torch.nn.Module = model
         self.run = recipe
-        self.pending: Optional[torch.Tensor] = None  # a first stage's batch no next-stage peer took yet
-        self.taken = self.trained = 0  # batches a first stage took from its data stream, and trained (each once)
+        self.stream: Optional[MicrobatchStream] = None  # a first stage's microbatches, a stream across batches
         self.work: queue.Queue = queue.Queue()
         self.router: Optional[Router] = None
         limit, capacity = _capacity(settings)
@@ -148,6 +148,9 @@ class Part:
         if self.index + 1 < self.stages:
             self.router = Router(self.node, stage_protocol(self.recipe.run_id, *self.all_bounds[self.index + 1]),
                                  lambda: self._next_peers)
+        if self.first:
+            k = self.settings.microbatches  # each batch cut into k, and k in flight at all times
+            self.stream = MicrobatchStream(self.worker, self.router.send(self.loop.loop), parts=k, window=k)
         self.loop.submit(self._watch())
         self.started, self.server = time.monotonic(), None
         if not self.first:
@@ -228,69 +231,87 @@ class Part:
         self.work.put((x, targets, scale, done))
         return await done
 
+    @property
+    def in_flight(self) -> bool:
+        """Whether a first stage has batches in flight (see step's `settle`)."""
+        return self.stream is not None and self.stream.pending > 0
+
     def step(self, batches: Iterator[torch.Tensor], device: torch.device, optimizer: torch.optim.Optimizer,
-             lr: float, grad_clip: float) -> tuple[Optional[float], int, bool]:
-        """One inner step: (its loss, or None if no microbatch was trained; tokens trained; whether it took a new
-        batch from our data stream)."""
+             lr: float, grad_clip: float, settle: bool = False) -> tuple[Optional[float], int, int]:
+        """One inner step: (its loss, or None if no microbatch was trained; tokens trained; batches it took from our
+        data stream). A first stage streams its batches' microbatches (swarm/peer/microbatches.py) and returns
+        each batch as it is stepped on; with `settle`, it finishes the batches in flight instead, taking none, and
+        returns them together (before its weights are averaged)."""
         if self.whole:
             batch = next(batches)
-            return inner_step(self.model, optimizer, batch, device, lr, grad_clip), batch[:, 1:].numel(), True
+            return inner_step(self.model, optimizer, batch, device, lr, grad_clip), batch[:, 1:].numel(), 1
         # A stage sees only its own gradient: each clips to its share of the whole model's bound.
         self.worker.optimizer, self.worker.lr = optimizer, lambda: lr
         self.worker.grad_clip = grad_clip / self.stages ** 0.5
         if self.first:
-            fresh = self.pending is None
-            batch = next(batches) if fresh else self.pending
-            self.taken += fresh
+            taken = self.stream.taken
+            if settle:
+                finished = self.stream.settle()
+                if not finished:
+                    return None, 0, 0
+                return sum(loss * n for loss, n in finished) / sum(n for _, n in finished), \
+                    sum(n for _, n in finished), 0
             try:
-                loss = self.worker.step_split(batch[:, :-1], batch[:, 1:], self.settings.microbatches,
-                                              self.router.send(self.loop.loop))
-            except PipelineError as e:
-                self.pending = batch  # not lost: sent again once a next-stage peer takes it
+                loss, tokens = self.stream.step(lambda: next(batches))
+            except PipelineError as e:  # the microbatch is not lost: it is sent again once a next-stage peer takes it
                 logger.info("pipeline: %s; trying again in 1 s", e)
                 time.sleep(1.0)
-                return None, 0, fresh
-            self.pending = None
-            self.trained += 1
-            return loss, batch[:, 1:].numel(), fresh
+                return None, 0, self.stream.taken - taken
+            return loss, tokens, self.stream.taken - taken
         return self._serve_one()
 
-    def _serve_one(self) -> tuple[Optional[float], int, bool]:
+    def _serve_one(self) -> tuple[Optional[float], int, int]:
         """Run the next microbatch from the stage before, if one comes within WAIT_SECONDS."""
         try:
             x, targets, scale, done = self.work.get(timeout=WAIT_SECONDS)
         except queue.Empty:
-            return None, 0, False
+            return None, 0, 0
         try:
             grad, loss = self.worker.step(x, targets, None if self.router is None else self.router.hop(self.loop.loop),
                                           scale)
         except Exception as e:  # noqa: BLE001 - the stage before learns of it and retries elsewhere
             self.loop.loop.call_soon_threadsafe(_settle, done, None, e)
-            return None, 0, False
+            return None, 0, 0
         self.loop.loop.call_soon_threadsafe(_settle, done, (grad, loss), None)
-        return loss, targets.numel(), False
+        return loss, targets.numel(), 0
 
     def finish(self, stop: threading.Event, events) -> None:
-        """At the end of training: drain (a serving stage), then account for the microbatches: a first stage took
-        `taken` batches from its stream and trained each once (`trained`), but for one still pending."""
+        """At the end of training: finish the batches in flight (a first stage: a few tries) or drain (a serving
+        stage), then account for the microbatches: a first stage took `taken` batches from its stream and trained
+        each once (`trained`), but for those still pending."""
         if self.whole:
             return
+        for attempt in range(10):  # a microbatch no next-stage peer takes is tried again a second later
+            if self.stream is None or not self.stream.pending or stop.wait(1.0 if attempt else 0.0):
+                break
+            self.stream.settle()
         if self.move_to is None:
             self.drain(stop)
+        taken, trained, pending = (self.stream.taken, self.stream.trained, self.stream.pending) if self.stream \
+            else (0, 0, 0)
         retries = self.router.retries if self.router is not None else 0
         wall = time.monotonic() - self.started
         meters = [part.meter for part in (self.router, self.server) if part is not None]
         wire = sum(m.sent + m.received for m in meters)  # (both directions of our hops in and out)
-        logger.info("pipeline: stage %d busy %.1f%% of %.0f s (computing, not waiting for other stages); %.0f bytes "
-                    "of activations and gradients per token", self.index, 100 * self.worker.busy / max(wall, 1e-9),
-                    wall, wire / max(self.worker.tokens, 1))
+        # (the span from its first microbatch to its last leaves out start-up and the wait for other stages' peers,
+        # not its rounds' averaging)
+        span = self.worker.last_at - self.worker.first_at if self.worker.first_at is not None else 0.0
+        logger.info("pipeline: stage %d busy %.1f%% of %.0f s (computing, not waiting for other stages), %.1f%% of "
+                    "the %.0f s from its first microbatch to its last; %.0f bytes of activations and gradients per "
+                    "token", self.index, 100 * self.worker.busy / max(wall, 1e-9), wall,
+                    100 * self.worker.busy / max(span, 1e-9), span, wire / max(self.worker.tokens, 1))
         logger.info("pipeline: stage %d trained %d microbatches (%d batches of %d taken from our data, %d pending), "
                     "%d hops retried, at most %d microbatches in flight", self.index, self.worker.microbatches,
-                    self.trained, self.taken, int(self.pending is not None), retries,
+                    trained, taken, pending, retries,
                     self.router.most_in_flight if self.router is not None else 0)
-        events.emit("pipeline", stage=self.index, microbatches=self.worker.microbatches, taken=self.taken,
-                    trained=self.trained, pending=int(self.pending is not None), retries=retries,
-                    busy=self.worker.busy, wall=wall, wire_bytes=wire, tokens=self.worker.tokens)
+        events.emit("pipeline", stage=self.index, microbatches=self.worker.microbatches, taken=taken,
+                    trained=trained, pending=pending, retries=retries,
+                    busy=self.worker.busy, wall=wall, span=span, wire_bytes=wire, tokens=self.worker.tokens)
 
     def drain(self, stop: threading.Event) -> None:
         """After our last round (--until-round, --max-rounds), keep answering the stage before, our params frozen,
