@@ -69,7 +69,7 @@ def part_params(recipe: Recipe, model=None) -> list[tuple[int, int, bool]]:
 def check_max_memory(recipe: Recipe, limit_mb: float) -> Check:
     """Whether the whole model, or some stage of a pipelined run, trains within --max-memory."""
     stages = recipe.pipeline.stages
-    needs = [training_bytes(recipe, *part) for part in part_params(recipe)]
+    needs = stage_needs(recipe)
     limit, details = int(limit_mb * 1e6), {"limit": int(limit_mb * 1e6), "needs": needs}
     fits = [k for k, need in enumerate(needs) if need <= limit]
     if stages == 1 and fits:
@@ -85,6 +85,15 @@ def check_max_memory(recipe: Recipe, limit_mb: float) -> Check:
                                          f"fit{'' if many else 's'} in {fmt_bytes(limit)}", details)
     return Check("max memory", False, f"no stage fits in --max-memory {fmt_bytes(limit)}: the smallest needs about "
                                       f"{fmt_bytes(min(needs))}; raise --max-memory", details, fatal=True)
+
+
+def stage_needs(recipe: Recipe, model=None) -> list[int]:
+    """The memory to train each pipeline stage (one entry for a whole-model run): training_bytes, plus on the first
+    stage of a pipeline the two copies of its weights its stream of microbatches keeps (swarm/peer/microbatches.py:
+    two batches in flight, each on the weights it started with)."""
+    parts = part_params(recipe, model)
+    return [training_bytes(recipe, *part) + (8 * part[0] if k == 0 and len(parts) > 1 else 0)
+            for k, part in enumerate(parts)]
 
 
 def training_bytes(recipe: Recipe, params: int, layers: int, last: bool) -> int:

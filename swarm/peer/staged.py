@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from swarm.checks import fmt_bytes, part_params, training_bytes
+from swarm.checks import fmt_bytes, stage_needs
 from swarm.config import ModelRecipe, PeerSettings, Recipe, RecipeError
 from swarm.dht import view
 from swarm.dht.node import SwarmNode
@@ -62,7 +62,7 @@ class Part:
         self.work: queue.Queue = queue.Queue()
         self.router: Optional[Router] = None
         limit, capacity = _capacity(settings)
-        needs = [training_bytes(recipe, *part) for part in part_params(recipe, model)]  # (as doctor estimates)
+        needs = stage_needs(recipe, model)  # (as doctor estimates)
         if self.stages == 1:
             need = needs[0]
             if limit is not None and need > limit:
