@@ -87,11 +87,11 @@ def check_max_memory(recipe: Recipe, limit_mb: float) -> Check:
                                       f"{fmt_bytes(min(needs))}; raise --max-memory", details, fatal=True)
 
 
-def stage_needs(recipe: Recipe, model=None) -> list[int]:
-    """The memory to train each pipeline stage (one entry for a whole-model run): training_bytes, plus on the first
-    stage of a pipeline the two copies of its weights its stream of microbatches keeps (swarm/peer/microbatches.py:
-    two batches in flight, each on the weights it started with)."""
-    parts = part_params(recipe, model)
+def stage_needs(recipe: Recipe, model=None, parts: Optional[list[tuple[int, int, bool]]] = None) -> list[int]:
+    """The memory to train each pipeline stage (one entry for a whole-model run; `parts`: part_params, if known):
+    training_bytes, plus on the first stage of a pipeline the two copies of its weights its stream of microbatches
+    keeps (swarm/peer/microbatches.py: two batches in flight, each on the weights it started with)."""
+    parts = part_params(recipe, model) if parts is None else parts
     return [training_bytes(recipe, *part) + (8 * part[0] if k == 0 and len(parts) > 1 else 0)
             for k, part in enumerate(parts)]
 

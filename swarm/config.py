@@ -406,7 +406,8 @@ class PeerSettings(_Section):
                     "it averages in (or holds, for serve), send bad data (garbage, "
                     "nan, short; ring-garbage: garbage along rings only; scaled: its pseudo-gradient x1000, flipped: "
                     "x-1, as a lying member would) from that round on, or break its own "
-                    "training once (diverge: NaN params; explode: an absurd pseudo-gradient)")
+                    "training once (diverge: NaN params; explode: an absurd pseudo-gradient), or compute 4x "
+                    "slower from that round on (slow: a weaker device, for rebalancing drills)")
 
 
 class BootstrapSettings(_Section):

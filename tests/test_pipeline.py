@@ -342,3 +342,38 @@ def test_a_stage_that_loses_its_hosts_gets_a_peer_from_a_stronger_stage(swarm):
     for peer in (b, c):
         assert peer.wait(60) == 0, peer.output()[-3000:]
     assert rounds == sorted(rounds) and len(set(rounds)) == len(rounds), "stage 0 moved on round by round"
+
+
+@pytest.mark.slow
+def test_a_peer_moves_to_the_stage_that_holds_the_pipelines_back(swarm):
+    """Peer A hosts stage 1 (pinned) and computes 4x slower (a weaker device: --inject-fault slow@0); C joins
+    without --stage and takes the empty stage 0; B joins pinned to stage 0. One peer a stage against two is no
+    reason to move, but the pipelines run at A's pace: once C has hosted stage 0 for THROUGHPUT_AFTER and the
+    capacities are measured, C moves to stage 1, which lifts the pace (stage 0 keeps B), and both stages average
+    again. Operators see stage 1 as the bottleneck by capacity before the move."""
+    recipe = Path(__file__).parent / "recipes" / "rebalance.yaml"
+    _, maddr = swarm.bootstrap(recipe=recipe)
+    a = swarm.peer(maddr, "--stage", "1", "--inject-fault", "slow@0", name="a")
+    a.wait_event("training", 120)  # (announced as stage 1's peer)
+    c = swarm.peer(maddr, name="c")
+    c.wait_for(r"pipeline: hosting stage 0 of 2", 120)
+    b = swarm.peer(maddr, "--stage", "0", name="b")
+    c.wait_event("averaged", 180)
+    deadline = time.monotonic() + 120
+    while True:  # every stage measured: stage 1 (A alone, 4x slower) limits the pipelines
+        stages = json.loads(swarm.run("status", "--initial-peers", maddr, "--json", timeout=60).stdout)["stages"]
+        if all(t["capacity"] for t in stages) and stages[1]["bottleneck"]:
+            break
+        assert time.monotonic() < deadline and not c.events("stopped"), stages
+        time.sleep(1.0)
+    assert stages[1]["capacity"] < stages[0]["capacity"] / 2, stages
+    c.wait_for(r"the pipelines run at the pace of stage 1, .*: moving to stage 1 after this step", 120)
+    c.wait_for(r"pipeline: hosting stage 1 of 2", 120)
+    moved = c.events("stopped")[0]["time"]
+    assert b.process.poll() is None and a.process.poll() is None
+    c.wait_event("averaged", 180, where=lambda e: e["time"] > moved)
+    b.wait_event("averaged", 180, where=lambda e: e["time"] > moved)
+    for peer in (a, b, c):
+        peer.process.send_signal(signal.SIGTERM)
+    for peer in (a, b, c):
+        assert peer.wait(60) == 0, peer.output()[-3000:]

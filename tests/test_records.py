@@ -28,7 +28,7 @@ from swarm.dht.validation import (Identity, IdentityError, SwarmValidator, make_
                                   peer_id_of, subkey_owner)
 from swarm.dht.view import block_throughputs, summarize, summarize_stages
 from swarm.monitoring.swarm_status import SwarmExporter, coverage_runs, render_status
-from swarm.peer.block_selection import choose_block_range
+from swarm.peer.block_selection import MOVE_GAIN, choose_block_range, stage_to_move_to
 from swarm.peer.model import build_model
 from swarm.peer.probe import describe_device, measure_tokens_per_s
 
@@ -304,6 +304,33 @@ def test_picks_the_least_served_range():
     assert choose_block_range(view, n_blocks=6, capacity=3) == (0, 3)
 
 
+def test_a_stage_peer_moves_to_a_stage_with_two_fewer_peers_or_to_the_throughput_bottleneck():
+    """stage_to_move_to: peers first (a stage with two fewer live peers than ours), then throughput: the pipelines
+    run at the pace of the stage computing the fewest tokens/s, and a move that lifts that pace by MOVE_GAIN or more
+    is worth its cost. Our capacity in another stage scales with the two stages' work per token."""
+    even = [1.0, 1.0]
+    assert stage_to_move_to([3, 1], [300.0, 100.0], 0, 100.0, even, [0, 1]) == (1, "peers")
+    assert stage_to_move_to([2, 1], [200.0, 100.0], 0, 100.0, even, [0, 1]) == (None, ""), "100 -> 100: no gain"
+    # Stage 1's one peer computes 50 tokens/s, each of stage 0's two 200: the pipelines run at 50. With us on
+    # stage 1, stage 0 keeps 200 and stage 1 computes 250: pace 200.
+    assert stage_to_move_to([2, 1], [400.0, 50.0], 0, 200.0, even, [0, 1]) == (1, "throughput")
+    assert stage_to_move_to([2, 1], [400.0, 50.0], 0, 200.0, even, [0]) == (None, ""), "stage 1 does not fit us"
+    # Stage 1 costs 4x per token: we would compute 50 there, lifting the pace from 50 to 100; at 16x only to 62.5,
+    # not above 1.25 x 50.
+    assert stage_to_move_to([2, 1], [400.0, 50.0], 0, 200.0, [1.0, 4.0], [0, 1]) == (1, "throughput")
+    assert stage_to_move_to([2, 1], [400.0, 50.0], 0, 200.0, [1.0, 16.0], [0, 1]) == (None, "")
+    assert stage_to_move_to([2, 1], [400.0, 100.0], 0, 200.0, even, [0, 1]) == (1, "throughput")
+    assert stage_to_move_to([2, 1], [400.0, 100.0 * MOVE_GAIN / 1.2], 0, 200.0, even, [0, 1])[0] == 1
+    assert stage_to_move_to([2, 2], [220.0, 200.0], 0, 110.0, even, [0, 1]) == (None, ""), "balanced: stay"
+    # Nobody leaves a stage it is alone in, nor moves while some peer's capacity is unmeasured (None, or 0).
+    assert stage_to_move_to([1, 1], [400.0, 50.0], 0, 400.0, even, [0, 1]) == (None, "")
+    assert stage_to_move_to([2, 1], [None, 50.0], 0, 200.0, even, [0, 1]) == (None, "")
+    assert stage_to_move_to([2, 1], [400.0, 0.0], 0, 200.0, even, [0, 1]) == (None, "")
+    assert stage_to_move_to([2, 1], [400.0, 50.0], 0, 0.0, even, [0, 1]) == (None, "")
+    # Three stages: to the one that lifts the pace most.
+    assert stage_to_move_to([3, 2, 2], [600.0, 150.0, 60.0], 0, 200.0, [1.0] * 3, [0, 1, 2]) == (2, "throughput")
+
+
 def test_all_equal_ties_and_offline_peers():
     view = [hosting("QmA", 0, 4, 5.0), hosting("QmB", 0, 4, 5.0)]
     assert choose_block_range(view, n_blocks=4, capacity=2) == (0, 2)
@@ -380,6 +407,21 @@ def test_a_pipelined_runs_summary_judges_each_stage_by_itself():
     assert value("swarm_stage_tokens_per_second", {"stage": "0"}) == 300
     assert value("swarm_stage_divergent_peers", {"stage": "1"}) == 1
     assert value("swarm_stage_bottleneck") == 1 and value("swarm_swarm_divergent_peers") == 1
+    assert value("swarm_stage_capacity_tokens_per_second", {"stage": "0"}) is None, "nobody measured it yet"
+    # Once every stage's training peers announce their capacity, the stage that computes least is the bottleneck,
+    # though it has more peers: here stage 0's three slow peers (3 x 50) against stage 1's two (2 x 120).
+    slow = [dataclasses.replace(p, capacity=50.0) for p in stage0]
+    fast = [dataclasses.replace(p, capacity=120.0) for p in stage1]
+    measured = summarize_stages([slow, fast], [(0, 2), (2, 4)], 0, 4)
+    assert [t.capacity for t in measured.stages] == [150.0, 240.0] and measured.stages[0].bottleneck
+    assert not measured.stages[1].bottleneck
+    assert "300 tokens/s (could compute 150)" in render_status(measured, "r", "f" * 64)
+    half = summarize_stages([slow, stage1], [(0, 2), (2, 4)], 0, 4)
+    assert half.stages[1].capacity is None and half.stages[1].bottleneck, "until every stage measured: by peers"
+    registry = CollectorRegistry()
+    SwarmExporter(registry).update(measured)
+    assert registry.get_sample_value("swarm_stage_capacity_tokens_per_second", {"stage": "1"}) == 240
+    assert registry.get_sample_value("swarm_stage_bottleneck") == 0
 
 
 # ---- start-up probe -------------------------------------------------------------------------------------------

@@ -21,7 +21,9 @@ BAD_DATA = ("garbage", "nan", "short", "ring-garbage", "scaled", "flipped", "lyi
 # verification reports it can make (every member's term as it is, its own made up to cancel the rest)
 LYING_VALUES = ("scaled", "flipped")
 SCALE = 1000.0
-LOCAL = ("diverge", "explode")  # the peer's own training goes wrong: NaN params, or an absurd pseudo-gradient
+LOCAL = ("diverge", "explode", "slow")  # the peer's own training goes wrong: NaN params, or an absurd pseudo-gradient;
+# slow: from then on it computes SLOWDOWN times slower, as a weaker device would (pipeline stages: rebalancing drills)
+SLOWDOWN = 4.0
 SERVING = ("corrupt-data",)  # the dataset files it serves other peers have every byte flipped
 
 

@@ -77,6 +77,9 @@ class PeerRecord:
     device_name: str = ""  # GPU (or CPU) model
     device_memory: int = 0  # bytes of GPU memory (system memory for a CPU peer)
     tokens_per_s: float = 0.0  # a start-up probe's measurement until real training measures it
+    # Tokens/s it computes when it never waits for another pipeline stage (a stage peer's tokens over its busy
+    # seconds; a whole-model peer's tokens_per_s): what its stage would lose if it left. 0 until measured.
+    capacity: float = 0.0
     bandwidth_up: float = 0.0  # bytes/s, measured on real all-reduce traffic; 0 until measured
     bandwidth_down: float = 0.0
     loss: Optional[float] = None
@@ -143,7 +146,8 @@ class PeerRecord:
                 _integer(getattr(self, name), name, 1 << 62)
         if not self.block_start < self.block_end or (n_blocks is not None and self.block_end > n_blocks):
             raise InvalidRecord(f"block range [{self.block_start}, {self.block_end}) is outside the model")
-        for name, bound in (("tokens_per_s", MAX_TOKENS_PER_S), ("bandwidth_up", MAX_BANDWIDTH),
+        for name, bound in (("tokens_per_s", MAX_TOKENS_PER_S), ("capacity", MAX_TOKENS_PER_S),
+                            ("bandwidth_up", MAX_BANDWIDTH),
                             ("bandwidth_down", MAX_BANDWIDTH), ("updated", math.inf)):
             value = getattr(self, name)
             if not _is_number(value) or not math.isfinite(value) or not 0 <= value <= bound:

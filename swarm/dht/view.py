@@ -158,6 +158,15 @@ def quorum(last_group_size: int, vouchers: int) -> int:
     return min(max(2, last_group_size // 2 + 1), max(2, vouchers - 1))
 
 
+def stage_capacity(records: Records) -> Optional[float]:
+    """What a stage's training peers compute when they never wait for another stage (their announced capacity),
+    summed; None where one of them has not measured its own yet, or none trains."""
+    training = [p for p in records if p.state in TRAINING_STATES]
+    if not training or any(p.capacity <= 0 for p in training):
+        return None
+    return sum(p.capacity for p in training)
+
+
 def block_throughputs(records: Records, n_blocks: int) -> list[float]:
     """Tokens/s hosted on each block: the sum over online peers of the throughput of each peer hosting it.
 
@@ -184,6 +193,9 @@ class StageSummary:
     majority_digest: str
     divergent_peers: int  # training peers at its round whose digest is not its majority's
     bottleneck: bool  # the stage that limits the pipelines (see summarize_stages)
+    # Tokens/s its training peers compute when they never wait for another stage, summed (None while one of them
+    # has not measured its own): the pace the stage could keep.
+    capacity: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -240,8 +252,9 @@ def summarize_stages(per_stage: Sequence[list[PeerRecord]], bounds: Sequence[tup
     block ranges. Each stage gets its round and digest agreement; the whole run's round is the lowest stage's
     (the round every stage has reached), its digests agree when every stage's do, its tokens/s are the first
     stage's (the tokens the pipelines train: each passes every stage) and its divergent peers are the stages'.
-    The bottleneck is the stage with the fewest online peers, the least tokens/s among those: every token passes
-    every stage, so the stage with the least hardware sets the pace (a stage nobody hosts stops the pipelines)."""
+    Every token passes every stage, so the stage with the least hardware sets the pace: the bottleneck is the
+    stage with the least capacity where every stage has measured its own, else the one with the fewest online
+    peers, the least tokens/s among those (a stage nobody hosts stops the pipelines)."""
     stages = []
     for k, (records, (start, end)) in enumerate(zip(per_stage, bounds)):
         part = summarize(records, 0, n_blocks, read_at)
@@ -250,9 +263,11 @@ def summarize_stages(per_stage: Sequence[list[PeerRecord]], bounds: Sequence[tup
             tokens_per_s=part.tokens_per_s, round=part.round, digests_agree=part.digests_agree,
             majority_digest=part.majority_digest,
             divergent_peers=sum(p.digest != part.majority_digest for p in at_round(online(records), part.round)),
-            bottleneck=False))
+            bottleneck=False, capacity=stage_capacity(online(records))))
     if stages:
-        slowest = min(stages, key=lambda s: (s.peers_online, s.tokens_per_s, s.stage))
+        measured = all(s.capacity for s in stages)
+        slowest = min(stages, key=lambda s: (s.capacity, s.stage) if measured else
+                      (s.peers_online, s.tokens_per_s, s.stage))
         stages[slowest.stage] = replace(slowest, bottleneck=True)
     whole = summarize(sorted((p for records in per_stage for p in records), key=lambda p: p.peer_id), invalid,
                       n_blocks, read_at)

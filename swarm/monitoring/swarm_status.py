@@ -59,9 +59,13 @@ class SwarmExporter:
                                  ["stage"], registry=registry)
         self.stage_tokens = Gauge("swarm_stage_tokens_per_second", "Sum of each stage's online peers' throughput",
                                   ["stage"], registry=registry)
+        self.stage_capacity = Gauge("swarm_stage_capacity_tokens_per_second", "Tokens/s each stage's training "
+                                    "peers compute when they never wait for another stage (absent until measured)",
+                                    ["stage"], registry=registry)
         self.stage_divergent = Gauge("swarm_stage_divergent_peers", "Each stage's training peers whose digest is "
                                      "not the stage's majority's", ["stage"], registry=registry)
-        self.bottleneck = Gauge("swarm_stage_bottleneck", "The stage that limits the pipelines (fewest peers)",
+        self.bottleneck = Gauge("swarm_stage_bottleneck", "The stage that limits the pipelines (least capacity, "
+                                "or fewest peers until every stage measured its own)",
                                 registry=registry)
 
     def update(self, summary: SwarmSummary) -> None:
@@ -81,6 +85,8 @@ class SwarmExporter:
             self.stage_peers.labels(stage=label).set(stage.peers_online)
             self.stage_round.labels(stage=label).set(stage.round)
             self.stage_tokens.labels(stage=label).set(stage.tokens_per_s)
+            if stage.capacity is not None:
+                self.stage_capacity.labels(stage=label).set(stage.capacity)
             self.stage_divergent.labels(stage=label).set(stage.divergent_peers)
             if stage.bottleneck:
                 self.bottleneck.set(stage.stage)
@@ -111,7 +117,8 @@ def render_status(summary: SwarmSummary, run_id: str, recipe_digest: str) -> str
         lines.append(f"compute: {s.tokens_per_s:.0f} tokens/s through {len(s.stages)} pipeline stages; state "
                      f"digests: {'agree within each stage' if s.digests_agree else 'DIFFER within a stage'}")
         lines.extend(f"  stage {t.stage} blocks [{t.block_start}, {t.block_end}): {t.peers_online} "
-                     f"peer{'' if t.peers_online == 1 else 's'}, round {t.round}, {t.tokens_per_s:.0f} tokens/s, "
+                     f"peer{'' if t.peers_online == 1 else 's'}, round {t.round}, {t.tokens_per_s:.0f} tokens/s"
+                     + ("" if t.capacity is None else f" (could compute {t.capacity:.0f})") + ", "
                      + ("no digest yet" if not t.majority_digest else f"digests agree ({t.majority_digest})"
                         if t.digests_agree else f"digests DIFFER (majority {t.majority_digest})")
                      + ("  <- bottleneck" if t.bottleneck else "") for t in s.stages)

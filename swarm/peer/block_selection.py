@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 from swarm.dht.records import PeerRecord
 from swarm.dht.view import block_throughputs
@@ -22,3 +22,37 @@ def choose_block_range(view: Sequence[PeerRecord], n_blocks: int, capacity: int)
     throughputs = block_throughputs(view, n_blocks)
     start = min(range(n_blocks - length + 1), key=lambda i: (sorted(throughputs[i:i + length]), i))
     return start, start + length
+
+
+# A move must make the pipelines at least this much faster (their pace is their slowest stage's): moving costs the
+# mover its progress since its stage's last average and a state download, so small gains are not worth it (Petals'
+# should_choose_other_blocks asks the same of a swarm's throughput, with a balance quality of 0.75).
+MOVE_GAIN = 1.25
+
+
+def stage_to_move_to(counts: Sequence[int], capacities: Sequence[Optional[float]], mine: int, my_capacity: float,
+                     costs: Sequence[float], fits: Sequence[int], gain: float = MOVE_GAIN) -> tuple[Optional[int], str]:
+    """Where a peer of stage `mine` should move, and why ("peers" or "throughput"), or (None, ""). A pure function of
+    the stages' live peer `counts` and summed `capacities` (tokens/s each stage computes when it never waits; None
+    where some peer has not measured its own), both counting us; `my_capacity` is ours, `costs` each stage's work
+    per token (its parameters but the input embedding's), `fits` the stages we can hold.
+
+    Peers first: to the stage with the fewest peers, if ours has at least two more (so ours stays at least as
+    strong). Then throughput: every token passes every stage, so the pipelines run at the pace of the stage with
+    the least capacity; we move to the stage that lifts that pace the most, if by at least `gain`, counting what
+    we would compute there as our capacity scaled by the two stages' costs. We never leave a stage we are alone
+    in."""
+    others = [k for k in fits if k != mine]
+    weakest = min(others, key=lambda k: (counts[k], k), default=None)
+    if weakest is not None and counts[mine] >= counts[weakest] + 2:
+        return weakest, "peers"
+    if counts[mine] < 2 or my_capacity <= 0 or any(c is None or c <= 0 for c in capacities):
+        return None, ""
+    best, best_pace = None, gain * min(capacities)
+    for k in others:
+        after = list(capacities)
+        after[mine] -= my_capacity
+        after[k] += my_capacity * costs[mine] / costs[k]
+        if min(after) > best_pace:
+            best, best_pace = k, min(after)
+    return best, "throughput" if best is not None else ""

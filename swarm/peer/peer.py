@@ -16,7 +16,7 @@ import torch
 from swarm import __version__
 from swarm.averaging.allreduce import COMMIT_GRACE, GroupAllReduce
 from swarm.averaging.deadlines import AdaptiveDeadlines
-from swarm.averaging.faults import FaultPlan
+from swarm.averaging.faults import SLOWDOWN, FaultPlan
 from swarm.averaging.group_push import GroupPush
 from swarm.compression import ErrorFeedback
 from swarm.config import PeerSettings, RecipeError, load_recipe
@@ -205,7 +205,8 @@ class Peer:
             round=self.diloco.round, tokens_in_round=snap.tokens_in_round, block_start=self.block_range[0],
             block_end=self.block_range[1], digest=self.diloco.digest(), device=self.device.type,
             device_name=self.device_info.name, device_memory=self.device_info.memory_bytes,
-            tokens_per_s=self.tokens_per_s, bandwidth_up=self.link.up, bandwidth_down=self.link.down,
+            tokens_per_s=self.tokens_per_s, capacity=self.tokens_per_s if self.part.whole else self.part.capacity(),
+            bandwidth_up=self.link.up, bandwidth_down=self.link.down,
             loss=self.loss, val_loss=self.val_loss, attempt=snap.attempt, updated=self.node.now(),
             in_flight_tokens=snap.in_flight_tokens, data_shard=self.stream.reading(), data_start=self.stream.start,
             client=self.settings.network.client_mode,
@@ -273,6 +274,8 @@ class Peer:
         if self.faults.local("diverge", self.rounds.counting_round(self.diloco.round)):
             with torch.no_grad():
                 self.diloco.local_params[0].fill_(float("nan"))  # as if the optimizer blew up
+        if self.faults.local("slow", self.diloco.round):
+            self.part.slow_down(SLOWDOWN)
         started = time.monotonic()
         loss, tokens, read = self.part.step(batches, self.device, self.inner_optimizer, lr, r.inner.grad_clip, settle)
         self.stream.step += read

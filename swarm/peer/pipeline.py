@@ -71,6 +71,7 @@ class StageWorker:
         self.busy = 0.0  # seconds computing (forward, backward, steps), not waiting for the next stage
         self.first_at: Optional[float] = None  # (time.perf_counter) when it first computed, and last did
         self.last_at = 0.0
+        self.slowdown = 1.0  # > 1: every computation takes this many times as long (--inject-fault slow@R)
 
     def step(self, x: torch.Tensor, targets: torch.Tensor, downstream: Optional[Downstream],
              scale: float = 1.0) -> tuple[Optional[torch.Tensor], float]:
@@ -105,6 +106,9 @@ class StageWorker:
     def computed(self, started: float) -> None:
         """Count the time since `started` (time.perf_counter) as computing."""
         now = time.perf_counter()
+        if self.slowdown > 1:  # a weaker device: it is busy that much longer
+            time.sleep((now - started) * (self.slowdown - 1))
+            now = time.perf_counter()
         self.busy += now - started
         self.first_at = started if self.first_at is None else self.first_at
         self.last_at = now

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from swarm.checks import fmt_bytes, stage_needs
+from swarm.checks import fmt_bytes, part_params, stage_needs
 from swarm.config import ModelRecipe, PeerSettings, Recipe, RecipeError
 from swarm.dht import view
 from swarm.dht.node import SwarmNode
@@ -28,6 +28,7 @@ from swarm.dht.records import ONLINE_STATES, TRAINING_STATES, parse_peer_records
 from swarm.peer.microbatches import MicrobatchStream
 from swarm.peer.model import build_model, n_blocks as count_blocks
 from swarm.peer.pipeline import PipelineError, Router, StageServer, StageWorker, stage_protocol
+from swarm.peer.block_selection import stage_to_move_to
 from swarm.peer.stages import Stage, even_bounds, materialize
 from swarm.peer.stream import peer_id_hash
 from swarm.peer.training import inner_step
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 PEERS_SECONDS = 2.0  # how often the next stage's peers are read
 WAIT_SECONDS = 0.2  # a serving stage's training thread waits this long for a microbatch before it looks around
 REBALANCE_SECONDS = 15.0  # how long a stage must stay weaker before a peer of a stronger one moves to it
+THROUGHPUT_AFTER = 30.0  # a peer moves for throughput only once it has hosted its stage this long
 DRAIN_SECONDS = 600.0  # the longest a serving stage answers the stage before after its own last round
 
 
@@ -62,7 +64,10 @@ class Part:
         self.work: queue.Queue = queue.Queue()
         self.router: Optional[Router] = None
         limit, capacity = _capacity(settings)
-        needs = stage_needs(recipe, model)  # (as doctor estimates)
+        parts = part_params(recipe, model)
+        needs = stage_needs(recipe, parts=parts)  # (as doctor estimates)
+        embedding = model.get_input_embeddings().weight.numel()  # (a lookup: no work per token)
+        self.costs = [params - (embedding if k == 0 else 0) for k, (params, _, _) in enumerate(parts)]
         if self.stages == 1:
             need = needs[0]
             if limit is not None and need > limit:
@@ -151,8 +156,8 @@ class Part:
         if self.first:
             k = self.settings.microbatches  # each batch cut into k, and k in flight at all times
             self.stream = MicrobatchStream(self.worker, self.router.send(self.loop.loop), parts=k, window=k)
-        self.loop.submit(self._watch())
         self.started, self.server = time.monotonic(), None
+        self.loop.submit(self._watch())
         if not self.first:
             config, data = self.model.config, self.recipe.data
             self.server = server = StageServer(self.worker, config.hidden_size, data.batch_size * data.seq_len,
@@ -192,13 +197,12 @@ class Part:
                     # A peer that is averaging runs no microbatch until it is done: while others train, wire to them.
                     training = [p for p in live if p.state == "training"] or live
                     self._next_peers = [(p.peer_id, max(p.tokens_per_s, 1.0)) for p in training]
-                target, delay = self._weaker(hosts)
+                target, why, delay = self._weaker(hosts)
                 if target is None or weaker_since is None or weaker_since[0] != target:
                     weaker_since = None if target is None else (target, time.monotonic())
                 elif time.monotonic() - weaker_since[1] >= delay:
                     self.move_to = target
-                    logger.warning("pipeline: stage %d has %d live peers and ours %d: moving to stage %d after this "
-                                   "step", target, len(hosts[target]), len(hosts[self.index]), target)
+                    logger.warning("pipeline: %s: moving to stage %d after this step", why, target)
             except Exception as e:  # noqa: BLE001 - the DHT hiccups; the next read comes anyway
                 logger.debug("could not read the stages' peers: %r", e)
             await asyncio.sleep(PEERS_SECONDS)
@@ -210,20 +214,46 @@ class Part:
         stage before, done with the round (or with training, at --until-round), would never send."""
         return not self.whole and not self.first and self._upstream_round == round_no + 1
 
-    def _weaker(self, hosts: list[list]) -> tuple[Optional[int], float]:
-        """The stage we should move to, and how long it must stay that weak first. Only an unpinned peer of a stage
-        with at least two more live peers than another stage it can hold moves (so that ours stays at least as
-        strong), and its stage's peers take turns: REBALANCE_SECONDS for the first in the order of their id's
-        hash, one more period for each after it, so that one moves and the others see the counts change."""
+    def _weaker(self, hosts: list[list]) -> tuple[Optional[int], str, float]:
+        """The stage we should move to (block_selection.stage_to_move_to: a stage with two fewer live peers than
+        ours, or the pipelines' throughput bottleneck), why (for the log), and how long it must stay so first. Only an unpinned
+        peer moves, for throughput only once it has hosted its stage for THROUGHPUT_AFTER (its capacity, and the
+        others', measured: a peer that just moved does not move on at once), and its stage's peers take turns:
+        REBALANCE_SECONDS for the first in the order of their id's hash, one more period for each after it, so that
+        one moves and the others see the stages change."""
         if self.pinned or self.settings.network.client_mode:
-            return None, 0.0
+            return None, "", 0.0
+        me = self.node.peer_id
+        ours = [p for p in hosts[self.index] if p.peer_id != me]
         counts = [len(stage) for stage in hosts]
-        weakest = min((k for k in self.fits if k != self.index), key=lambda k: (counts[k], k), default=None)
-        if weakest is None or counts[self.index] < counts[weakest] + 2:
-            return None, 0.0
-        turn = sorted(peer_id_hash(p.peer_id) for p in hosts[self.index]).index(peer_id_hash(self.node.peer_id)) \
-            if any(p.peer_id == self.node.peer_id for p in hosts[self.index]) else len(hosts[self.index])
-        return weakest, REBALANCE_SECONDS * (1 + turn)
+        counts[self.index] = len(ours) + 1
+        capacities = [view.stage_capacity(stage) for stage in hosts]
+        others_capacity, mine = (view.stage_capacity(ours) if ours else 0.0), self.capacity()  # (ours read live)
+        capacities[self.index] = None if others_capacity is None or mine <= 0 else others_capacity + mine
+        settled = time.monotonic() - self.started >= THROUGHPUT_AFTER
+        target, why = stage_to_move_to(counts, capacities if settled else [None] * self.stages, self.index,
+                                       mine, self.costs, self.fits)
+        if target is None:
+            return None, "", 0.0
+        why = f"stage {target} has {counts[target]} live peers and ours {counts[self.index]}" if why == "peers" else \
+            f"the pipelines run at the pace of stage {min(range(self.stages), key=lambda k: capacities[k])}, which " \
+            f"computes {min(capacities):.0f} tokens/s (stage {target}: {capacities[target]:.0f}, ours " \
+            f"{capacities[self.index]:.0f})"
+        turn = sorted([peer_id_hash(p.peer_id) for p in ours] + [peer_id_hash(me)]).index(peer_id_hash(me))
+        return target, why, REBALANCE_SECONDS * (1 + turn)
+
+    def slow_down(self, factor: float) -> None:
+        """Compute `factor` times slower from now on (a fault drill: a weaker device); a whole model ignores it."""
+        if not self.whole:
+            self.worker.slowdown = factor
+            logger.warning("pipeline: computing %.0fx slower from now on (injected fault)", factor)
+
+    def capacity(self) -> float:
+        """Tokens/s our stage computes when it never waits for another (our tokens over our busy seconds); 0 until
+        it trained a microbatch."""
+        if self.whole or self.worker.busy <= 0:
+            return 0.0
+        return self.worker.tokens / self.worker.busy
 
     async def _hand_over(self, x: torch.Tensor, targets: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
         """A served microbatch, run by the training thread (see step)."""
