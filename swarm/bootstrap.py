@@ -14,6 +14,7 @@ from typing import Optional
 from prometheus_client import CollectorRegistry, ProcessCollector
 
 from swarm import __version__
+from swarm.checks import resolve_stages
 from swarm.config import BootstrapSettings, DataRecipe, Recipe, RecipeError, load_recipe
 from swarm.dht.admission import InviteError, allowlist_invites
 from swarm.dht.dialback import serve_dialback
@@ -36,6 +37,10 @@ ALLOWLIST_DAYS = 30.0  # lifetime of the invites a bootstrap signs for its --all
 
 def run_bootstrap(settings: BootstrapSettings) -> int:
     recipe = load_recipe(settings.recipe_file) if settings.recipe_file else Recipe()
+    if recipe.pipeline.stages == "auto":  # peers only ever see a number of stages
+        recipe = resolve_stages(recipe, settings.data_dir or settings.cache_dir)
+        logger.info("pipeline.stages: auto: %d stage%s, each training within %.0f MB", recipe.pipeline.stages,
+                    "" if recipe.pipeline.stages == 1 else "s", recipe.pipeline.stage_memory)
     if settings.private:
         recipe = recipe.model_copy(update={"admission": "invite"})
     if recipe.admission == "invite" and settings.network.identity_path is None:

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from swarm.config import PeerSettings, Recipe, RecipeError
+from swarm.config import PeerSettings, Recipe, RecipeError, load_recipe
 from swarm.data.paths import local_files
 
 
@@ -94,6 +94,40 @@ def stage_needs(recipe: Recipe, model=None, parts: Optional[list[tuple[int, int,
     parts = part_params(recipe, model) if parts is None else parts
     return [training_bytes(recipe, *part) + (8 * part[0] if k == 0 and len(parts) > 1 else 0)
             for k, part in enumerate(parts)]
+
+
+def load_resolved(path: str | Path, data_dir: str | Path) -> Recipe:
+    """The recipe in the file at `path`, its pipeline.stages made a number (resolve_stages)."""
+    return resolve_stages(load_recipe(path), data_dir)
+
+
+def require_recipe(path: str | Path, data_dir: str | Path, swarm_recipe: Recipe) -> None:
+    """Raise RecipeError, naming the fields that differ, unless the recipe in `path` is the swarm's."""
+    local = load_resolved(path, data_dir)
+    if local.digest() != swarm_recipe.digest():
+        raise RecipeError(f"local recipe {path} differs from the swarm's in: "
+                          f"{', '.join(local.differing_fields(swarm_recipe))}")
+
+
+def resolve_stages(recipe: Recipe, data_dir: str | Path) -> Recipe:
+    """`recipe` with `pipeline.stages: auto` made a number: the fewest even stages each of which trains within
+    `pipeline.stage_memory` MB as stage_needs estimates (1, the whole model, when it fits), the model built on the
+    meta device from the recipe (a `config_file` read inside `data_dir`). A recipe with a number is returned as it
+    is. Raises RecipeError, saying what to do, when even one block a stage does not fit."""
+    if recipe.pipeline.stages != "auto":
+        return recipe
+    from swarm.peer.model import build_model, n_blocks
+
+    here = recipe.model_copy(update={"model": local_files(recipe, data_dir)[2]})
+    blocks = n_blocks(build_model(here.model, recipe.data.vocab_size, meta=True))
+    limit = int(recipe.pipeline.stage_memory * 1e6)
+    for stages in range(1, blocks + 1):
+        pipeline = recipe.pipeline.model_copy(update={"stages": stages})
+        needs = stage_needs(here.model_copy(update={"pipeline": pipeline}))
+        if max(needs) <= limit:
+            return recipe.model_copy(update={"pipeline": pipeline})
+    raise RecipeError(f"pipeline.stages: auto: even one block a stage needs about {fmt_bytes(max(needs))} to train, "
+                      f"over pipeline.stage_memory {fmt_bytes(limit)}: raise stage_memory, or train a smaller model")
 
 
 def training_bytes(recipe: Recipe, params: int, layers: int, last: bool) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -134,7 +134,22 @@ class PipelineRecipe(_Section):
     """How many pipeline stages the model is cut into (swarm/peer/stages.py); each peer hosts one stage, and the
     peers of a stage average it among themselves (DiLoCo per stage). 1: every peer hosts the whole model."""
 
-    stages: int = Field(1, ge=1, le=1024, description="stages the model's blocks are cut into, evenly")
+    stages: Union[Literal["auto"], int] = Field(
+        1, description="stages the model's blocks are cut into, evenly; auto: the fewest stages each of which trains "
+                       "within stage_memory (the run's bootstrap works the number out before it publishes the recipe: "
+                       "peers only ever see a number)")
+    stage_memory: float = Field(
+        8000.0, gt=0, allow_inf_nan=False,
+        description="with stages: auto, the memory in MB each stage must train in (fp32 weights and gradients, AdamW "
+                    "moments, one microbatch's activations, as `swarm-peer doctor` estimates them): about what the "
+                    "run's volunteers' GPUs hold")
+
+    @field_validator("stages", mode="before")
+    @classmethod
+    def _auto_or_count(cls, value: Any) -> Any:
+        if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1024):
+            raise ValueError("must be auto or a whole number of stages from 1 to 1024")
+        return value
 
 
 class Recipe(_Section):
@@ -165,14 +180,17 @@ class Recipe(_Section):
 
     @model_validator(mode="after")
     def _stages(self) -> "Recipe":
-        if self.model.config_file is None and self.pipeline.stages > self.model.num_layers:
-            raise ValueError(f"pipeline.stages {self.pipeline.stages} exceeds model.num_layers {self.model.num_layers}")
-        if self.pipeline.stages > 1 and self.outer.overlap:
-            raise ValueError("pipeline.stages > 1 does not run with outer.overlap yet: set one or the other")
+        stages = self.pipeline.stages
+        if stages != "auto" and self.model.config_file is None and stages > self.model.num_layers:
+            raise ValueError(f"pipeline.stages {stages} exceeds model.num_layers {self.model.num_layers}")
+        if stages != 1 and self.outer.overlap:
+            raise ValueError("pipeline.stages other than 1 does not run with outer.overlap yet: set one or the other")
         return self
 
     def stage_run_id(self, stage: int) -> str:
         """The run id a stage's peers average, sync and announce under (the run's own for a one-stage run)."""
+        if self.pipeline.stages == "auto":
+            raise RecipeError("pipeline.stages is still auto: resolve it first (swarm.checks.resolve_stages)")
         return self.run_id if self.pipeline.stages == 1 else f"{self.run_id}.stage{stage}"
 
     def max_contribution_tokens(self) -> int:
@@ -190,6 +208,8 @@ class Recipe(_Section):
             del fields["averaging"]["verify_reducers"]
         if fields["data"]["text_field"] == "text":  # the same, for recipes that read no other field
             del fields["data"]["text_field"]
+        if fields["pipeline"]["stages"] != "auto":  # stage_memory only says how many stages auto makes
+            del fields["pipeline"]["stage_memory"]
         if fields["pipeline"]["stages"] == 1:  # and for whole-model runs
             del fields["pipeline"]
         return json.dumps(fields, sort_keys=True, separators=(",", ":"))
@@ -267,7 +287,11 @@ def recipe_from_json(text: str) -> Recipe:
         data = json.loads(text)
     except (json.JSONDecodeError, TypeError) as e:
         raise RecipeError(f"the swarm's recipe is not valid JSON: {e}") from None
-    return parse_recipe(data, origin="swarm recipe")
+    recipe = parse_recipe(data, origin="swarm recipe")
+    if recipe.pipeline.stages == "auto":
+        raise RecipeError("the swarm's recipe says pipeline.stages: auto, which a bootstrap of this version works out "
+                          "before it publishes: ask the run's owner to update swarm-peer")
+    return recipe
 
 
 DEFAULT_HOST_MADDR = "/ip4/127.0.0.1/tcp/0"

@@ -13,8 +13,8 @@ import time
 from typing import Callable, Optional, Sequence
 
 from swarm import __version__
-from swarm.checks import Check, resource_checks
-from swarm.config import PeerSettings, Recipe, RecipeError, load_recipe
+from swarm.checks import Check, load_resolved, resource_checks
+from swarm.config import PeerSettings, Recipe, RecipeError
 from swarm.dht.dialback import DialBack, DialBackError, dial_back, reachable, serve_dialback, tcp_target
 from swarm.dht.direct import listen_hosts
 from swarm.dht.lifeline import identity_held_here
@@ -227,7 +227,8 @@ def swarm_checks(answer: DialBack | DialBackError, libp2p: Sequence[str], direct
 def diagnose(settings: PeerSettings) -> list[Check]:
     """Every check, for `swarm-peer doctor`. Starts a node that listens as join's would (with a throwaway identity)
     to be dialled back. Raises RecipeError for an unreadable --recipe file."""
-    local = load_recipe(settings.recipe_file) if settings.recipe_file else None
+    local = load_resolved(settings.recipe_file, settings.data_dir or settings.cache_dir) if settings.recipe_file \
+        else None
     checks = [check_ports(fixed_ports(settings)), check_identity(settings.network.identity_path)]
     swarm_recipe, dataset, node, loop = None, None, None, LoopThread()
     try:

@@ -122,3 +122,34 @@ def test_pipeline_stages_keep_whole_model_runs_digest_and_are_checked():
         Recipe.model_validate({"pipeline": {"stages": 9}})
     with pytest.raises(ValueError, match="outer.overlap"):
         Recipe.model_validate({"pipeline": {"stages": 2}, "outer": {"overlap": True}})
+
+
+def test_pipeline_stages_auto_is_a_number_before_anyone_trains(tmp_path):
+    """`pipeline: {stages: auto, stage_memory: MB}`: the fewest even stages each of which trains in stage_memory
+    (as doctor estimates), 1 when the whole model fits; worked out by the bootstrap before it publishes, so peers
+    only see a number, and a published `auto` is refused with one line. stage_memory enters the digest only while
+    stages is auto, so runs with a number keep theirs. Bad values are named."""
+    from swarm.checks import resolve_stages, stage_needs
+
+    tiny = {"model": {"hidden_size": 64, "intermediate_size": 172, "num_layers": 2, "num_heads": 4, "max_seq_len": 64},
+            "data": {"vocab_size": 512, "seq_len": 32, "batch_size": 8}}
+    auto = Recipe.model_validate({**tiny, "pipeline": {"stages": "auto", "stage_memory": 6}})
+    two = resolve_stages(auto, tmp_path)
+    assert two.pipeline.stages == 2 and max(stage_needs(two)) <= 6e6 < stage_needs(two.model_copy(
+        update={"pipeline": two.pipeline.model_copy(update={"stages": 1})}))[0]
+    assert resolve_stages(auto.model_copy(update={"pipeline": auto.pipeline.model_copy(
+        update={"stage_memory": 100.0})}), tmp_path).pipeline.stages == 1, "the whole model fits: one stage"
+    assert resolve_stages(two, tmp_path) is two
+    with pytest.raises(RecipeError, match=r"even one block a stage needs about 5\.8 MB to train, over "
+                                          r"pipeline\.stage_memory 4\.0 MB: raise stage_memory"):
+        resolve_stages(auto.model_copy(update={"pipeline": auto.pipeline.model_copy(update={"stage_memory": 4.0})}),
+                       tmp_path)
+    assert two.digest() == Recipe.model_validate({**tiny, "pipeline": {"stages": 2}}).digest()
+    assert "stage_memory" not in two.canonical_json() and "stage_memory" in auto.canonical_json()
+    with pytest.raises(RecipeError, match="pipeline.stages: auto, which a bootstrap of this version works out"):
+        recipe_from_json(auto.canonical_json())
+    with pytest.raises(RecipeError, match="still auto"):
+        auto.stage_run_id(0)
+    for bad in (0, 1025, "many", True, 2.5):
+        with pytest.raises(RecipeError, match=r"field 'pipeline.stages': must be auto or a whole number of stages"):
+            parse_recipe({"pipeline": {"stages": bad}})

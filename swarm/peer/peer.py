@@ -19,7 +19,8 @@ from swarm.averaging.deadlines import AdaptiveDeadlines
 from swarm.averaging.faults import SLOWDOWN, FaultPlan
 from swarm.averaging.group_push import GroupPush
 from swarm.compression import ErrorFeedback
-from swarm.config import PeerSettings, RecipeError, load_recipe
+from swarm.checks import require_recipe
+from swarm.config import PeerSettings
 from swarm.dht.node import SwarmNode
 from swarm.dht.recipes import fetch_run, take_part
 from swarm.dht.records import PeerRecord
@@ -89,11 +90,8 @@ class Peer:
         self.recipe, self.dataset_id = self.loop.run(fetch_run(self.node, timeout=30.0), timeout=60)
         r = self.recipe
         take_part(self.node, r, self.settings.invite)  # a private run's stranger stops here, saying what to do
-        if self.settings.recipe_file:
-            local = load_recipe(self.settings.recipe_file)
-            if local.digest() != r.digest():
-                raise RecipeError(f"local recipe {self.settings.recipe_file} differs from the swarm's in: "
-                                  f"{', '.join(local.differing_fields(r))}")
+        if self.settings.recipe_file:  # --recipe: refuse to start unless the swarm's is this one
+            require_recipe(self.settings.recipe_file, self.settings.data_dir or self.settings.cache_dir, r)
         logger.info("run %s (recipe %s): codec %s, %d tokens per round", r.run_id, r.digest()[:12],
                     r.averaging.codec, r.tokens_per_round)
 

@@ -230,10 +230,14 @@ def simulate_pipeline(recipe: Recipe, data: RunData, shards: list[int], stages: 
     replicas (R x stages peers). Each first-stage replica reads its data shard; every microbatch goes on to a
     replica of the next stage drawn at random (SWARM's stochastic wiring, equal throughputs), activations and
     their gradients through `wire_codec`, and each replica takes an AdamW step for every microbatch it took part
-    in, clipping its own gradient to grad_clip / sqrt(stages) (a stage sees only its own). After `inner_steps`
-    microbatches per first-stage replica, each stage's replicas average their pseudo-gradients (weighted by the
+    in, clipping its own gradient to grad_clip / sqrt(stages) (a stage sees only its own). With several stages, a
+    first-stage replica's gradients come one step late, as a peer's stream of microbatches gives them
+    (swarm/peer/microbatches.py): its i-th batch of a round runs on its weights before its step i - 1 (the first
+    two on the round's start). After `inner_steps` microbatches per first-stage replica, each stage's replicas average their pseudo-gradients (weighted by the
     tokens each processed, through the recipe's codec with error feedback) and that stage takes its outer step.
     Validation uses the stages' global params together. `activation_bytes` counts every boundary crossing."""
+    from torch.func import functional_call
+
     from swarm.peer.stages import WireStats, even_bounds, make_stages, run_pipeline
 
     codec, wire = get_codec(codec_name or recipe.averaging.codec), get_codec(wire_codec)
@@ -258,13 +262,23 @@ def simulate_pipeline(recipe: Recipe, data: RunData, shards: list[int], stages: 
                     for local, global_ in zip(hosted[r][s].parameters(), dilocos[s].global_params):
                         local.copy_(global_)
         processed = [[0] * replicas for _ in range(stages)]
+        stashed: list[Optional[dict]] = [None] * replicas  # each first stage's weights before its last step
         for step in range(inner_steps):
             lr = learning_rate(recipe.inner, schedule_tokens(dilocos[0].tokens_seen, step * tokens_per_step,
                                                              replicas if round_no else 1), recipe.total_tokens)
             for first in range(replicas):
                 path = [first] + [int(torch.randint(replicas, (1,), generator=wiring)) for _ in range(stages - 1)]
                 pipeline = [hosted[r][s] for s, r in enumerate(path)]
+                head, weights = hosted[first][0], None
+                if stages > 1:  # the first stage's forward on the weights before its last step
+                    weights = {name: (param if stashed[first] is None else stashed[first][name]).detach().clone()
+                               .requires_grad_(True) for name, param in head.named_parameters()}
+                    pipeline[0] = lambda x, head=head, weights=weights: functional_call(head, weights, (x,))
                 run_pipeline(pipeline, next(batches[first]).to(device), wire, stats)
+                if weights is not None:
+                    stashed[first] = {name: param.detach().clone() for name, param in head.named_parameters()}
+                    for name, param in head.named_parameters():
+                        param.grad = weights[name].grad
                 for s, r in enumerate(path):
                     optimizer = optimizers[r][s]
                     for group in optimizer.param_groups:
