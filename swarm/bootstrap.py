@@ -15,7 +15,8 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 
 from swarm import __version__
 from swarm.checks import resolve_stages
-from swarm.config import BootstrapSettings, DataRecipe, Recipe, RecipeError, load_recipe
+from swarm.config import DataRecipe, Recipe, RecipeError, load_recipe
+from swarm.settings import BootstrapSettings
 from swarm.dht.admission import InviteError, allowlist_invites
 from swarm.dht.dialback import serve_dialback
 from swarm.dht.node import NetworkOptions, NodeError, SwarmNode

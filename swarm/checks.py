@@ -8,7 +8,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from swarm.config import PeerSettings, Recipe, RecipeError, load_recipe
+from swarm.config import Recipe, RecipeError, load_recipe
+from swarm.settings import PeerSettings
 from swarm.data.paths import local_files
 
 

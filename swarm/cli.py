@@ -11,7 +11,8 @@ import sys
 from typing import Optional, Sequence
 
 from swarm import __version__
-from swarm.config import BootstrapSettings, PeerSettings, RecipeError
+from swarm.config import RecipeError
+from swarm.settings import BootstrapSettings, PeerSettings
 from swarm.settings_cli import FlagError, add_flags, settings_from_args
 
 logger = logging.getLogger("swarm")

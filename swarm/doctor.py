@@ -14,7 +14,8 @@ from typing import Callable, Optional, Sequence
 
 from swarm import __version__
 from swarm.checks import Check, load_resolved, resource_checks
-from swarm.config import PeerSettings, Recipe, RecipeError
+from swarm.config import Recipe, RecipeError
+from swarm.settings import PeerSettings
 from swarm.dht.dialback import DialBack, DialBackError, dial_back, reachable, serve_dialback, tcp_target
 from swarm.dht.direct import listen_hosts
 from swarm.dht.lifeline import identity_held_here

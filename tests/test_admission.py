@@ -17,7 +17,8 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 
 from swarm.cli import _identity_command, build_parser
-from swarm.config import BootstrapSettings, Recipe, recipe_from_json
+from swarm.config import Recipe, recipe_from_json
+from swarm.settings import BootstrapSettings
 from swarm.dht.admission import (INVITE_FIELD, Admission, AdmissionError, AdmissionValidator, Invite, InviteError,
                                  allowlist_invites)
 from swarm.dht.validation import Identity

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from swarm.cli import build_parser
-from swarm.config import BootstrapSettings, PeerSettings
+from swarm.settings import BootstrapSettings, PeerSettings
 from swarm.settings_cli import FlagError, add_flags, settings_from_args
 
 GOLDEN = Path(__file__).parent / "golden" / "cli_flags.txt"

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from swarm.config import PeerSettings, load_recipe
+from swarm.config import load_recipe
+from swarm.settings import PeerSettings
 from swarm.dht.dialback import BURST, MAX_TARGETS, DialBack, DialBackError, DialBackServer, reachable, request_dialback
 from swarm.checks import Check, check_device_memory, estimate_needs
 from swarm.doctor import check_clock, check_identity, check_reachability, diagnose

@@ -143,7 +143,8 @@ def test_max_memory_decides_which_stages_a_peer_may_host():
     (with the head and its logits). A limit below what it would host stops the peer with one line naming the fix;
     without --stage, a peer takes a stage it can hold."""
     from swarm.checks import check_max_memory
-    from swarm.config import PeerSettings, RecipeError, load_recipe
+    from swarm.config import RecipeError, load_recipe
+    from swarm.settings import PeerSettings
     from swarm.peer.model import build_model
     from swarm.peer.staged import Part
 

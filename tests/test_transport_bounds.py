@@ -19,7 +19,7 @@ from swarm.averaging.allreduce import MAX_STREAMS_PER_PEER, GroupAllReduce
 from swarm.averaging.deadlines import AdaptiveDeadlines
 from swarm.averaging.matchmaking import Group
 from swarm.cli import build_parser
-from swarm.config import BootstrapSettings, NetworkSettings
+from swarm.settings import BootstrapSettings, NetworkSettings
 from swarm.dht import node as dht_node
 from swarm.dht.node import NetworkOptions, SwarmNode
 from swarm.dht.process import daemon_with_relay_service

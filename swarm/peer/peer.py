@@ -20,7 +20,7 @@ from swarm.averaging.faults import SLOWDOWN, FaultPlan
 from swarm.averaging.group_push import GroupPush
 from swarm.compression import ErrorFeedback
 from swarm.checks import require_recipe
-from swarm.config import PeerSettings
+from swarm.settings import PeerSettings
 from swarm.dht.node import SwarmNode
 from swarm.dht.recipes import fetch_run, take_part
 from swarm.dht.records import PeerRecord

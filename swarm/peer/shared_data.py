@@ -9,7 +9,8 @@ import logging
 import time
 from pathlib import Path
 
-from swarm.config import ModelRecipe, PeerSettings, Recipe
+from swarm.config import ModelRecipe, Recipe
+from swarm.settings import PeerSettings
 from swarm.data.dataset import (DATASETS_DIR, Dataset, DatasetError, FileStore, open_dataset, prepare_local,
                                 shard_order)
 from swarm.data.prepare import RunData

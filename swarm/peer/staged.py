@@ -21,7 +21,8 @@ from typing import Optional
 import torch
 
 from swarm.checks import fmt_bytes, part_params, stage_needs
-from swarm.config import ModelRecipe, PeerSettings, Recipe, RecipeError
+from swarm.config import ModelRecipe, Recipe, RecipeError
+from swarm.settings import PeerSettings
 from swarm.dht import view
 from swarm.dht.node import SwarmNode
 from swarm.dht.records import ONLINE_STATES, TRAINING_STATES, parse_peer_records, peers_key
