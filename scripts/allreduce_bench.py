@@ -79,7 +79,8 @@ def worker(args: argparse.Namespace) -> None:
                                                           direct_streams=not args.libp2p_only))
     codecs = args.codec.split(",")  # round r uses codecs[r % len(codecs)]
     allreduces = {name: GroupAllReduce(node, f"bench-{name}", name, args.numel, AdaptiveDeadlines(30.0, 300.0),
-                                       ring=args.ring, aggregator_name=args.aggregator)
+                                       ring=args.ring, aggregator_name=args.aggregator,
+                                       verify_reducers=not args.no_verify)
                   for name in codecs}
     for allreduce in allreduces.values():
         loop.run(allreduce.start())
@@ -399,7 +400,7 @@ def run(args: argparse.Namespace, engine: str) -> dict:
                     "--bandwidth-hint", str(hint), "--tcp-addresses", tcp_addresses,
                     "--tcp-bandwidths", tcp_bandwidths] + (["--save", args.save] if args.save else []) \
                 + (["--libp2p-only"] if args.libp2p_only else []) + ["--ring", args.ring] \
-                + ["--aggregator", args.aggregator]
+                + ["--aggregator", args.aggregator] + (["--no-verify"] if args.no_verify else [])
             prefix = namespaces.prefix(index) if namespaces else []
             processes.append(subprocess.Popen(prefix + argv, stdout=subprocess.PIPE, text=True,
                                               env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True))
@@ -411,7 +412,8 @@ def run(args: argparse.Namespace, engine: str) -> dict:
             node.shutdown()
         label = engine + ("-p2p" if engine == "swarm" and args.libp2p_only else "") + \
             (f"-ring-{args.ring}" if engine == "swarm" and args.ring != "auto" else "") + \
-            (f"-{args.aggregator}" if engine == "swarm" and args.aggregator != "mean" else "")
+            (f"-{args.aggregator}" if engine == "swarm" and args.aggregator != "mean" else "") + \
+            ("-unverified" if engine == "swarm" and args.aggregator == "centered_clip" and args.no_verify else "")
         return {"engine": label, "rows": rows}
     finally:
         kill_sessions(processes)
@@ -459,6 +461,7 @@ def main() -> None:
     w.add_argument("--libp2p-only", action="store_true")
     w.add_argument("--ring", default="auto")
     w.add_argument("--aggregator", default="mean")
+    w.add_argument("--no-verify", action="store_true")
     d = sub.add_parser("dht")
     d.add_argument("--host-maddr", required=True)
     for p in (parser,):
@@ -486,6 +489,8 @@ def main() -> None:
                             "a ring), always, never (always a butterfly)")
         p.add_argument("--aggregator", choices=("mean", "trimmed_mean", "centered_clip"), default="mean",
                        help="our engine's averaging.aggregator (a robust one averages in a butterfly)")
+        p.add_argument("--no-verify", action="store_true",
+                       help="reducers unchecked (averaging.verify_reducers: false); by default centered_clip's are")
     args = parser.parse_args()
     if args.mode == "worker":
         return worker(args)

@@ -51,6 +51,9 @@ class Butterfly(Verifying, Run):
         self.queues = {peer: asyncio.Queue() for peer in self.others}  # our part's averaged chunks, to each member
         self.verifying = (context.verifiable and len(self.members) >= 3 and bool(group.weights)
                           and bool(group.commitments))
+        self.checking = self.verifying and not self.i_am_client  # (a client member applies as the others do)
+        if self.checking:
+            self.prepare_checks()
 
     def reduces(self, j: int) -> bool:
         return self.bounds[j][1] > self.bounds[j][0]
@@ -140,6 +143,8 @@ class Butterfly(Verifying, Run):
             encoded = self.codec_at(a).encode(average)
             self.result[a:b] = self.codec_at(a).decode(encoded, max_numel=b - a)  # exactly what the others will hold
             self.wire[a] = (a, b, bytes(encoded))
+            if self.checking:
+                self.reduced_chunk(k, contributors, parts, radius)
             meta = Averaged(tuple(sorted(contributors)), tuple(sorted(rejected)), total_weight, radius).to_wire()
             self.accounts.setdefault(self.me, []).append(meta)
             outgoing = encoded if self.bad in (None, *LYING_VALUES) else self.outgoing(average, self.codec_at(a))
@@ -161,6 +166,8 @@ class Butterfly(Verifying, Run):
                 self.bad_reducers.add(reducer)  # every member decodes the same bytes, so all of them reject it
                 return
             self.accounts.setdefault(reducer, []).append(meta)
+            if self.checking:
+                self.averaged_chunk(self.members.index(reducer), k, meta)
 
     async def pull(self, reducer: str) -> None:
         """As a client member: fetch `reducer`'s averaged chunks through a stream we open."""

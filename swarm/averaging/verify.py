@@ -108,20 +108,34 @@ class Sketch:
         return sums[:SKETCH_BUCKETS] - sums[SKETCH_BUCKETS:]
 
 
+def offset_stats(contribution: torch.Tensor, result: torch.Tensor, radius: float) -> tuple[float, float, float]:
+    """One chunk of a member's term, but for the sketch: (the norm of its contribution, its distance to the result,
+    the factor its offset is pulled in by to lie within `radius`: 1 if it does). Nothing here depends on the
+    sketch, so a member works it out as each averaged chunk arrives (verifying.py), and only the sketching waits for
+    the nonces."""
+    offset = contribution.float() - result.float()
+    distance = float(torch.linalg.vector_norm(offset, dtype=torch.float64))
+    return float(torch.linalg.vector_norm(contribution, dtype=torch.float64)), distance, \
+        radius / distance if distance > radius else 1.0
+
+
+def sketched(contribution: torch.Tensor, result: torch.Tensor, chunks: Sequence[tuple[int, int]],
+             stats: Sequence[tuple[float, float, float]], sketch: Sketch) -> Term:
+    """The term whose chunks' offset_stats are `stats`: its offsets pulled in chunk by chunk, sketched."""
+    clipped = contribution.float() - result.float()
+    for (a, b), (_, _, scale) in zip(chunks, stats):
+        if scale != 1.0:
+            clipped[a:b] *= scale
+    return Term(tuple(float(x) for x in sketch.apply(clipped)), tuple(s[0] for s in stats), tuple(s[1] for s in stats))
+
+
 def term(contribution: torch.Tensor, result: torch.Tensor, chunks: Sequence[tuple[int, int]],
          radii: Sequence[float], sketch: Sketch) -> Term:
     """A member's term of a part: `contribution` and `result` are the part's values (what the reducer decoded of the
     member's payload, and what every member decoded of the reducer's), `chunks` the chunk bounds relative to the
     part, `radii` the reducer's radius of each chunk."""
-    clipped = contribution.float() - result.float()
-    norms, distances = [], []
-    for (a, b), radius in zip(chunks, radii):
-        distance = float(torch.linalg.vector_norm(clipped[a:b], dtype=torch.float64))
-        if distance > radius:
-            clipped[a:b] *= radius / distance
-        norms.append(float(torch.linalg.vector_norm(contribution[a:b], dtype=torch.float64)))
-        distances.append(distance)
-    return Term(tuple(float(x) for x in sketch.apply(clipped)), tuple(norms), tuple(distances))
+    stats = [offset_stats(contribution[a:b], result[a:b], radius) for (a, b), radius in zip(chunks, radii)]
+    return sketched(contribution, result, chunks, stats, sketch)
 
 
 def lower_median(values: Sequence[float]) -> float:
