@@ -1,19 +1,27 @@
 #!/usr/bin/env python3
-"""What one participating attacker does to a real swarm: for each scenario, a bootstrap, honest peers and one
-attacker (processes on 127.0.0.1) train --rounds rounds of a tiny run with the int8 codec; the same swarm without
-the attacker is the baseline. Prints, per scenario, the honest peers' validation loss after the last round against
-the clean swarm's, the rounds they completed, whether any honest peer took the attacker's state, and the honest
-peers' peak resident memory (their whole process trees); then one JSON line.
+"""What participating attackers do to a real swarm: for each scenario, a bootstrap, honest peers and --attackers
+attackers (processes on 127.0.0.1) train --rounds rounds of a tiny run with the int8 codec; the same honest peers
+without the attackers are the baseline. Prints, per scenario, the honest peers' validation loss after the last round
+against the clean swarm's, the rounds they completed, whether any honest peer took an attacker's state, the honest
+peers' peak resident memory (their whole process trees) and the longest any honest peer waited for a round; then
+one JSON line. Several attackers of one scenario collude (the same lie, the same forged state).
 
 Scenarios (an attacker is a peer with --inject-fault, which lies in what it sends, or scripts/attackers.py):
   clean              no attacker (the baseline)
   scaled             a member sends its pseudo-gradient x1000 every round (finite, well-formed, an honest weight)
   flipped            a member sends its pseudo-gradient x-1 every round
+  inflated           a member declares the most weight the swarm accepts (four rounds' tokens) and sends x1000
   lying-reducer      a member reduces its part x1000 and makes up its own verification term to hide it
+  accuse-all         a member names every other peer of the round as one it caught sending bad data
   forged-reference   announces the swarm's round + 1 with a state of its own and serves it (attackers.py)
   dribbling-holder   announces the swarm's state and serves it a byte every half second (attackers.py)
+  wipe               writes plain values under the peers key and the rounds' matchmaking keys (attackers.py)
+  idle-streams       holds 500 idle all-reduce streams to the honest peers (attackers.py)
+  oversized-frames   keeps feeding all-reduce streams that claim 1 GiB chunks, as a non-member (attackers.py)
+  sybils             writes 1,000 signed peer records of 1,000 keys, ~7 kB each (attackers.py)
 
     python scripts/attack_bench.py                                 # 4 peers (3 honest), 6 rounds, all scenarios
+    python scripts/attack_bench.py --peers 6 --attackers 2 --scenarios scaled,forged-reference   # 2 of 6
     python scripts/attack_bench.py --scenarios clean,scaled --rounds 4 --aggregator mean   # what the mean does
 """
 
@@ -35,14 +43,15 @@ sys.path.insert(0, str(ROOT))
 
 from swarm.events import read_events  # noqa: E402
 
-FAULTS = {"scaled": "scaled@0", "flipped": "flipped@0", "lying-reducer": "lying-reducer@0"}
-SCRIPTED = ("forged-reference", "dribbling-holder")
+FAULTS = {"scaled": "scaled@0", "flipped": "flipped@0", "inflated": "inflated@0", "lying-reducer": "lying-reducer@0",
+          "accuse-all": "accuse-all@0"}
+SCRIPTED = ("forged-reference", "dribbling-holder", "wipe", "idle-streams", "oversized-frames", "sybils")
 SCENARIOS = ("clean", *FAULTS, *SCRIPTED)
 RECIPE = """run_id: attack-bench
 model: {hidden_size: 64, intermediate_size: 172, num_layers: 2, num_heads: 4, max_seq_len: 64}
 data: {vocab_size: 512, seq_len: 32, batch_size: 8}
 inner: {lr: 0.003, warmup_tokens: 2048}
-averaging: {codec: int8, aggregator: %s, verify_reducers: true, min_group_size: 3, matchmaking_timeout: 30,
+averaging: {codec: int8, aggregator: %s, verify_reducers: true, min_group_size: %d, matchmaking_timeout: 30,
             allreduce_timeout: 30}
 inner_steps_per_round: 16
 total_tokens: 1000000
@@ -84,7 +93,8 @@ def _wait_for(path: Path, event: str, process: subprocess.Popen, timeout: float)
 
 def run_scenario(scenario: str, args: argparse.Namespace, workdir: Path) -> dict:
     recipe = workdir / "recipe.yaml"
-    recipe.write_text(RECIPE % args.aggregator)
+    honest = args.peers - args.attackers  # the clean swarm is the same honest peers, without the attackers
+    recipe.write_text(RECIPE % (args.aggregator, honest))
     swarm = [sys.executable, "-m", "swarm"]
     processes: list[subprocess.Popen] = []
     try:
@@ -92,16 +102,17 @@ def run_scenario(scenario: str, args: argparse.Namespace, workdir: Path) -> dict
         processes.append(_start(swarm + ["bootstrap", "--recipe", str(recipe), "--events-file", str(boot_events)],
                                 workdir / "bootstrap.log"))
         maddr = _wait_for(boot_events, "listening", processes[0], 60)["maddrs"][0]
-        attacker_events = workdir / "attacker.events.jsonl"
+        attackers = 0 if scenario == "clean" else args.attackers
+        attacker_events = [workdir / f"attacker{i}.events.jsonl" for i in range(attackers)]
         common = ["join", "--initial-peers", maddr, "--device", "cpu", "--num-threads", "1",
                   "--cache-dir", args.cache_dir]
         if scenario in SCRIPTED:  # it prepares the run's data (and the shared tokenizer cache) before the others
-            attacker = _start([sys.executable, str(ROOT / "scripts" / "attackers.py"), "--initial-peers", maddr,
-                               "--scenario", scenario, "--cache-dir", args.cache_dir, "--events-file",
-                               str(attacker_events), "--seconds", str(args.timeout)], workdir / "attacker.log")
-            processes.append(attacker)
-            _wait_for(attacker_events, "ready", attacker, 180)
-        honest = args.peers - 1  # the clean swarm is the same honest peers, without the attacker
+            for i, events in enumerate(attacker_events):
+                attacker = _start([sys.executable, str(ROOT / "scripts" / "attackers.py"), "--initial-peers", maddr,
+                                   "--scenario", scenario, "--cache-dir", args.cache_dir, "--events-file",
+                                   str(events), "--seconds", str(args.timeout)], workdir / f"attacker{i}.log")
+                processes.append(attacker)
+                _wait_for(events, "ready", attacker, 180)
         peers = []
         for i in range(honest):
             events = workdir / f"honest{i}.events.jsonl"
@@ -109,8 +120,9 @@ def run_scenario(scenario: str, args: argparse.Namespace, workdir: Path) -> dict
                                  workdir / f"honest{i}.log"), events))
         processes += [process for process, _ in peers]
         if scenario in FAULTS:
-            processes.append(_start(swarm + common + ["--inject-fault", FAULTS[scenario], "--events-file",
-                                                      str(attacker_events)], workdir / "attacker.log"))
+            for i, events in enumerate(attacker_events):
+                processes.append(_start(swarm + common + ["--inject-fault", FAULTS[scenario], "--events-file",
+                                                          str(events)], workdir / f"attacker{i}.log"))
         peak, deadline = 0, time.monotonic() + args.timeout
         while any(process.poll() is None for process, _ in peers) and time.monotonic() < deadline:
             peak = max([peak] + [_tree_rss(process.pid) for process, _ in peers])
@@ -118,13 +130,20 @@ def run_scenario(scenario: str, args: argparse.Namespace, workdir: Path) -> dict
         finished = [process.poll() == 0 for process, _ in peers]
         averaged = [[e for e in read_events(events) if e["event"] == "averaged"] for _, events in peers]
         last = [max(rounds, key=lambda e: e["round"]) for rounds in averaged if rounds]
-        lies = {e.get("digest") for e in read_events(attacker_events) if e["event"] == "attacking"}
+        lies = {e.get("digest") for path in attacker_events for e in read_events(path) if e["event"] == "attacking"}
         taken = sum(1 for _, events in peers for e in read_events(events)
                     if e["event"] == "synced" and e.get("digest") in lies)
-        return {"scenario": scenario, "honest_peers": honest, "finished": sum(finished),
+        # The longest an honest peer went without a round: from its start (or last round) to its next.
+        waits = []
+        for (process, events), rounds in zip(peers, averaged):
+            times = [e["time"] for e in read_events(events) if e["event"] == "training"][:1] + \
+                [e["time"] for e in rounds]
+            waits += [b - a for a, b in zip(times, times[1:])]
+        return {"scenario": scenario, "honest_peers": honest, "attackers": attackers, "finished": sum(finished),
                 "rounds": min((e["round"] + 1 for e in last), default=0) if len(last) == honest else 0,
                 "val_loss": statistics.mean(e["val_loss"] for e in last) if last else None,
-                "took_attacker_state": taken, "peak_rss_mb": peak / 2**20}
+                "took_attacker_state": taken, "peak_rss_mb": peak / 2**20,
+                "longest_round_s": max(waits, default=None)}
     finally:
         for process in processes:
             try:
@@ -137,8 +156,9 @@ def run_scenario(scenario: str, args: argparse.Namespace, workdir: Path) -> dict
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated subset of {SCENARIOS}")
-    parser.add_argument("--peers", type=int, default=4, help="peers in the swarm, the attacker included (the clean "
+    parser.add_argument("--peers", type=int, default=4, help="peers in the swarm, the attackers included (the clean "
                                                                  "swarm runs the others alone)")
+    parser.add_argument("--attackers", type=int, default=1, help="attackers among --peers (they collude)")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--aggregator", default="centered_clip", choices=("mean", "trimmed_mean", "centered_clip"))
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per scenario")
@@ -148,6 +168,8 @@ def main() -> None:
     unknown = set(scenarios) - set(SCENARIOS)
     if unknown:
         parser.error(f"unknown scenarios {sorted(unknown)}: choose from {', '.join(SCENARIOS)}")
+    if not 1 <= args.attackers < args.peers:
+        parser.error(f"--attackers {args.attackers}: give 1 to {args.peers - 1} (some peers must be honest)")
     if "clean" not in scenarios:
         scenarios.insert(0, "clean")  # every row is compared with it
     rows = []
@@ -157,15 +179,19 @@ def main() -> None:
             rows.append({**run_scenario(scenario, args, Path(workdir)), "seconds": time.monotonic() - started})
             print(f"  {scenario}: {rows[-1]}", file=sys.stderr, flush=True)
     clean = rows[0]["val_loss"]
-    print(f"{args.peers - 1} honest peers and one attacker, {args.rounds} rounds, int8, aggregator {args.aggregator}")
-    print(f"{'scenario':<20}{'val loss':>10}{'vs clean':>10}{'rounds':>8}{'took its state':>16}{'peak RSS MB':>13}")
+    print(f"{args.peers - args.attackers} honest peers and {args.attackers} attacker(s), {args.rounds} rounds, int8, "
+          f"aggregator {args.aggregator}")
+    print(f"{'scenario':<20}{'val loss':>10}{'vs clean':>10}{'rounds':>8}{'took its state':>16}{'peak RSS MB':>13}"
+          f"{'longest round s':>17}")
     for row in rows:
         row["vs_clean"] = (row["val_loss"] / clean - 1) if row["val_loss"] and clean else None
         loss = f"{row['val_loss']:.4f}" if row["val_loss"] else "-"
         versus = f"{row['vs_clean'] * 100:+.2f}%" if row["vs_clean"] is not None else "-"
+        longest = f"{row['longest_round_s']:.0f}" if row["longest_round_s"] is not None else "-"
         print(f"{row['scenario']:<20}{loss:>10}{versus:>10}{row['rounds']:>8}{row['took_attacker_state']:>16}"
-              f"{row['peak_rss_mb']:>13.0f}")
-    print(json.dumps({"peers": args.peers, "rounds": args.rounds, "aggregator": args.aggregator, "rows": rows}))
+              f"{row['peak_rss_mb']:>13.0f}{longest:>17}")
+    print(json.dumps({"peers": args.peers, "attackers": args.attackers, "rounds": args.rounds,
+                      "aggregator": args.aggregator, "rows": rows}))
 
 
 if __name__ == "__main__":

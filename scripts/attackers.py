@@ -10,6 +10,16 @@ protocol wherever that helps it and lying wherever it can. Each scenario is a co
                      streams to every peer presenting it; our own node keeps no rules of the run
   sybils             make --sybils keys and write a valid signed peer record for each (~7 kB; nodes accept up to
                      8 KiB) under the run's peers key, from one plain hivemind node that keeps all of them
+  wipe               every second, from a plain hivemind node without our validators, write plain values living an
+                     hour under the run's peers key and the matchmaking keys of the swarm's round and the next
+                     (attempts 0-3): a node that took them would drop every entry under those keys
+  idle-streams       hold --streams all-reduce streams open to the honest peers (spread over them), sending
+                     nothing, reopening each one a peer closes
+  oversized-frames   keep opening all-reduce streams to every honest peer that name the swarm's round and claim a
+                     chunk of 1 GiB, then feed it; as a non-member of any group, not a byte of it should be read
+
+Two attackers of the same scenario collude: a forged state is drawn from the swarm's own digest, so both announce
+and serve the same one.
 
 Run as a process: python scripts/attackers.py --initial-peers MADDR --scenario NAME --cache-dir DIR [--events-file F]
 It writes `ready` once it can attack and `attacking` events (scenario, round, digest) to --events-file while it
@@ -38,7 +48,7 @@ from swarm import __version__
 from swarm.config import Recipe
 from swarm.dht import view
 from swarm.dht.admission import Admission, Invite
-from swarm.dht.frames import recv_frame, send_frame
+from swarm.dht.frames import FRAME_HEADER, recv_frame, send_frame
 from swarm.dht.node import NetworkOptions, SwarmNode
 from swarm.dht.recipes import fetch_recipe
 from swarm.dht.records import RECIPE_KEY, PeerRecord, group_key, parse_peer_records, parse_recipes, peers_key
@@ -52,7 +62,8 @@ from swarm.peer.state_wire import protocol
 from swarm.runtime import LoopThread
 
 logger = logging.getLogger("attacker")
-SCENARIOS = ("forged-reference", "dribbling-holder", "uninvited", "sybils")
+SCENARIOS = ("forged-reference", "dribbling-holder", "uninvited", "sybils", "wipe", "idle-streams", "oversized-frames")
+KNOCKING = ("idle-streams", "oversized-frames")
 SYBIL_BATCH = 50  # records per store request (one request must stay under hivemind's 2 MiB message limit)
 
 
@@ -100,11 +111,17 @@ def sybil_key() -> RSAPrivateKey:
 
 
 class Attacker:
-    def __init__(self, initial_peers: list[str], scenario: str, cache_dir: str, events: EventLog, sybils: int = 0):
-        self.scenario, self.events = scenario, events
+    def __init__(self, initial_peers: list[str], scenario: str, cache_dir: str, events: EventLog, sybils: int = 0,
+                 streams: int = 500):
+        self.scenario, self.events, self.streams = scenario, events, streams
         self.loop = LoopThread()
-        self.node = SwarmNode(initial_peers, NetworkOptions(direct_streams=False))
+        # (streams held open go over direct TLS connections, as a peer's would)
+        self.node = SwarmNode(initial_peers, NetworkOptions(direct_streams=scenario in KNOCKING))
         self._streamed: set[str] = set()  # peers we opened an all-reduce stream to
+        if scenario in ("wipe", *KNOCKING):  # it needs the run's id only
+            self.recipe = self.loop.run(fetch_recipe(self.node, timeout=30), timeout=60)
+            self.key, self.initial_peers = peers_key(self.recipe.run_id), initial_peers
+            return
         if scenario == "sybils":
             self.recipe = self.loop.run(fetch_recipe(self.node, timeout=30), timeout=60)
             self.key, self.initial_peers = peers_key(self.recipe.run_id), initial_peers
@@ -194,6 +211,75 @@ class Attacker:
             accepted += sum(bool(ok) for ok in stored.values())  # (stored by some node)
         self.events.emit("attacking", scenario=self.scenario, written=len(entries), accepted=accepted)
 
+    async def wipe(self, deadline: float) -> None:
+        """Plain values under the run's keys, from a hivemind node of ours that keeps anything."""
+        plain = await DHTNode.create(initial_peers=list(self.initial_peers), host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                     use_ipfs=False, use_relay=False, use_auto_relay=False, auto_nat=False,
+                                     nat_port_map=False)
+        try:
+            while time.monotonic() < deadline:
+                honest = await self.swarm()
+                top = max((p.round for p in honest), default=0)
+                keys = [self.key] + [group_key(self.recipe.run_id, r, a) for r in (top, top + 1) for a in range(4)]
+                stored = await plain.store_many(keys, ["wiped"] * len(keys), [get_dht_time() + 3600] * len(keys))
+                self.events.emit("attacking", scenario=self.scenario, round=top,
+                                 stored=sum(bool(ok) for ok in stored.values()))
+                await asyncio.sleep(1.0)
+        finally:
+            await plain.shutdown()
+
+    async def knock(self, deadline: float) -> None:
+        """Hold `streams` all-reduce streams to the honest peers (idle-streams), or keep feeding ones that claim a
+        1 GiB chunk (oversized-frames); report how many are open and how many a peer closed."""
+        protocol_name = f"swarm.{self.recipe.run_id}.allreduce"
+        counts = {"open": 0, "closed": 0, "refused": 0, "fed_bytes": 0}
+
+        async def hold(peer: str) -> None:
+            while time.monotonic() < deadline:
+                try:
+                    reader, writer = await asyncio.wait_for(self.node.open_stream(peer, protocol_name), 10)
+                except Exception:  # noqa: BLE001 - refused, or the peer is busy: try again
+                    counts["refused"] += 1
+                    await asyncio.sleep(1.0)
+                    continue
+                counts["open"] += 1
+                try:
+                    if self.scenario == "oversized-frames":
+                        top = max((p.round for p in await self.swarm()), default=0)
+                        header = {"group_id": "f" * 64, "round": top, "attempt": 0, "phase": "part",
+                                  "weight": 1.0, "chunks": 1}
+                        await send_frame(writer, msgpack.packb(header))
+                        await send_frame(writer, msgpack.packb({}))
+                        writer.write(FRAME_HEADER.pack(1 << 30))  # a payload frame of 1 GiB, it says
+                        while time.monotonic() < deadline:
+                            writer.write(bytes(1 << 16))
+                            await writer.drain()
+                            counts["fed_bytes"] += 1 << 16
+                            await asyncio.sleep(0.05)
+                    else:
+                        await reader.read()  # until the peer closes it
+                except Exception:  # noqa: BLE001 - the peer closed it
+                    pass
+                finally:
+                    counts["open"] -= 1
+                    counts["closed"] += 1
+                    writer.close()
+                await asyncio.sleep(0.5)
+
+        honest = [p.peer_id for p in await self.swarm()]
+        while not honest and time.monotonic() < deadline:
+            await asyncio.sleep(1.0)
+            honest = [p.peer_id for p in await self.swarm()]
+        holders = [asyncio.ensure_future(hold(honest[i % len(honest)])) for i in range(self.streams)] if honest else []
+        try:
+            while time.monotonic() < deadline:
+                self.events.emit("attacking", scenario=self.scenario, peers=len(honest), **counts)
+                await asyncio.sleep(2.0)
+        finally:
+            for task in holders:
+                task.cancel()
+            await asyncio.gather(*holders, return_exceptions=True)
+
     async def swarm(self) -> list[PeerRecord]:
         records, _ = parse_peer_records(await self.node.get(self.key))
         return [p for p in records if p.peer_id != self.node.peer_id]
@@ -224,6 +310,10 @@ class Attacker:
             await asyncio.sleep(max(deadline - time.monotonic(), 0))  # our node serves what it keeps meanwhile
             await self.sybil_node.shutdown()
             return
+        if self.scenario == "wipe":
+            return await self.wipe(deadline)
+        if self.scenario in KNOCKING:
+            return await self.knock(deadline)
         while time.monotonic() < deadline:
             if self.scenario == "uninvited":
                 await self.intrude()
@@ -231,9 +321,11 @@ class Attacker:
                 continue
             reference = view.reference(await self.swarm(), self.node.now(), quorum=2)
             if reference.holders and self.scenario == "forged-reference" and reference.round + 1 != forged_round:
-                # A state of our making one round ahead of the swarm's: random params, no momentum.
+                # A state of our making one round ahead of the swarm's: random params (drawn from the swarm's digest,
+                # so that colluding attackers forge the same one), no momentum.
                 forged_round = reference.round + 1
-                tensors = {k: torch.randn_like(v) for k, v in self.diloco.state_tensors().items()
+                draw = torch.Generator().manual_seed(int(reference.digest, 16) % (1 << 63))
+                tensors = {k: torch.randn(v.shape, generator=draw) for k, v in sorted(self.diloco.state_tensors().items())
                            if k.startswith("params.")}
                 digest = self.become(tensors, forged_round)
             elif reference.holders and self.scenario == "dribbling-holder" and reference.digest != digest:
@@ -262,11 +354,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--events-file")
     parser.add_argument("--seconds", type=float, default=120.0, help="stop attacking after this long")
     parser.add_argument("--sybils", type=int, default=1000, help="keys (and records) of the sybils scenario")
+    parser.add_argument("--streams", type=int, default=500, help="streams of the idle-streams and oversized-frames "
+                                                                 "scenarios, spread over the honest peers")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s attacker: %(message)s", stream=sys.stdout)
     torch.set_num_threads(1)
     events = EventLog(args.events_file)
-    attacker = Attacker(args.initial_peers, args.scenario, args.cache_dir, events, args.sybils)
+    attacker = Attacker(args.initial_peers, args.scenario, args.cache_dir, events, args.sybils, args.streams)
     logger.info("attacking as %s: %s", attacker.node.peer_id, args.scenario)
     events.emit("ready", peer_id=attacker.node.peer_id, scenario=args.scenario)
     try:

@@ -8,6 +8,8 @@ the same tokens? Simulates, in one process, with the code a peer runs (swarm/pee
       DiLoCo per stage; 2H microbatches per first-stage peer per round, so (a) and (b) see the same tokens per round
       and in all (4 peers each computing half the model process what 4 whole-model peers process)
   (c) as (b) with an int8 wire
+  (d) as (b) with pipeline.schedule: flush (the first stage's gradients on the weights they are applied to; (b)
+      and (c) stream, as peers do by default: each batch's gradient applied one step late)
 
 and prints each one's final validation loss, its gap to (a), and the bytes that crossed the stage boundary per
 training token, then one JSON line. Wall time and pipeline utilisation need real peers on real links: not here.
@@ -81,6 +83,7 @@ def main() -> None:
     except CorpusError as exc:
         parser.error(str(exc))
     spread = lambda n: [k * recipe.data.num_shards // n for k in range(n)]  # noqa: E731 - starts as peers spread
+    flush = recipe.model_copy(update={"pipeline": recipe.pipeline.model_copy(update={"schedule": "flush"})})
     steps = h * m // replicas  # microbatches per first-stage peer per round: the same tokens per round as (a)
     configs = {
         "a": (f"DiLoCo M={m} H={h} whole model", lambda: simulate_diloco(recipe, data, spread(m), rounds, h)),
@@ -88,6 +91,8 @@ def main() -> None:
               lambda: simulate_pipeline(recipe, data, spread(replicas), args.stages, rounds, steps, "fp16")),
         "c": (f"{args.stages} stages x {replicas} peers, int8 wire",
               lambda: simulate_pipeline(recipe, data, spread(replicas), args.stages, rounds, steps, "int8")),
+        "d": (f"{args.stages} stages x {replicas} peers, fp16 wire, schedule flush",
+              lambda: simulate_pipeline(flush, data, spread(replicas), args.stages, rounds, steps, "fp16")),
     }
     rows = []
     for key in (args.only.split(",") if args.only else list(configs)):

@@ -93,8 +93,8 @@ def stage_needs(recipe: Recipe, model=None, parts: Optional[list[tuple[int, int,
     training_bytes, plus on the first stage of a pipeline the two copies of its weights its stream of microbatches
     keeps (swarm/peer/microbatches.py: two batches in flight, each on the weights it started with)."""
     parts = part_params(recipe, model) if parts is None else parts
-    return [training_bytes(recipe, *part) + (8 * part[0] if k == 0 and len(parts) > 1 else 0)
-            for k, part in enumerate(parts)]
+    stream = len(parts) > 1 and recipe.pipeline.schedule == "stream"
+    return [training_bytes(recipe, *part) + (8 * part[0] if k == 0 and stream else 0) for k, part in enumerate(parts)]
 
 
 def load_resolved(path: str | Path, data_dir: str | Path) -> Recipe:

@@ -144,6 +144,12 @@ class PipelineRecipe(_Section):
                     "moments, one microbatch's activations, as `swarm-peer doctor` estimates them): about what the "
                     "run's volunteers' GPUs hold")
 
+    schedule: Literal["stream", "flush"] = Field(
+        "stream", description="how a first-stage peer sends its microbatches: stream (default) keeps them in flight "
+                              "across batches, so stages rarely wait for each other, and applies each batch's "
+                              "gradient one step late (swarm/peer/microbatches.py); flush sends the next batch only "
+                              "once the last one's gradients are all back and applied: exact steps, stages idle more")
+
     @field_validator("stages", mode="before")
     @classmethod
     def _auto_or_count(cls, value: Any) -> Any:
@@ -210,6 +216,8 @@ class Recipe(_Section):
             del fields["data"]["text_field"]
         if fields["pipeline"]["stages"] != "auto":  # stage_memory only says how many stages auto makes
             del fields["pipeline"]["stage_memory"]
+        if fields["pipeline"]["schedule"] == "stream":  # (runs of stages before the field keep their digest)
+            del fields["pipeline"]["schedule"]
         if fields["pipeline"]["stages"] == 1:  # and for whole-model runs
             del fields["pipeline"]
         return json.dumps(fields, sort_keys=True, separators=(",", ":"))

@@ -153,3 +153,12 @@ def test_pipeline_stages_auto_is_a_number_before_anyone_trains(tmp_path):
     for bad in (0, 1025, "many", True, 2.5):
         with pytest.raises(RecipeError, match=r"field 'pipeline.stages': must be auto or a whole number of stages"):
             parse_recipe({"pipeline": {"stages": bad}})
+
+
+def test_pipeline_schedule_stream_keeps_the_digest_and_flush_is_its_own_run():
+    staged = Recipe.model_validate({"pipeline": {"stages": 2}})
+    assert staged.pipeline.schedule == "stream" and "schedule" not in staged.canonical_json()
+    flush = Recipe.model_validate({"pipeline": {"stages": 2, "schedule": "flush"}})
+    assert flush.digest() != staged.digest() and flush.differing_fields(staged) == ["pipeline.schedule"]
+    with pytest.raises(RecipeError, match=r"field 'pipeline.schedule'"):
+        parse_recipe({"pipeline": {"stages": 2, "schedule": "1f1b"}})

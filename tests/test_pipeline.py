@@ -162,6 +162,37 @@ def test_a_stream_of_microbatches_trains_each_batch_once_with_its_weights_one_st
     assert worker.microbatches == server.worker.microbatches == 2 * stream.taken, "each microbatch trained once"
 
 
+def test_a_flushed_stream_trains_exactly_what_the_whole_batch_trains(pipeline):
+    """pipeline.schedule: flush. The first stage sends a batch as 2 microbatches in flight, each scaled by its share
+    of the rows, and the next batch only once this one is stepped on; the serving stage steps once per batch's rows:
+    losses and both stages' params after three steps are those of the whole batch through the pipeline in one
+    process, with no batch ever taken ahead."""
+    from swarm.peer.microbatches import MicrobatchStream
+    loop, worker, router, servers, alive = pipeline
+    served = sorted(servers)[1]
+    alive.discard(sorted(servers)[0])
+    server = servers[served][1]
+    server.worker.step_rows = 4
+    stream = MicrobatchStream(worker, router.send(loop.loop), parts=2, window=2, across=False)
+    stages = make_stages(_model(), BOUNDS)
+    optimizers = [torch.optim.AdamW(s.parameters(), lr=1e-3) for s in stages]
+    for seed in range(3):
+        batch = torch.randint(0, VOCAB, (4, 9), generator=torch.Generator().manual_seed(seed))
+        expected = run_pipeline(stages, batch, get_codec("none"), WireStats())
+        for stage, optimizer in zip(stages, optimizers):
+            torch.nn.utils.clip_grad_norm_(stage.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+        loss, tokens = stream.step(lambda: batch)
+        assert abs(loss - float(expected)) < 1e-5 and tokens == 4 * 8
+        assert stream.pending == 0 and stream.taken == stream.trained == seed + 1, "nothing taken ahead"
+    for ours, theirs in zip(worker.stage.parameters(), stages[0].parameters()):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-6)
+    for ours, theirs in zip(server.worker.stage.parameters(), stages[1].parameters()):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-6)
+    assert worker.microbatches == 6 and server.worker.microbatches == 6 and router.most_in_flight == 2
+
+
 def test_the_wiring_feeds_both_peers_and_a_dead_peer_costs_retries_not_microbatches(pipeline):
     loop, worker, router, servers, alive = pipeline
     losses = [_run(loop, worker, router, _batch(seed)) for seed in range(10)]

@@ -15,11 +15,13 @@ from typing import Optional
 logger = logging.getLogger(__name__)
 KILL_PHASES = ("matchmaking", "send", "reduce", "commit", "ring", "serve")  # ring: while sending along a ring only;
 # serve: while answering another peer's state request
-BAD_DATA = ("garbage", "nan", "short", "ring-garbage", "scaled", "flipped", "lying-reducer")  # ring-garbage: garbage
-# along a ring only; scaled (x SCALE) and flipped (x -1): a well-formed contribution of lying values, averages left
-# honest; lying-reducer: honest contributions, but the part it reduces averaged x SCALE, with the most convincing
+BAD_DATA = ("garbage", "nan", "short", "ring-garbage", "scaled", "flipped", "inflated", "lying-reducer")
+# ring-garbage: garbage along a ring only; scaled (x SCALE) and flipped (x -1): a well-formed contribution of lying
+# values, averages left honest; inflated: scaled, and declaring the most weight the swarm accepts (four rounds'
+# tokens); lying-reducer: honest contributions, but the part it reduces averaged x SCALE, with the most convincing
 # verification reports it can make (every member's term as it is, its own made up to cancel the rest)
-LYING_VALUES = ("scaled", "flipped")
+LYING_VALUES = ("scaled", "flipped", "inflated")
+ACCUSING = ("accuse-all",)  # in every matchmaking entry, name every other peer of the round as one to keep apart from
 SCALE = 1000.0
 LOCAL = ("diverge", "explode", "slow")  # the peer's own training goes wrong: NaN params, or an absurd pseudo-gradient;
 # slow: from then on it computes SLOWDOWN times slower, as a weaker device would (pipeline stages: rebalancing drills)
@@ -37,9 +39,9 @@ class FaultPlan:
         self.round = -1
         if spec:
             phase, _, round_text = spec.partition("@")
-            if phase not in KILL_PHASES + BAD_DATA + LOCAL + SERVING or not round_text.isdigit():
-                raise ValueError(f"--inject-fault {spec!r}: expected PHASE@ROUND with PHASE one of "
-                                 f"{', '.join(KILL_PHASES + BAD_DATA + LOCAL + SERVING)}")
+            kinds = KILL_PHASES + BAD_DATA + LOCAL + SERVING + ACCUSING
+            if phase not in kinds or not round_text.isdigit():
+                raise ValueError(f"--inject-fault {spec!r}: expected PHASE@ROUND with PHASE one of {', '.join(kinds)}")
             self.phase, self.round = phase, int(round_text)
         self._local_fired = False
 
@@ -60,6 +62,14 @@ class FaultPlan:
                 self.events.emit("fault", kind=kind, phase=kind, round=round_no)
             return True
         return False
+
+    def declared_weight(self, honest: int, most: int, round_no: int) -> int:
+        """The weight to declare: `honest`, or (inflated) `most`, the most the swarm accepts."""
+        return most if self.phase == "inflated" and round_no >= self.round >= 0 else honest
+
+    def accusations(self, honest: set[str], others: set[str], round_no: int) -> set[str]:
+        """The peers to name as kept apart from: `honest` (those that failed us), or (accuse-all) all `others`."""
+        return honest | others if self.phase == "accuse-all" and round_no >= self.round >= 0 else honest
 
     def serves_corrupt_data(self) -> bool:
         return self.phase == "corrupt-data"

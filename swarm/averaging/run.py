@@ -192,7 +192,7 @@ class Run(abc.ABC):
         if self.bad == "short":
             return codec.encode(part[: max(part.numel() // 2, 1)])
         if self.bad in LYING_VALUES:
-            return codec.encode(part * (SCALE if self.bad == "scaled" else -1.0))
+            return codec.encode(part * (-1.0 if self.bad == "flipped" else SCALE))
         return codec.encode(part)
 
     def declared_weight(self, member: str, said: float) -> Optional[float]:

@@ -110,6 +110,7 @@ class Averager:
         and re-sync."""
         r, round_no = self.recipe.averaging, contribution.round_no
         rejected, unresponsive = self.rounds.excluded(round_no)
+        rejected = self.faults.accusations(rejected, self.in_round(round_no), round_no)
         me_as = Candidate(contribution.digest, self.link.bandwidth, client=self.client_mode,
                           phase_timeout=self.allreduce.deadlines.measured(), weight=float(contribution.weight),
                           commitment=self.allreduce.commitment(round_no, attempt))

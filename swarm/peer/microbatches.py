@@ -50,12 +50,14 @@ class _Hop:
 
 class MicrobatchStream:
     """Runs `worker`'s stage (a first stage) as a stream: each batch cut into `parts` microbatches, `window` of them
-    in flight at once, sent with `send`."""
+    in flight at once, sent with `send`. With `across` False (the recipe's pipeline.schedule: flush), a batch is
+    taken only once the one before is stepped on: no batch runs on old weights, and the stages idle more."""
 
-    def __init__(self, worker: StageWorker, send: Send, parts: int, window: int):
+    def __init__(self, worker: StageWorker, send: Send, parts: int, window: int, across: bool = True):
         if not worker.stage.first:
             raise ValueError("only a first stage reads batches")
         self.worker, self.send, self.parts, self.window = worker, send, max(parts, 1), max(window, 1)
+        self.across = across
         self.flight: deque[_Hop] = deque()  # sent, not yet back, oldest first
         self.unsent: deque[_Hop] = deque()  # the next stage took them nowhere: sent again first
         self.batches: deque[_Batch] = deque()  # taken, not yet stepped on, oldest first
@@ -99,7 +101,7 @@ class MicrobatchStream:
                 continue
             batch = self.batches[-1] if self.batches and self.batches[-1].sent < self.batches[-1].parts else None
             if batch is None:
-                if next_batch is None:
+                if next_batch is None or (self.batches and not self.across):
                     break
                 tokens = next_batch()
                 self.taken += 1

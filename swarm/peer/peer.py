@@ -336,7 +336,8 @@ class Peer:
             self._recover(f"pseudo-gradient norm {norm:.3g} over the recipe's bound")
             return None
         snapshot = self.diloco.flat_local() if r.outer.overlap else None
-        weight = min(self.rounds.tokens_in_round, r.max_contribution_tokens())  # what the others accept
+        weight = self.faults.declared_weight(min(self.rounds.tokens_in_round, r.max_contribution_tokens()),
+                                             r.max_contribution_tokens(), self.diloco.round)  # (what others accept)
         return Contribution(self.diloco.round, pseudo_gradient, weight, self.diloco.digest(), snapshot)
 
     def _conclude(self, outcome: Outcome) -> None:

@@ -230,11 +230,12 @@ def simulate_pipeline(recipe: Recipe, data: RunData, shards: list[int], stages: 
     replicas (R x stages peers). Each first-stage replica reads its data shard; every microbatch goes on to a
     replica of the next stage drawn at random (SWARM's stochastic wiring, equal throughputs), activations and
     their gradients through `wire_codec`, and each replica takes an AdamW step for every microbatch it took part
-    in, clipping its own gradient to grad_clip / sqrt(stages) (a stage sees only its own). With several stages, a
-    first-stage replica's gradients come one step late, as a peer's stream of microbatches gives them
-    (swarm/peer/microbatches.py): its i-th batch of a round runs on its weights before its step i - 1 (the first
-    two on the round's start). After `inner_steps` microbatches per first-stage replica, each stage's replicas average their pseudo-gradients (weighted by the
-    tokens each processed, through the recipe's codec with error feedback) and that stage takes its outer step.
+    in, clipping its own gradient to grad_clip / sqrt(stages) (a stage sees only its own). With several stages and
+    the recipe's pipeline.schedule: stream, a first-stage replica's gradients come one step late, as a peer's
+    stream of microbatches gives them (swarm/peer/microbatches.py): its i-th batch of a round runs on its weights
+    before its step i - 1 (the first two on the round's start). After `inner_steps` microbatches per first-stage
+    replica, each stage's replicas average their pseudo-gradients (weighted by the tokens each processed, through
+    the recipe's codec with error feedback) and that stage takes its outer step.
     Validation uses the stages' global params together. `activation_bytes` counts every boundary crossing."""
     from torch.func import functional_call
 
@@ -270,7 +271,7 @@ def simulate_pipeline(recipe: Recipe, data: RunData, shards: list[int], stages: 
                 path = [first] + [int(torch.randint(replicas, (1,), generator=wiring)) for _ in range(stages - 1)]
                 pipeline = [hosted[r][s] for s, r in enumerate(path)]
                 head, weights = hosted[first][0], None
-                if stages > 1:  # the first stage's forward on the weights before its last step
+                if stages > 1 and recipe.pipeline.schedule == "stream":  # forward on the weights before its last step
                     weights = {name: (param if stashed[first] is None else stashed[first][name]).detach().clone()
                                .requires_grad_(True) for name, param in head.named_parameters()}
                     pipeline[0] = lambda x, head=head, weights=weights: functional_call(head, weights, (x,))

@@ -156,7 +156,8 @@ class Part:
                                  lambda: self._next_peers)
         if self.first:
             k = self.settings.microbatches  # each batch cut into k, and k in flight at all times
-            self.stream = MicrobatchStream(self.worker, self.router.send(self.loop.loop), parts=k, window=k)
+            self.stream = MicrobatchStream(self.worker, self.router.send(self.loop.loop), parts=k, window=k,
+                                           across=self.recipe.pipeline.schedule == "stream")
         self.started, self.server = time.monotonic(), None
         self.loop.submit(self._watch())
         if not self.first:
