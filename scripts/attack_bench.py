@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -139,7 +140,11 @@ def run_scenario(scenario: str, args: argparse.Namespace, workdir: Path) -> dict
             times = [e["time"] for e in read_events(events) if e["event"] == "training"][:1] + \
                 [e["time"] for e in rounds]
             waits += [b - a for a, b in zip(times, times[1:])]
+        # That the attack ran: the rounds the attackers averaged with the swarm, and the lies scripted ones told.
+        attacker_rounds = sum(1 for path in attacker_events for e in read_events(path) if e["event"] == "averaged")
+        attacks = sum(1 for path in attacker_events for e in read_events(path) if e["event"] == "attacking")
         return {"scenario": scenario, "honest_peers": honest, "attackers": attackers, "finished": sum(finished),
+                "attacker_rounds": attacker_rounds, "attacks": attacks,
                 "rounds": min((e["round"] + 1 for e in last), default=0) if len(last) == honest else 0,
                 "val_loss": statistics.mean(e["val_loss"] for e in last) if last else None,
                 "took_attacker_state": taken, "peak_rss_mb": peak / 2**20,
@@ -163,6 +168,7 @@ def main() -> None:
     parser.add_argument("--aggregator", default="centered_clip", choices=("mean", "trimmed_mean", "centered_clip"))
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per scenario")
     parser.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "swarm-attack-bench-cache"))
+    parser.add_argument("--log-dir", help="keep every scenario's logs and events there (DIR/<n>-<scenario>)")
     args = parser.parse_args()
     scenarios = args.scenarios.split(",")
     unknown = set(scenarios) - set(SCENARIOS)
@@ -177,19 +183,21 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix=f"attack-{scenario}-") as workdir:
             started = time.monotonic()
             rows.append({**run_scenario(scenario, args, Path(workdir)), "seconds": time.monotonic() - started})
+            if args.log_dir:
+                shutil.copytree(workdir, Path(args.log_dir) / f"{len(rows) - 1}-{scenario}", dirs_exist_ok=True)
             print(f"  {scenario}: {rows[-1]}", file=sys.stderr, flush=True)
     clean = rows[0]["val_loss"]
     print(f"{args.peers - args.attackers} honest peers and {args.attackers} attacker(s), {args.rounds} rounds, int8, "
           f"aggregator {args.aggregator}")
     print(f"{'scenario':<20}{'val loss':>10}{'vs clean':>10}{'rounds':>8}{'took its state':>16}{'peak RSS MB':>13}"
-          f"{'longest round s':>17}")
+          f"{'longest round s':>17}{'attacker rounds':>17}{'lies told':>11}")
     for row in rows:
         row["vs_clean"] = (row["val_loss"] / clean - 1) if row["val_loss"] and clean else None
         loss = f"{row['val_loss']:.4f}" if row["val_loss"] else "-"
         versus = f"{row['vs_clean'] * 100:+.2f}%" if row["vs_clean"] is not None else "-"
         longest = f"{row['longest_round_s']:.0f}" if row["longest_round_s"] is not None else "-"
         print(f"{row['scenario']:<20}{loss:>10}{versus:>10}{row['rounds']:>8}{row['took_attacker_state']:>16}"
-              f"{row['peak_rss_mb']:>13.0f}{longest:>17}")
+              f"{row['peak_rss_mb']:>13.0f}{longest:>17}{row['attacker_rounds']:>17}{row['attacks']:>11}")
     print(json.dumps({"peers": args.peers, "attackers": args.attackers, "rounds": args.rounds,
                       "aggregator": args.aggregator, "rows": rows}))
 

@@ -120,8 +120,9 @@ class PeerSettings(_Section):
         description="train within this much memory: the whole model, or a pipeline stage that fits (default: no limit)")
     microbatches: int = Field(
         2, ge=1, le=64, json_schema_extra={"metavar": "K"},
-        description="a first-stage peer of a pipelined run sends each batch as K microbatches in flight at once, "
-                    "one optimizer step over all: the next stage computes one while this one computes another")
+        description="a first-stage peer of a pipelined run cuts each batch into K microbatches, one optimizer step "
+                    "over all, and keeps K in flight at all times: the next stage computes one while this one "
+                    "computes another")
     stage: Optional[int] = Field(
         None, ge=0, json_schema_extra={"metavar": "K"},
         description="in a run cut into pipeline stages, host stage K (default: the stage with the fewest live "
@@ -144,7 +145,9 @@ class PeerSettings(_Section):
                     "while sending along a ring; serve: while answering a state request) of the first round >= ROUND "
                     "it averages in (or holds, for serve), send bad data (garbage, "
                     "nan, short; ring-garbage: garbage along rings only; scaled: its pseudo-gradient x1000, flipped: "
-                    "x-1, as a lying member would) from that round on, or break its own "
+                    "x-1, inflated: x1000 declaring the most weight the swarm accepts, as a lying member would; "
+                    "lying-reducer: its part averaged x1000, hidden as well as it can) from that round on, name every "
+                    "other peer as caught lying (accuse-all), or break its own "
                     "training once (diverge: NaN params; explode: an absurd pseudo-gradient), or compute 4x "
                     "slower from that round on (slow: a weaker device, for rebalancing drills)")
 

@@ -160,6 +160,37 @@ def test_one_record_claiming_a_newer_state_does_not_move_the_reference():
     assert view.reference(honest, NOW, quorum=4) == (0, "", []), "no round with the quorum: nothing to follow"
 
 
+def test_with_an_anchor_only_a_majority_of_the_last_group_moves_a_peer():
+    """Two colluding peers announce round + 1 with the same forged state: the quorum of live peers (two, after a
+    group of three) lets them lead; the anchor, the others of the last group this peer averaged in, does not,
+    unless a majority of those hold the state. Of two digests at one round, the anchored one is followed though
+    fewer announce it. An anchor whose peers are gone is dropped; one that merely went quiet is not."""
+    def at(peer_id, round_no, digest, state="training", **kwargs):
+        return record(peer_id, state, round_no, digest=digest, **kwargs)
+
+    group = frozenset({"a", "b"})  # we averaged round 6 with a and b
+    honest = [at("a", 7, "good"), at("b", 7, "good")]
+    colluding = honest + [at("x", 8, "evil"), at("y", 8, "evil")]
+    assert view.reference(colluding, NOW, quorum=2) == (8, "evil", ["x", "y"]), "the quorum alone is taken"
+    assert view.reference(colluding, NOW, quorum=2, anchor=group) == (7, "good", ["a", "b"])
+    outvoted = honest + [at("x", 7, "evil"), at("y", 7, "evil"), at("z", 7, "evil")]
+    assert view.reference(outvoted, NOW, quorum=2, anchor=group) == (7, "good", ["a", "b"])
+    half = [at("a", 8, "next"), at("b", 7, "good"), at("x", 8, "next")]
+    assert view.reference(half, NOW, quorum=2, anchor=group) == (0, "", []), "one of two is no majority: wait"
+    moved = [at("a", 8, "next"), at("b", 8, "next"), at("x", 8, "next")]
+    assert view.reference(moved, NOW, quorum=2, anchor=group) == (8, "next", ["a", "b", "x"])
+    bigger = frozenset({"a", "b", "c", "d"})  # of four others, three make the majority
+    assert view.reference([at(p, 9, "n") for p in "abx"], NOW, quorum=2, anchor=bigger).round == 0
+    assert view.reference([at(p, 9, "n") for p in "abcx"], NOW, quorum=2, anchor=bigger).round == 9
+    # The anchor holds while a majority of its peers is online, whatever they announce.
+    assert view.anchored(colluding, NOW, group) == group
+    quiet = [at("a", 7, "", state="joining"), at("b", 7, "good")] + colluding[2:]
+    assert view.anchored(quiet, NOW, group) == group, "a member that stopped announcing a state still counts"
+    gone = [at("a", 7, "good", state="offline"), at("b", 7, "good", updated=NOW - FRESH_SECONDS - 1)]
+    assert view.anchored(gone + colluding[2:], NOW, group) == frozenset(), "they left: the quorum alone decides"
+    assert view.anchored(colluding, NOW, frozenset()) == frozenset()
+
+
 def test_the_quorum_is_a_majority_of_the_last_group_and_two_unless_one_peer_is_all_there_is():
     assert view.quorum(last_group_size=0, vouchers=5) == 2, "a joiner: two distinct peers, never one"
     assert view.quorum(last_group_size=3, vouchers=5) == 2

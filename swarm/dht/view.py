@@ -125,20 +125,35 @@ def majority_digest(records: Records) -> str:
     return min(counts, key=lambda digest: (-counts[digest], digest), default="")
 
 
-def reference(records: Records, now: float, quorum: int = 1) -> Reference:
+def reference(records: Records, now: float, quorum: int = 1, anchor: frozenset[str] = frozenset()) -> Reference:
     """The swarm's round, digest and holders among the live training peers that announce a digest: the highest
-    round whose majority digest at least `quorum` distinct peers announce (see `quorum`), so that one record
-    claiming a newer round with a state of its author's making leads nobody anywhere. A peer whose heartbeat
-    stopped (its record lingers until it expires) is not live: it can serve nothing. A client peer (it accepts no
-    streams) vouches for a state but is no holder to ask. (0, "", []) when no round has the quorum."""
+    round with a digest that at least `quorum` distinct peers announce (see `quorum`), and, given an `anchor` (the
+    other members of the last group this peer averaged in, see `anchored`), a majority of the anchor among them; of
+    several such digests at a round, the one most announce. So one record claiming a newer round with a state of
+    its author's making leads nobody anywhere, and with an anchor, neither do the records of any number of peers
+    this peer did not average with, nor of a minority of those it did. A peer whose heartbeat stopped (its record
+    lingers until it expires) is not live: it can serve nothing. A client peer (it accepts no streams) vouches for a
+    state but is no holder to ask. (0, "", []) when no round has the quorum."""
     announced = [p for p in live(records, now) if p.digest]
+    need = len(anchor) // 2 + 1 if anchor else 0
     for round_no in sorted({p.round for p in announced}, reverse=True):
         at_round = [p for p in announced if p.round == round_no]
-        digest = majority_digest(at_round)
-        vouching = [p for p in at_round if p.digest == digest]
-        if len({p.peer_id for p in vouching}) >= quorum:
-            return Reference(round_no, digest, [p.peer_id for p in vouching if not p.client])
+        counts = Counter(p.digest for p in at_round)
+        for digest in sorted(counts, key=lambda d: (-counts[d], d)):
+            vouching = [p for p in at_round if p.digest == digest]
+            vouchers = {p.peer_id for p in vouching}
+            if len(vouchers) >= quorum and len(vouchers & anchor) >= need:
+                return Reference(round_no, digest, [p.peer_id for p in vouching if not p.client])
     return Reference(0, "", [])
+
+
+def anchored(records: Records, now: float, last_group: frozenset[str]) -> frozenset[str]:
+    """The anchor `reference` holds a state to: `last_group` (the others of the last group this peer averaged in,
+    when that group was the whole swarm), while enough of them are online to make a majority of it; else none
+    (they left: the quorum of live peers alone decides, as for a peer that never averaged). Peers that merely
+    stopped announcing a state still count, so an attacker among them cannot lift the anchor by going quiet."""
+    online_ids = {p.peer_id for p in live(records, now, ONLINE_STATES)}
+    return last_group if len(last_group & online_ids) >= len(last_group) // 2 + 1 else frozenset()
 
 
 def vouchers(records: Records, now: float) -> int:
@@ -156,6 +171,19 @@ def quorum(last_group_size: int, vouchers: int) -> int:
     if vouchers <= 1:
         return 1
     return min(max(2, last_group_size // 2 + 1), max(2, vouchers - 1))
+
+
+def most_announced(records: Records, now: float, quorum: int = 1) -> Reference:
+    """For a peer that has not averaged yet, so knows nobody: the state (round and digest) the most distinct live
+    peers announce, ties to the lower round, if at least `quorum` do. Colluding peers that announce a newer state
+    lead it only if they outnumber the peers of every other state: the highest round with the quorum (two) let two
+    of them lead a joiner away from three honest peers."""
+    announced = [p for p in live(records, now) if p.digest]
+    counts = Counter((p.round, p.digest) for p in announced)
+    best = min(counts, key=lambda state: (-counts[state], state), default=None)
+    if best is None or counts[best] < quorum:
+        return Reference(0, "", [])
+    return Reference(best[0], best[1], [p.peer_id for p in announced if (p.round, p.digest) == best and not p.client])
 
 
 def stage_capacity(records: Records) -> Optional[float]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from typing import Callable
+from typing import Callable, Sequence
 
 from swarm.dht import view
 from swarm.dht.node import SwarmNode
@@ -28,6 +28,10 @@ class Announcer:
             record, metrics
         self.view: list[PeerRecord] = []
         self.last_group_size = 0  # members of the last group we averaged in (0: none yet)
+        # The others of that group, if it was the swarm's only group: a majority of them must hold any state we
+        # follow (view.anchored); none yet, or after a round of several groups (Moshpit-style), whose members
+        # hold different states by design.
+        self.last_group: frozenset[str] = frozenset()
 
     async def refresh(self) -> None:
         await self.node.store(self.key, self.record().to_wire(), ttl=RECORD_TTL, subkey=self.node.owned_subkey)
@@ -98,11 +102,20 @@ class Announcer:
     def live(self, states: tuple[str, ...] = TRAINING_STATES, now: float | None = None) -> list[PeerRecord]:
         return view.live(self.others(), self._now(now), states)
 
+    def averaged_with(self, members: Sequence[str], swarm_size: int) -> None:
+        """We averaged a round in a group of `members`, split from `swarm_size` candidates (the leader's count)."""
+        self.last_group_size = len(members)
+        self.last_group = frozenset(members) - {self.node.peer_id} if swarm_size <= len(members) else frozenset()
+
     def swarm_reference(self) -> Reference:
-        """The state to follow, vouched for by a quorum of live peers (view.quorum of `last_group_size`, the size
-        of the last group we averaged in, which the peer sets)."""
+        """The state to follow: vouched for by a quorum of live peers (view.quorum of `last_group_size`, the size
+        of the last group we averaged in) and by a majority of that group's other members (view.anchored); before
+        we averaged at all, the state most live peers announce (view.most_announced)."""
         others, now = self.others(), self.node.now()
-        return view.reference(others, now, view.quorum(self.last_group_size, view.vouchers(others, now)))
+        quorum = view.quorum(self.last_group_size, view.vouchers(others, now))
+        if not self.last_group_size:
+            return view.most_announced(others, now, quorum)
+        return view.reference(others, now, quorum, view.anchored(others, now, self.last_group))
 
     def others_still_in(self, round_no: int, failed: set[str], min_group_size: int, target_group_size: int) -> bool:
         return view.others_still_in(self.others(), round_no, self.node.now(), failed, min_group_size,

@@ -362,7 +362,7 @@ class Peer:
         self.diloco.outer_step(average, int(round(tokens)), result.wire, log=not group.mix)
         round_seconds = self.rounds.landed(averaged)  # right after the step, so no record counts tokens twice
         self.last_group_size = max(result.group_size, group.swarm_size)
-        self.announcer.last_group_size = result.group_size  # its majority must vouch for any state we follow
+        self.announcer.averaged_with(group.members, group.swarm_size)  # its majority must hold any state we follow
         self.link.update(result.bytes_sent, result.bytes_received, result.seconds)
         self.val_loss = validation_loss(self.model, self.eval_batches, self.device) if self.part.whole else None
         if progress_since is not None:
