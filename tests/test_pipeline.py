@@ -14,6 +14,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 
 from swarm.compression import get_codec
@@ -91,6 +92,27 @@ def test_a_hop_over_the_network_computes_what_one_process_computes(pipeline):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
     activations = len(get_codec("none").encode(torch.zeros(2 * 8 * HIDDEN)))
     assert router.meter.sent == 3 * (activations + 2 * 8 * 4) and router.meter.received == 3 * activations
+
+
+def test_a_validation_microbatch_gets_the_pipelines_loss_and_changes_nothing(pipeline):
+    """A first stage's validation loss goes through the pipeline forward only: the loss one process computes of
+    the whole model, no gradient back, no step anywhere, no microbatch counted as trained."""
+    loop, worker, router, servers, alive = pipeline
+    served = sorted(servers)[1]
+    alive.discard(sorted(servers)[0])
+    server = servers[served][1]
+    model = _model()
+    model.eval()
+    batch = _batch(11)
+    with torch.no_grad():
+        expected = F.cross_entropy(model(input_ids=batch[:, :-1]).logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+    before = [p.clone() for p in [*worker.stage.parameters(), *server.worker.stage.parameters()]]
+    loss = worker.evaluate(batch[:, :-1], batch[:, 1:], router.evaluator(loop.loop))
+    assert abs(loss - float(expected)) < 1e-5
+    after = [*worker.stage.parameters(), *server.worker.stage.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after)) and all(p.grad is None for p in after)
+    assert worker.microbatches == server.worker.microbatches == 0 and server.worker.tokens == 0
+    assert router.meter.received == 0, "no gradient came back"
 
 
 def test_a_stream_of_microbatches_trains_each_batch_once_with_its_weights_one_step_late(pipeline):
@@ -308,6 +330,11 @@ def test_two_stages_of_two_peers_train_and_joiners_take_the_stage_nobody_hosts(s
     assert batch_losses, losses
     assert sum(s[-1] for s in batch_losses) / len(batch_losses) < sum(s[0] for s in batch_losses) / len(batch_losses), \
         losses
+    # The first stage's peers send the validation batches through the pipeline after each round (forward only): a
+    # validation loss, which falls; the last stage's peers announce none.
+    val = [[e["val_loss"] for e in peer.events("averaged")][:3] for peer in first]
+    assert all(v is not None for series in val for v in series) and all(s[-1] < s[0] for s in val), val
+    assert all(e["val_loss"] is None for peer in later for e in peer.events("averaged"))
 
 
 @pytest.mark.slow

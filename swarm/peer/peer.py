@@ -364,7 +364,8 @@ class Peer:
         self.last_group_size = max(result.group_size, group.swarm_size)
         self.announcer.averaged_with(group.members, group.swarm_size)  # its majority must hold any state we follow
         self.link.update(result.bytes_sent, result.bytes_received, result.seconds)
-        self.val_loss = validation_loss(self.model, self.eval_batches, self.device) if self.part.whole else None
+        self.val_loss = validation_loss(self.model, self.eval_batches, self.device) if self.part.whole else \
+            self.part.validation_loss(self.eval_batches, self.device)  # (a first stage's, through the pipeline)
         if progress_since is not None:
             self.diloco.add_to_local(progress_since)  # overlap: keep the steps made while averaging
         report_round(averaged, round_seconds, metrics=self.metrics, events=self.events,

@@ -54,6 +54,7 @@ def stage_protocol(run_id: str, start: int, end: int) -> str:
 # (activations, targets, the microbatch's share of its batch) -> (their gradient, the microbatch's loss)
 Downstream = Callable[[torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, float]]
 Execute = Callable[[torch.Tensor, torch.Tensor, float], Awaitable[tuple[torch.Tensor, float]]]
+Evaluate = Callable[[torch.Tensor, torch.Tensor], float]  # (activations, targets) -> the rest of the pipeline's loss
 
 
 class StageWorker:
@@ -103,6 +104,20 @@ class StageWorker:
             self.computed(started)
             return (None if self.stage.first else inputs.grad.detach()), loss
 
+    def evaluate(self, x: torch.Tensor, targets: torch.Tensor, downstream: Optional[Evaluate]) -> float:
+        """A microbatch's loss through this stage and the rest of the pipeline (`downstream`: the next hop's loss),
+        with no gradient and no step: the validation loss of the pipeline as its stages' params stand."""
+        with self.lock, torch.no_grad():
+            was_training = self.stage.training
+            self.stage.eval()
+            try:
+                out = self.stage(x)
+            finally:
+                self.stage.train(was_training)
+        if self.stage.last:
+            return float(F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), targets.reshape(-1)))
+        return downstream(out, targets)
+
     def computed(self, started: float) -> None:
         """Count the time since `started` (time.perf_counter) as computing."""
         now = time.perf_counter()
@@ -139,17 +154,18 @@ class WireMeter:
 
 async def call_stage(node: SwarmNode, peer: str, protocol: str, x: torch.Tensor, targets: torch.Tensor,
                      codec_name: str, meter: WireMeter, timeout: float = HOP_SECONDS,
-                     scale: float = 1.0) -> tuple[torch.Tensor, float]:
+                     scale: float = 1.0, evaluate: bool = False) -> tuple[Optional[torch.Tensor], float]:
     """One hop: `x` (activations, shape (b, t, h)) and `targets` (b, t) to `peer`'s stage, `scale` the microbatch's
-    share of its batch; its answer: the gradient of `x` and the microbatch's loss. Raises on any failure (the
-    caller retries elsewhere)."""
+    share of its batch; its answer: the gradient of `x` (None with `evaluate`: a validation microbatch, forward
+    only) and the microbatch's loss. Raises on any failure (the caller retries elsewhere)."""
     codec = get_codec(codec_name)
     payload = codec.encode(x.detach().float().reshape(-1))
     ids = targets.to(torch.int32).numpy().tobytes()
     async with asyncio.timeout(timeout):
         reader, writer = await node.open_stream(peer, protocol)
         try:
-            await send_frame(writer, msgpack.packb({"shape": list(x.shape), "codec": codec_name, "scale": scale}))
+            await send_frame(writer, msgpack.packb({"shape": list(x.shape), "codec": codec_name, "scale": scale,
+                                                    **({"eval": True} if evaluate else {})}))
             await send_frame(writer, payload)
             await send_frame(writer, ids)
             meter.sent += len(payload) + len(ids)
@@ -160,6 +176,8 @@ async def call_stage(node: SwarmNode, peer: str, protocol: str, x: torch.Tensor,
             loss = answer.get("loss")
             if not isinstance(loss, float) or not np.isfinite(loss):
                 raise PipelineError(f"stage peer {peer[-8:]} answered a loss of {loss!r}")
+            if evaluate:
+                return None, loss
             back = await recv_frame(reader, _bound(x.numel()))
             meter.received += len(back)
             grad = decode(back)
@@ -185,7 +203,8 @@ class StageServer:
 
     def __init__(self, worker: StageWorker, hidden: int, max_tokens: int, vocab_size: int,
                  loop: asyncio.AbstractEventLoop, downstream: Optional["Router"] = None,
-                 timeout: float = HOP_SECONDS, execute: Optional[Execute] = None):
+                 timeout: float = HOP_SECONDS, execute: Optional[Execute] = None,
+                 execute_eval: Optional[Callable[[torch.Tensor, torch.Tensor], Awaitable[float]]] = None):
         if worker.stage.first:
             raise ValueError("the first stage reads data; it serves no microbatches")
         self.worker, self.hidden, self.max_tokens, self.vocab_size = worker, hidden, max_tokens, vocab_size
@@ -193,6 +212,7 @@ class StageServer:
         # Where the worker runs a microbatch: by default in a thread of the loop's executor; a peer hands it to its
         # training thread instead (swarm/peer/staged.py), which also takes its outer steps.
         self.execute = execute or self._in_executor
+        self.execute_eval = execute_eval or self._eval_in_executor
         self.meter = WireMeter()
         self.refused: Counter = Counter()
 
@@ -203,8 +223,10 @@ class StageServer:
                 shape = header.get("shape") if isinstance(header, dict) else None
                 codec = header.get("codec") if isinstance(header, dict) else None
                 scale = header.get("scale", 1.0) if isinstance(header, dict) else None
+                evaluate = header.get("eval", False) if isinstance(header, dict) else None
                 problem = self._check(shape, codec) or (
-                    None if isinstance(scale, float) and 0.0 < scale <= 1.0 else f"scale {scale!r} is not in (0, 1]")
+                    None if isinstance(scale, float) and 0.0 < scale <= 1.0 else f"scale {scale!r} is not in (0, 1]") \
+                    or (None if isinstance(evaluate, bool) else f"eval {evaluate!r} is not true or false")
                 if problem is not None:
                     self.refused[problem] += 1
                     await send_frame(writer, msgpack.packb({"error": problem}))
@@ -223,6 +245,10 @@ class StageServer:
                         targets.min() < 0 or targets.max() >= self.vocab_size:
                     self.refused["malformed"] += 1
                     await send_frame(writer, msgpack.packb({"error": "activations or targets malformed"}))
+                    return
+                if evaluate:
+                    loss = await self.execute_eval(x.reshape(b, t, h), targets.reshape(b, t))
+                    await send_frame(writer, msgpack.packb({"loss": float(loss)}))
                     return
                 grad, loss = await self.execute(x.reshape(b, t, h), targets.reshape(b, t), scale)
                 back = get_codec(codec).encode(grad.float().reshape(-1))
@@ -247,6 +273,10 @@ class StageServer:
         if not isinstance(codec, str) or codec not in ("none", "fp16", "bf16", "int8"):
             return f"codec {codec!r} is not one for activations (none, fp16, bf16, int8)"
         return None
+
+    def _eval_in_executor(self, x: torch.Tensor, targets: torch.Tensor) -> Awaitable[float]:
+        downstream = None if self.downstream is None else self.downstream.evaluator(self.loop)
+        return self.loop.run_in_executor(None, self.worker.evaluate, x, targets, downstream)
 
     def _in_executor(self, x: torch.Tensor, targets: torch.Tensor,
                      scale: float) -> Awaitable[tuple[torch.Tensor, float]]:
@@ -287,6 +317,14 @@ class Router:
 
         return hop
 
+    def evaluator(self, loop: asyncio.AbstractEventLoop) -> Evaluate:
+        """A validation microbatch's hop as a blocking call (a thread other than `loop`'s): the loss of the rest
+        of the pipeline, forward only."""
+        def evaluate(out: torch.Tensor, targets: torch.Tensor) -> float:
+            return asyncio.run_coroutine_threadsafe(self.forward(out, targets, evaluate=True), loop).result()[1]
+
+        return evaluate
+
     def send(self, loop: asyncio.AbstractEventLoop) -> Callable[[torch.Tensor, torch.Tensor, float],
                                                                  concurrent.futures.Future]:
         """forward() started from a thread other than `loop`'s: returns its future at once, so that several
@@ -305,7 +343,8 @@ class Router:
         weights = [max(speed, 1e-9) / (1 + self.in_flight[peer]) for peer, speed in candidates]
         return self._random.choices([peer for peer, _ in candidates], weights)[0]
 
-    async def forward(self, x: torch.Tensor, targets: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, float]:
+    async def forward(self, x: torch.Tensor, targets: torch.Tensor, scale: float = 1.0,
+                      evaluate: bool = False) -> tuple[Optional[torch.Tensor], float]:
         tried: set[str] = set()
         last_error: Optional[BaseException] = None
         for _ in range(self.attempts):
@@ -317,8 +356,8 @@ class Router:
             self.most_in_flight = max(self.most_in_flight, sum(self.in_flight.values()))
             try:
                 answer = await call_stage(self.node, peer, self.protocol, x, targets, self.codec, self.meter,
-                                          self.timeout, scale)
-                self.sent_to[peer] += 1
+                                          self.timeout, scale, evaluate)
+                self.sent_to[peer] += not evaluate
                 return answer
             except Exception as e:  # noqa: BLE001 - any failure of the hop: the next peer
                 last_error = e

@@ -163,7 +163,8 @@ class Part:
         if not self.first:
             config, data = self.model.config, self.recipe.data
             self.server = server = StageServer(self.worker, config.hidden_size, data.batch_size * data.seq_len,
-                                               config.vocab_size, self.loop.loop, execute=self._hand_over)
+                                               config.vocab_size, self.loop.loop, execute=self._hand_over,
+                                               execute_eval=lambda x, targets: self._hand_over(x, targets, None))
             self.loop.run(self.node.add_stream_handler(stage_protocol(self.recipe.run_id, *self.bounds),
                                                        server.handle), timeout=30)
 
@@ -244,6 +245,22 @@ class Part:
         turn = sorted([peer_id_hash(p.peer_id) for p in ours] + [peer_id_hash(me)]).index(peer_id_hash(me))
         return target, why, REBALANCE_SECONDS * (1 + turn)
 
+    def validation_loss(self, batches: list[torch.Tensor], device: torch.device) -> Optional[float]:
+        """The validation loss of the pipeline as its stages' params stand (the global params of ours, each other
+        stage's at its own round): a first stage sends each of `batches` through it, forward only; None on other
+        stages, or if the next stage took a batch nowhere."""
+        if self.whole or not self.first:
+            return None
+        evaluate, losses = self.router.evaluator(self.loop.loop), []
+        try:
+            for batch in batches:
+                batch = batch.to(device)
+                losses.append(self.worker.evaluate(batch[:, :-1], batch[:, 1:], evaluate))
+        except Exception as e:  # noqa: BLE001 - no validation loss this round; training goes on
+            logger.info("pipeline: no validation loss this round (%s)", str(e).splitlines()[0] if str(e) else e)
+            return None
+        return sum(losses) / max(len(losses), 1)
+
     def slow_down(self, factor: float) -> None:
         """Compute `factor` times slower from now on (a fault drill: a weaker device); a whole model ignores it."""
         if not self.whole:
@@ -257,8 +274,9 @@ class Part:
             return 0.0
         return self.worker.tokens / self.worker.busy
 
-    async def _hand_over(self, x: torch.Tensor, targets: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
-        """A served microbatch, run by the training thread (see step)."""
+    async def _hand_over(self, x: torch.Tensor, targets: torch.Tensor, scale: Optional[float]):
+        """A served microbatch, run by the training thread (see step); a validation one (forward only, its loss)
+        with `scale` None."""
         done = asyncio.get_running_loop().create_future()
         self.work.put((x, targets, scale, done))
         return await done
@@ -304,6 +322,11 @@ class Part:
         except queue.Empty:
             return None, 0, 0
         try:
+            if scale is None:  # a validation microbatch: its loss, nothing trained
+                loss = self.worker.evaluate(x, targets, None if self.router is None else
+                                            self.router.evaluator(self.loop.loop))
+                self.loop.loop.call_soon_threadsafe(_settle, done, loss, None)
+                return None, 0, 0
             grad, loss = self.worker.step(x, targets, None if self.router is None else self.router.hop(self.loop.loop),
                                           scale)
         except Exception as e:  # noqa: BLE001 - the stage before learns of it and retries elsewhere
