@@ -4,9 +4,13 @@ without a liar CenteredClip is the mean exactly."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
+from swarm.averaging import verify
+from swarm.averaging.verify import NORM_SPREAD
 from swarm.averaging.aggregate import (AGGREGATORS, OTHERS_SHARE, WEIGHT_SPREAD, aggregator, capped_weights,
                                       centered_clip, centered_clip_radius, mean, trimmed, trimmed_mean)
 
@@ -59,6 +63,38 @@ def test_a_minority_of_liars_moves_a_robust_aggregate_a_bounded_way(name, n, lia
     assert _error(robust, honest) < bound, (name, lie, _error(robust, honest))
     if lie == "scaled":
         assert _error(mean(sent, [1.0] * n)[0], honest) > 50 * bound, "the lie would have moved the mean"
+
+
+@pytest.mark.parametrize("n", [3, 4, 6])
+@pytest.mark.parametrize("noise", [1.0, 3.0])
+def test_a_scaled_member_counts_as_an_honest_one_cut_to_the_norm_cap(n, noise, monkeypatch):
+    """A member sending x1000 of its honest pseudo-gradient is cut to 1.5x the (weighted) lower median of the norms:
+    it moves CenteredClip from the honest mean by about its share of (cap - its honest norm), as an honest member
+    1.5x longer would. Without the cap it counted a radius past the result (~1.5x the honest members' distances): 2.5-4x
+    further in these groups, every round, in the direction of its lie."""
+    parts = _honest(n, noise)
+    honest_mean, _ = mean(parts, [1.0] * n)
+    sent = parts[:-1] + [parts[-1] * 1000]
+    norms = sorted(float(p.double().norm()) for p in parts)
+    bound = (NORM_SPREAD * norms[(n - 1) // 2] - float(parts[-1].double().norm())) / n
+    capped, _ = centered_clip(sent, [1.0] * n)
+    assert float((capped - honest_mean).norm()) <= 1.05 * bound, (float((capped - honest_mean).norm()), bound)
+    monkeypatch.setattr(verify, "NORM_SPREAD", math.inf)
+    uncapped, _ = centered_clip(sent, [1.0] * n)
+    assert float((uncapped - honest_mean).norm()) > 2.5 * float((capped - honest_mean).norm())
+
+
+def test_members_that_barely_trained_do_not_cut_the_ones_that_did():
+    """A round 0 of four: two members joined late and took one step (1000x shorter pseudo-gradients, a quarter of
+    the tokens), two trained four. The norm cap is the median weighted by tokens, so it follows the members that
+    trained, and nobody honest is cut; the unweighted lower median would cut the trained ones to 1.5x a step."""
+    g = torch.Generator().manual_seed(3)
+    parts = [torch.randn(NUMEL, generator=g) * 1e-6 for _ in range(2)] + \
+        [torch.randn(NUMEL, generator=g) * 1e-3 for _ in range(2)]
+    weights = capped_weights([256.0, 256.0, 1024.0, 1024.0])
+    _, _, _, cap = centered_clip_radius(parts, weights)
+    assert cap >= NORM_SPREAD * min(float(p.double().norm()) for p in parts[2:])
+    assert cap > max(float(p.double().norm()) for p in parts)
 
 
 def test_an_inflated_weight_counts_as_at_most_the_spread_times_the_median():
@@ -116,15 +152,17 @@ def test_the_trimmed_mean_drops_each_coordinate_s_extremes():
 
 
 @pytest.mark.parametrize("far", [1e3, 1e9])
-def test_centered_clip_reaches_its_fixed_point_when_every_member_is_clipped(far):
+def test_centered_clip_reaches_its_fixed_point_when_every_member_is_clipped(far, monkeypatch):
     """Two members barely moved, two moved `far` times as much and hold 3/5 of the capped weight: the radius is cut
     to 4x the small norms, every member is clipped, and the fixed point lies far from the medoid (plain steps, a
-    radius each at most, stopped short of it). The sum members check (verify.py) vanishes at the result."""
+    radius each at most, stopped short of it). The sum members check (verify.py) vanishes at the result. (The
+    norm cap now cuts such far members first; without it, the fixed point must still be found.)"""
+    monkeypatch.setattr(verify, "NORM_SPREAD", math.inf)
     g = torch.Generator().manual_seed(5)
     small = [torch.randn(NUMEL, generator=g) * 1e-3 for _ in range(2)]
     parts = small + [(torch.randn(NUMEL, generator=g) + 1.0) * 1e-3 * far for _ in range(2)]
     weights = capped_weights([1.0, 1.0, 4.0, 4.0])
-    result, total, tau = centered_clip_radius(parts, weights)
+    result, total, tau, _ = centered_clip_radius(parts, weights)
     pull = torch.zeros(NUMEL, dtype=torch.float64)
     for part, weight in zip(parts, weights):
         offset = part.double() - result.double()

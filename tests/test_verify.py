@@ -27,22 +27,24 @@ def _group(n: int, seed: int, liar: float = 1.0) -> list[torch.Tensor]:
 
 
 def _reduce(parts, weights, codec_name: str):
-    """What a reducer does: each chunk's CenteredClip, encoded; returns (decoded result, radii, chunks)."""
+    """What a reducer does: each chunk's CenteredClip, encoded; returns (decoded result, radii, chunks, codec,
+    norm caps)."""
     codec = get_codec(codec_name)
     chunks = chunk_bounds(0, PART)
-    result, radii = torch.empty(PART), []
+    result, radii, caps = torch.empty(PART), [], []
     for a, b in chunks:
-        average, _, radius = centered_clip_radius([p[a:b] for p in parts], weights)
+        average, _, radius, cap = centered_clip_radius([p[a:b] for p in parts], weights)
         result[a:b] = codec.decode(codec.encode(average), max_numel=b - a)
         radii.append(radius)
-    return result, radii, chunks, codec
+        caps.append(cap)
+    return result, radii, chunks, codec, caps
 
 
-def _verdict(parts, weights, result, radii, chunks, codec, members, me="m0", claims=None, own=None):
+def _verdict(parts, weights, result, radii, chunks, codec, members, me="m0", claims=None, own=None, caps=None):
     sketch = Sketch.of(part_seed("group", [b"n%d" % i for i in range(len(members))], 0), PART)
-    true = {m: term(p, result, chunks, radii, sketch) for m, p in zip(members, parts)}
+    true = {m: term(p, result, chunks, radii, sketch, caps) for m, p in zip(members, parts)}
     return judge(me, members[0], members, capped_weights(weights), radii, claims or true, own or true,
-                 chunk_norms(result, chunks), rounding([codec] * len(chunks), result, chunks)), true
+                 chunk_norms(result, chunks), rounding([codec] * len(chunks), result, chunks), caps), true
 
 
 @pytest.mark.parametrize("codec_name", ["none", "fp16", "bf16", "int8", "int4"])
@@ -53,8 +55,8 @@ def test_honest_reducers_pass_with_every_verifiable_codec(codec_name):
         weights = [100.0 * (1 + (i * seed) % 3) for i in range(n)]
         for liar in (1.0, 1000.0, -1.0):  # a lying member, honestly reduced, leaves the check intact
             parts = _group(n, seed, liar)
-            result, radii, chunks, codec = _reduce(parts, weights, codec_name)
-            verdict, _ = _verdict(parts, weights, result, radii, chunks, codec, members)
+            result, radii, chunks, codec, caps = _reduce(parts, weights, codec_name)
+            verdict, _ = _verdict(parts, weights, result, radii, chunks, codec, members, caps=caps)
             assert verdict.ok, (codec_name, seed, liar, verdict.why)
 
 
@@ -68,9 +70,9 @@ def test_an_honest_reducer_passes_when_one_member_trained_far_more_than_the_rest
     members = ["r", "a", "b"]
     for weights in ([10.0, 12.0, 400.0], [100.0] * 3):
         for codec_name in ("none", "int8"):
-            result, radii, chunks, codec = _reduce(parts, weights, codec_name)
+            result, radii, chunks, codec, caps = _reduce(parts, weights, codec_name)
             for me in members:
-                verdict, _ = _verdict(parts, weights, result, radii, chunks, codec, members, me=me)
+                verdict, _ = _verdict(parts, weights, result, radii, chunks, codec, members, me=me, caps=caps)
                 assert verdict.ok, (weights, codec_name, verdict.why)
 
 
@@ -102,19 +104,20 @@ def test_an_honest_reducer_passes_when_two_members_took_one_warm_up_step(codec_n
         for order in (members, members[::-1]):  # (the reducer's own contribution comes first)
             ordered = [parts[members.index(m)] for m in order]
             ordered_weights = [weights[members.index(m)] for m in order]
-            result, radii, chunks, codec = _reduce(ordered, ordered_weights, codec_name)
+            result, radii, chunks, codec, caps = _reduce(ordered, ordered_weights, codec_name)
             assert max(radii) < 1e-2 * min(float(p.norm()) for p in parts[2:]), "every member is clipped"
             for me in order:
-                verdict, _ = _verdict(ordered, ordered_weights, result, radii, chunks, codec, order, me=me)
+                verdict, _ = _verdict(ordered, ordered_weights, result, radii, chunks, codec, order, me=me,
+                                      caps=caps)
                 assert verdict.ok, (codec_name, seed, order[0], me, verdict.why)
 
 
 def test_a_reducer_that_moves_its_result_is_caught_and_accused():
     members = ["r", "a", "b", "c"]
     parts, weights = _group(4, 1), [100.0] * 4
-    result, radii, chunks, codec = _reduce(parts, weights, "int8")
+    result, radii, chunks, codec, caps = _reduce(parts, weights, "int8")
     for shift in (result * 1000, result + 0.05 * torch.randn(PART), result * -1):
-        verdict, _ = _verdict(parts, weights, shift, radii, chunks, codec, members, me="a")
+        verdict, _ = _verdict(parts, weights, shift, radii, chunks, codec, members, me="a", caps=caps)
         assert not verdict.ok and verdict.accused == {"r"}, verdict
 
 
@@ -123,13 +126,13 @@ def test_a_lie_the_reducer_hides_in_its_own_term_is_bounded():
     it can do then is cancel the residual of a result moved by about its share of the radius; a larger move fails."""
     members = ["r", "a", "b", "c"]
     parts, weights = _group(4, 2), [100.0] * 4
-    result, radii, chunks, codec = _reduce(parts, weights, "none")
+    result, radii, chunks, codec, caps = _reduce(parts, weights, "none")
     radius_norm = math.sqrt(sum(r * r for r in radii))
     direction = torch.randn(PART)
     for size, caught in ((0.01, False), (3.0, True)):
         moved = result + direction / direction.norm() * size * radius_norm
         sketch = Sketch.of(part_seed("group", [b"n%d" % i for i in range(4)], 0), PART)
-        honest = {m: term(p, moved, chunks, radii, sketch) for m, p in zip(members, parts)}
+        honest = {m: term(p, moved, chunks, radii, sketch, caps) for m, p in zip(members, parts)}
         # The liar's best claim of its own term: minus the others' sum, shortened to the longest it may claim.
         others = sum(torch.tensor(honest[m].sketch, dtype=torch.float64) for m in members[1:])
         own = -others / weights[0] * weights[1]
@@ -138,28 +141,46 @@ def test_a_lie_the_reducer_hides_in_its_own_term_is_bounded():
             own = own / own.norm() * longest * 0.999
         claims = {**honest, "r": Term(tuple(own.tolist()), honest["r"].norms, honest["r"].distances)}
         verdict = judge("a", "r", members, capped_weights(weights), radii, claims, {**honest, "r": claims["r"]},
-                        chunk_norms(moved, chunks), [0.0] * len(chunks))
+                        chunk_norms(moved, chunks), [0.0] * len(chunks), caps)
         assert verdict.ok is not caught, (size, verdict)
 
 
 def test_radius_out_of_bounds_is_caught():
     members = ["r", "a", "b"]
     parts, weights = _group(3, 3, liar=1000.0), [100.0] * 3
-    result, radii, chunks, codec = _reduce(parts, weights, "fp16")
+    result, radii, chunks, codec, caps = _reduce(parts, weights, "fp16")
     norms = [float(p[chunks[0][0]:chunks[0][1]].double().norm()) for p in parts]
     for bad in ([1e9] * len(radii), [0.0] * len(radii), [5 * lower_median(norms)] * len(radii)):
-        verdict, _ = _verdict(parts, weights, result, bad, chunks, codec, members, me="a")
+        verdict, _ = _verdict(parts, weights, result, bad, chunks, codec, members, me="a", caps=caps)
         assert not verdict.ok and verdict.accused == {"r"}, (bad[0], verdict)
+
+
+def test_a_norm_cap_other_than_the_members_is_caught():
+    """The reducer cuts every contribution to 1.5x the weighted lower median of the chunk's norms; the members
+    recompute that cap from the norms they report. A reducer that names a larger cap (letting its own or a
+    colluder's x1000 contribution through longer) or none, or a smaller one, is accused."""
+    members = ["r", "a", "b", "c"]
+    parts, weights = _group(4, 6, liar=1000.0), [100.0] * 4
+    result, radii, chunks, codec, caps = _reduce(parts, weights, "int8")
+    a, b = chunks[0]
+    norms = sorted(float(p[a:b].double().norm()) for p in parts)
+    assert caps[0] == pytest.approx(1.5 * norms[1]), "1.5x the lower median of the four norms"
+    verdict, _ = _verdict(parts, weights, result, radii, chunks, codec, members, me="a", caps=caps)
+    assert verdict.ok, verdict.why
+    for bad in ([c * 2 for c in caps], [math.inf] * len(caps), [c / 2 for c in caps]):
+        verdict, _ = _verdict(parts, weights, result, radii, chunks, codec, members, me="a", caps=bad)
+        assert not verdict.ok and verdict.accused == {"r"}, (bad[0], verdict)
+        assert "norm cap" in verdict.why
 
 
 def test_a_misreported_term_parts_exactly_the_two_who_disagree():
     members = ["r", "a", "b"]
     parts, weights = _group(3, 4), [100.0] * 3
-    result, radii, chunks, codec = _reduce(parts, weights, "int8")
-    _, true = _verdict(parts, weights, result, radii, chunks, codec, members)
+    result, radii, chunks, codec, caps = _reduce(parts, weights, "int8")
+    _, true = _verdict(parts, weights, result, radii, chunks, codec, members, caps=caps)
     forged = Term(tuple(x + 1.0 for x in true["a"].sketch), true["a"].norms, true["a"].distances)
     args = (capped_weights(weights), radii)
-    extra = (chunk_norms(result, chunks), rounding([codec] * len(chunks), result, chunks))
+    extra = (chunk_norms(result, chunks), rounding([codec] * len(chunks), result, chunks), caps)
     # The reducer misreports a's term: a accuses the reducer, b accuses nobody but does not accept the part.
     claims = {**true, "a": forged}
     assert judge("a", "r", members, *args, claims, true, *extra).accused == {"r"}

@@ -14,7 +14,7 @@ import torch
 
 from swarm.averaging.common import chunk_bounds
 from swarm.averaging.partition import partition
-from swarm.averaging.verify import RADIUS_CEILING, RADIUS_FLOOR
+from swarm.averaging.verify import RADIUS_CEILING, RADIUS_FLOOR, norm_cap, shrink
 
 AGGREGATORS = ("mean", "trimmed_mean", "centered_clip")
 # A robust aggregate counts no contribution as more than this many times the group's (lower) median weight: a
@@ -87,27 +87,32 @@ def trimmed(n: int) -> int:
 
 
 def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> tuple[torch.Tensor, float]:
-    """CenteredClip with weights capped (capped_weights): the point v where the weighted mean of the contributions,
-    each pulled in to within radius tau of v, is v itself. tau is CLIP_RADIUS times the median distance from the
-    medoid (the contribution closest, in sum, to all others: an honest one while they are a majority) to the
-    others, so one far contribution moves the result by at most about tau times its share of the weight, however
-    far it is. When every contribution lies within tau of the plain weighted mean, that mean is the fixed point,
-    and it is returned exactly (a group of two always is). Deciding that costs one Gram matrix of the
+    """CenteredClip with weights capped (capped_weights) and contributions cut to the norm cap (verify.norm_cap):
+    the point v where the weighted mean of the contributions, each pulled in to within radius tau of v, is v itself.
+    tau is CLIP_RADIUS times the median distance from the medoid (the contribution closest, in sum, to all others:
+    an honest one while they are a majority) to the others, so one far contribution moves the result by at most
+    about tau times its share of the weight, however far it is. When every contribution lies within tau of the
+    plain weighted mean (and none is longer than the cap), that mean is the fixed point, and it is returned exactly
+    (a group of two always is). Deciding that costs one Gram matrix of the
     contributions (about what the mean costs); only a group with a far contribution solves for the fixed point
     (one more Gram matrix, a few Newton steps among n coordinates, and one pass to put the point together)."""
-    average, total_weight, _ = centered_clip_radius(parts, weights)
+    average, total_weight, _, _ = centered_clip_radius(parts, weights)
     return average, total_weight
 
 
 def centered_clip_radius(parts: Sequence[torch.Tensor],
-                         weights: Sequence[float]) -> tuple[torch.Tensor, float, float]:
-    """centered_clip, and the radius tau it used (inf for a group of two, which takes the plain mean). tau stays
-    within the bounds members check it against (verify.py): between RADIUS_FLOOR and RADIUS_CEILING times the lower
-    median of the contributions' norms."""
+                         weights: Sequence[float]) -> tuple[torch.Tensor, float, float, float]:
+    """centered_clip, the radius tau it used (inf for a group of two, which takes the plain mean) and the norm cap
+    (norm_cap) its contributions were cut to first. tau stays within the bounds members check it against
+    (verify.py): between RADIUS_FLOOR and RADIUS_CEILING times the lower median of the contributions' norms (which
+    the cap leaves as it is: the cap is above that median)."""
     weights = capped_weights(weights)
+    norms = [float(torch.linalg.vector_norm(part, dtype=torch.float64)) for part in parts]
+    cap = norm_cap(norms, weights)
+    parts = [part if shrink(n, cap) == 1.0 else part * shrink(n, cap) for part, n in zip(parts, norms)]
     plain, total_weight = mean(parts, weights)
     if len(parts) <= 2:
-        return plain, total_weight, math.inf
+        return plain, total_weight, math.inf, cap
     stacked = torch.stack(list(parts)).flatten(1)
     offsets = stacked - plain.flatten()
     gram = (offsets @ offsets.T).double()  # of the offsets from the mean, so that distances do not cancel
@@ -117,11 +122,11 @@ def centered_clip_radius(parts: Sequence[torch.Tensor],
     others = torch.cat([pairwise[medoid, :medoid], pairwise[medoid, medoid + 1:]])
     # Within the bounds every member checks (verify.py), which follow the contributions' norms alone, so an honest
     # radius always meets them: the medoid's radius, raised to the floor or cut to the ceiling where it falls out.
-    norm = _lower_median(stacked.double().norm(dim=1))
+    norm = sorted(norms)[(len(norms) - 1) // 2]
     tau = min(max(CLIP_RADIUS * float(others.median()), RADIUS_FLOOR * norm), RADIUS_CEILING * norm)
     if float(to_mean.max()) <= tau * (1 + 1e-6):
-        return plain, total_weight, tau
-    return _clip_point(stacked, weights, medoid, tau).view_as(plain), total_weight, tau
+        return plain, total_weight, tau, cap
+    return _clip_point(stacked, weights, medoid, tau).view_as(plain), total_weight, tau, cap
 
 
 def _clip_point(stacked: torch.Tensor, weights: Sequence[float], medoid: int, tau: float) -> torch.Tensor:
@@ -216,10 +221,6 @@ def _pull(points: np.ndarray, weights: np.ndarray, tau: float,
     distances = np.linalg.norm(offsets, axis=1)
     shares = weights * np.minimum(1.0, tau / np.maximum(distances, 1e-300))
     return shares @ offsets, offsets, distances, shares
-
-
-def _lower_median(values: torch.Tensor) -> float:
-    return float(values.sort().values[(values.numel() - 1) // 2])
 
 
 def aggregate_parts(name: str, vectors: Sequence[torch.Tensor], weights: Sequence[float],

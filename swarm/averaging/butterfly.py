@@ -131,9 +131,9 @@ class Butterfly(Verifying, Run):
                 contributors.append(sender)
             if sum(weights) <= 0:
                 raise AllReduceError("bad_data", "the group's total weight is zero: nobody trained this round", set())
-            radius = None
-            if self.verifying:  # (then the aggregate is CenteredClip, whose radius the members check)
-                average, total_weight, radius = centered_clip_radius(parts, weights)
+            radius = cap = None
+            if self.verifying:  # (then the aggregate is CenteredClip, whose radius and norm cap the members check)
+                average, total_weight, radius, cap = centered_clip_radius(parts, weights)
             else:
                 average, total_weight = self.context.aggregate(parts, weights)
             if not torch.isfinite(average).all():  # (finite parts and weights give a finite aggregate: a bug)
@@ -144,8 +144,9 @@ class Butterfly(Verifying, Run):
             self.result[a:b] = self.codec_at(a).decode(encoded, max_numel=b - a)  # exactly what the others will hold
             self.wire[a] = (a, b, bytes(encoded))
             if self.checking:
-                self.reduced_chunk(k, contributors, parts, radius)
-            meta = Averaged(tuple(sorted(contributors)), tuple(sorted(rejected)), total_weight, radius).to_wire()
+                self.reduced_chunk(k, contributors, parts, radius, cap)
+            meta = Averaged(tuple(sorted(contributors)), tuple(sorted(rejected)), total_weight, radius,
+                            cap).to_wire()
             self.accounts.setdefault(self.me, []).append(meta)
             outgoing = encoded if self.bad in (None, *LYING_VALUES) else self.outgoing(average, self.codec_at(a))
             for queue in self.queues.values():

@@ -144,19 +144,22 @@ class PartialSum:
 @dataclass(frozen=True)
 class Averaged:
     """The meta of an averaged chunk (its reducer's accounts): whose contributions it averages, whose data it
-    refused, the total weight, and CenteredClip's radius (None for other aggregates). Every member reads the same
-    accounts, so all agree on the outcome."""
+    refused, the total weight, and CenteredClip's radius and norm cap (None for other aggregates). Every member reads
+    the same accounts, so all agree on the outcome."""
 
     contributors: tuple[str, ...]
     rejected: tuple[str, ...]
     total_weight: float
     radius: Optional[float] = None
+    cap: Optional[float] = None
 
     def to_wire(self) -> dict:
         wire = {"contributors": sorted(self.contributors), "rejected": sorted(self.rejected),
                 "total_weight": float(self.total_weight)}
         if self.radius is not None:
             wire["radius"] = float(self.radius)
+        if self.cap is not None:
+            wire["cap"] = float(self.cap)
         return wire
 
     @classmethod
@@ -168,8 +171,11 @@ class Averaged:
         radius = value.get("radius")
         if radius is not None and (not isinstance(radius, float) or not radius >= 0):  # (inf: a group of two)
             raise MessageError(f"radius must be a float >= 0, got {radius!r}")
+        cap = value.get("cap")
+        if cap is not None and (not isinstance(cap, float) or not cap >= 0):  # (inf: no cap)
+            raise MessageError(f"cap must be a float >= 0, got {cap!r}")
         return cls(_peers(value.get("contributors"), "contributors"), _peers(value.get("rejected", []), "rejected"),
-                   total_weight, radius)
+                   total_weight, radius, cap)
 
 
 def _mapping(value: Any, what: str) -> dict:

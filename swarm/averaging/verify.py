@@ -37,6 +37,12 @@ SKETCH_SLACK = 1.5
 # when one member trained far more than the rest.
 RADIUS_CEILING = 4.0
 RADIUS_FLOOR = 0.25
+# CenteredClip (aggregate.py) first cuts every contribution's chunk to this many times the weighted lower median of
+# the norms of the chunk's contributions (norm clipping before the robust mean, as Karimireddy et al. suggest): a
+# member sending x1000 of its honest pseudo-gradient then counts as an honest one 1.5x longer would, instead of a
+# radius past the result every round. An honest member whose chunk is longer (it made more steps) counts as 1.5x
+# the median, as its weight does. Members check the cap a reducer names against the norms they report.
+NORM_SPREAD = 1.5
 # What an honest reducer's result may leave of the sum, besides its codec's rounding, in radii times the group's
 # weight: CenteredClip solves for its fixed point to aggregate.CLIP_TOLERANCE (1e-6) of that, in float64
 # coordinates (on real pseudo-gradients, a x1e9 member among them, the float32 result left at most 1.4e-3, its own
@@ -108,33 +114,66 @@ class Sketch:
         return sums[:SKETCH_BUCKETS] - sums[SKETCH_BUCKETS:]
 
 
-def offset_stats(contribution: torch.Tensor, result: torch.Tensor, radius: float) -> tuple[float, float, float]:
-    """One chunk of a member's term, but for the sketch: (the norm of its contribution, its distance to the result,
-    the factor its offset is pulled in by to lie within `radius`: 1 if it does). Nothing here depends on the
-    sketch, so a member works it out as each averaged chunk arrives (verifying.py), and only the sketching waits for
-    the nonces."""
-    offset = contribution.float() - result.float()
+def norm_cap(norms: Sequence[float], weights: Sequence[float]) -> float:
+    """The longest a contribution counts as, given every contribution's norm and (capped) weight: NORM_SPREAD times
+    the weighted lower median of the norms of those with a positive weight, the least norm that the contributions no
+    longer than it hold half the weight with. No member holds half (aggregate.capped_weights), so that norm is an
+    honest member's, or lies between two honest ones, while the liars hold less than half. Weighted, so that where
+    half the members barely trained (two that joined late took one step, two trained four), the ones that trained,
+    holding most of the weight, are not cut to the late ones' norms. inf (no cap) among two or fewer members with
+    weight, as capped_weights leaves two weights alone, or where that median is zero (a majority sent nothing, and
+    CenteredClip's radius bounds the rest)."""
+    ranked = sorted((float(n), float(w)) for n, w in zip(norms, weights) if w > 0)
+    if len(ranked) <= 2:
+        return math.inf
+    half, held = sum(w for _, w in ranked) / 2, 0.0
+    for norm, weight in ranked:
+        held += weight
+        if held >= half:
+            return NORM_SPREAD * norm if norm > 0 else math.inf
+    return math.inf  # (unreachable: the last one holds the rest)
+
+
+def shrink(norm: float, cap: float) -> float:
+    """The factor a contribution of `norm` is scaled by to be no longer than `cap`."""
+    return cap / norm if norm > cap else 1.0
+
+
+def offset_stats(contribution: torch.Tensor, result: torch.Tensor, radius: float,
+                 cap: float = math.inf) -> tuple[float, float, float, float]:
+    """One chunk of a member's term, but for the sketch: (the norm of its contribution, the distance to the result
+    of its contribution cut to the norm cap `cap`, the factor that offset is pulled in by to lie within `radius`: 1
+    if it does, the factor the cap cut the contribution by: 1 if it did not). Nothing here depends on the sketch, so
+    a member works it out as each averaged chunk arrives (verifying.py), and only the sketching waits for the
+    nonces."""
+    norm = float(torch.linalg.vector_norm(contribution, dtype=torch.float64))
+    cut = shrink(norm, cap)
+    offset = (contribution.float() if cut == 1.0 else contribution.float() * cut) - result.float()
     distance = float(torch.linalg.vector_norm(offset, dtype=torch.float64))
-    return float(torch.linalg.vector_norm(contribution, dtype=torch.float64)), distance, \
-        radius / distance if distance > radius else 1.0
+    return norm, distance, radius / distance if distance > radius else 1.0, cut
 
 
 def sketched(contribution: torch.Tensor, result: torch.Tensor, chunks: Sequence[tuple[int, int]],
-             stats: Sequence[tuple[float, float, float]], sketch: Sketch) -> Term:
-    """The term whose chunks' offset_stats are `stats`: its offsets pulled in chunk by chunk, sketched."""
+             stats: Sequence[tuple[float, float, float, float]], sketch: Sketch) -> Term:
+    """The term whose chunks' offset_stats are `stats`: its chunks cut to the norm cap, their offsets pulled in,
+    sketched."""
     clipped = contribution.float() - result.float()
-    for (a, b), (_, _, scale) in zip(chunks, stats):
+    for (a, b), (_, _, scale, cut) in zip(chunks, stats):
+        if cut != 1.0:
+            clipped[a:b] = contribution[a:b].float() * cut - result[a:b].float()
         if scale != 1.0:
             clipped[a:b] *= scale
     return Term(tuple(float(x) for x in sketch.apply(clipped)), tuple(s[0] for s in stats), tuple(s[1] for s in stats))
 
 
 def term(contribution: torch.Tensor, result: torch.Tensor, chunks: Sequence[tuple[int, int]],
-         radii: Sequence[float], sketch: Sketch) -> Term:
+         radii: Sequence[float], sketch: Sketch, caps: Optional[Sequence[float]] = None) -> Term:
     """A member's term of a part: `contribution` and `result` are the part's values (what the reducer decoded of the
     member's payload, and what every member decoded of the reducer's), `chunks` the chunk bounds relative to the
-    part, `radii` the reducer's radius of each chunk."""
-    stats = [offset_stats(contribution[a:b], result[a:b], radius) for (a, b), radius in zip(chunks, radii)]
+    part, `radii` and `caps` the reducer's radius and norm cap of each chunk (no caps: none)."""
+    caps = caps if caps is not None else [math.inf] * len(chunks)
+    stats = [offset_stats(contribution[a:b], result[a:b], radius, cap)
+             for (a, b), radius, cap in zip(chunks, radii, caps)]
     return sketched(contribution, result, chunks, stats, sketch)
 
 
@@ -166,12 +205,12 @@ class Verdict:
 
 def judge(me: str, reducer: str, members: Sequence[str], weights: Sequence[float], radii: Sequence[float],
           claims: dict[str, Term], own: dict[str, Term], result_norms: Sequence[float],
-          roundings: Sequence[float]) -> Verdict:
+          roundings: Sequence[float], caps: Optional[Sequence[float]] = None) -> Verdict:
     """`me`'s verdict on `reducer`'s part. `weights` are the members' capped weights (in member order), `radii`
-    the reducer's radius of each chunk, `claims` the reducer's sketch of every member's term, `own` the terms
-    members sent of themselves (missing for a member that could not send one, e.g. a client: its term is then held
-    to the bound on length only, as the reducer's own is). `result_norms` are the norms of the result's chunks,
-    `roundings` what decoding may have moved each (rounding)."""
+    and `caps` the reducer's radius and norm cap of each chunk (no caps: none), `claims` the reducer's sketch of
+    every member's term, `own` the terms members sent of themselves (missing for a member that could not send one,
+    e.g. a client: its term is then held to the bound on length only, as the reducer's own is). `result_norms` are
+    the norms of the result's chunks, `roundings` what decoding may have moved each (rounding)."""
     if set(claims) != set(members):
         return Verdict(False, frozenset({reducer}), "its claims do not name every member")
     for peer in members:
@@ -184,6 +223,12 @@ def judge(me: str, reducer: str, members: Sequence[str], weights: Sequence[float
             if me == reducer:
                 return Verdict(False, frozenset({peer}), f"{peer[-8:]} misreports its term")
             return Verdict(False, frozenset(), f"it and {peer[-8:]} disagree on {peer[-8:]}'s term")
+    caps = list(caps) if caps is not None else [math.inf] * len(radii)
+    for k, cap in enumerate(caps):
+        expected = norm_cap([claims[p].norms[k] for p in members], weights)
+        if not (cap == expected or abs(cap - expected) <= FLOAT_SLACK * expected):
+            return Verdict(False, frozenset({reducer}), f"its norm cap {cap:.3g} of chunk {k} is not the "
+                                                        f"members' ({expected:.3g})")
     radius_norm = math.sqrt(sum(r * r for r in radii))
     for k, radius in enumerate(radii):
         norm = lower_median([claims[p].norms[k] for p in members])
@@ -199,7 +244,7 @@ def judge(me: str, reducer: str, members: Sequence[str], weights: Sequence[float
     others = sum(weights) - own_weight
     share = own_weight / others if others > 0 else math.inf
     for k, radius in enumerate(radii):
-        largest = max((claims[p].norms[k] for p in members if p != reducer), default=0.0)
+        largest = max((min(claims[p].norms[k], caps[k]) for p in members if p != reducer), default=0.0)
         reach = largest + share * radius + (2 * largest * share / (1 - share) if share < 1 else math.inf)
         if result_norms[k] > reach * (1 + FLOAT_SLACK) + roundings[k] + CONVERGENCE * radius + 1e-30:
             return Verdict(False, frozenset({reducer}), f"its result's chunk {k} lies farther "
@@ -213,7 +258,8 @@ def judge(me: str, reducer: str, members: Sequence[str], weights: Sequence[float
     for peer, weight in zip(members, weights):
         total += weight * np.asarray(claims[peer].sketch)
     scale = sum(weights)
-    contributions = sum(w * math.sqrt(sum(n * n for n in claims[p].norms)) for p, w in zip(members, weights))
+    contributions = sum(w * math.sqrt(sum(min(n, cap) ** 2 for n, cap in zip(claims[p].norms, caps)))
+                        for p, w in zip(members, weights))
     rounding_norm = math.sqrt(sum(r * r for r in roundings))
     result_norm = math.sqrt(sum(n * n for n in result_norms))
     tolerance = math.sqrt(SKETCH_SLACK) * scale * (rounding_norm + CONVERGENCE * radius_norm) + \

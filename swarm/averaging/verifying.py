@@ -47,19 +47,20 @@ class Verifying:
         """Chunk k of reducer j's part came back (its average in self.result, `meta` its accounts): our term of it."""
         a, b = self.chunking[j][k]
         try:
-            radius = Averaged.from_wire(meta).radius
+            averaged = Averaged.from_wire(meta)
         except MessageError:
             return  # (check_accounts fails the attempt)
-        if radius is None or not math.isfinite(radius):
+        if averaged.radius is None or not math.isfinite(averaged.radius) or averaged.cap is None:
             return  # (`radii` fails the part after the commits)
-        self.offset_stats[j][k] = offset_stats(self.mine_at(j, a, b), self.result[a:b], radius)
+        self.offset_stats[j][k] = offset_stats(self.mine_at(j, a, b), self.result[a:b], averaged.radius, averaged.cap)
         self.result_stats[j][k] = self.chunk_stats(a, b)
 
-    def reduced_chunk(self, k: int, contributors: list[str], parts: list[torch.Tensor], radius: float) -> None:
+    def reduced_chunk(self, k: int, contributors: list[str], parts: list[torch.Tensor], radius: float,
+                      cap: float) -> None:
         """We averaged chunk k of our part from `parts` (of `contributors`): every member's term of it."""
         a, b = self.chunking[self.index][k]
         for member, part in zip(contributors, parts):
-            self.claim_stats[member][k] = offset_stats(part, self.result[a:b], radius)
+            self.claim_stats[member][k] = offset_stats(part, self.result[a:b], radius, cap)
         self.result_stats[self.index][k] = self.chunk_stats(a, b)
 
     def chunk_stats(self, a: int, b: int) -> tuple[float, float]:
@@ -115,16 +116,16 @@ class Verifying:
                               accused)
         seeds = [part_seed(self.group.group_id, [nonces[m] for m in self.members], j) for j in range(len(self.members))]
         sketches = {j: Sketch.of(seeds[j], b - a) for j, (a, b) in enumerate(self.bounds) if b > a}
-        radii = {j: self.radii(j) for j in sketches}
-        report = {"terms": [self.term_of(j, self.mine(j), self.offset_stats[j], sketches[j], radii[j]).to_wire()
+        radii = {j: self.radii(j) for j in sketches}  # (radii, caps) of each chunk
+        report = {"terms": [self.term_of(j, self.mine(j), self.offset_stats[j], sketches[j], *radii[j]).to_wire()
                             if j in sketches and j != self.index else None for j in range(len(self.members))]}
         if self.index in sketches:
-            claims = self.claims(sketches[self.index], radii[self.index])
+            claims = self.claims(sketches[self.index], *radii[self.index])
             report["claims"] = {peer: claim.to_wire() for peer, claim in claims.items()}
             report["terms"][self.index] = report["claims"][self.me]
         reports = await self.exchange(msgpack.packb(report))
         reports[self.me] = report
-        verdicts = [self.judge_part(j, reports, radii[j]) for j in sorted(sketches)]
+        verdicts = [self.judge_part(j, reports, *radii[j]) for j in sorted(sketches)]
         failed = [v for v in verdicts if not v.ok]
         if failed:
             self.fail("; ".join(v.why for v in failed), set().union(*(v.accused for v in failed)))
@@ -133,42 +134,46 @@ class Verifying:
         raise AllReduceError("unverified", f"round {self.group.round}: averages not verified ({why}); nothing "
                                            "applied", set(), set(accused) - {self.me})
 
-    def radii(self, j: int) -> list[float]:
-        """Reducer j's radius of each chunk of its part, as its accounts name them (its total weight checked)."""
+    def radii(self, j: int) -> tuple[list[float], list[float]]:
+        """Reducer j's radius and norm cap of each chunk of its part, as its accounts name them (its total weight
+        checked)."""
         reducer, expected = self.members[j], sum(capped_weights(self.group.weights))
-        radii = []
+        radii, caps = [], []
         for meta in self.accounts.get(reducer, []):
             averaged = Averaged.from_wire(meta)  # (check_accounts has read every one already)
-            if averaged.radius is None or not math.isfinite(averaged.radius) or \
+            if averaged.radius is None or not math.isfinite(averaged.radius) or averaged.cap is None or \
                     not math.isclose(averaged.total_weight, expected, rel_tol=1e-9):
-                self.fail(f"{reducer[-8:]} names no radius or another total weight", {reducer})
+                self.fail(f"{reducer[-8:]} names no radius, no norm cap or another total weight", {reducer})
             radii.append(averaged.radius)
+            caps.append(averaged.cap)
         if len(radii) != len(self.chunking[j]):
             self.fail(f"{reducer[-8:]}'s accounts do not cover its part", {reducer})
-        return radii
+        return radii, caps
 
     def mine(self, j: int) -> torch.Tensor:
         """Our contribution to part j as its reducer decoded it (our own part: the vector itself, which we
         aggregate as it is)."""
         return self.mine_at(j, *self.bounds[j])
 
-    def term_of(self, j: int, contribution: torch.Tensor, stats: list, sketch: Sketch, radii: list[float]) -> Term:
+    def term_of(self, j: int, contribution: torch.Tensor, stats: list, sketch: Sketch, radii: list[float],
+                caps: list[float]) -> Term:
         """A term of part j whose chunks' offset_stats are `stats` (worked out now where a chunk's arrival could
         not, e.g. its radius was missing, which fails the part anyway)."""
         start, end = self.bounds[j]
         result = self.result[start:end]
-        stats = [s if s is not None else offset_stats(contribution[a:b], result[a:b], radius)
-                 for s, (a, b), radius in zip(stats, self.relative(j), radii)]
+        stats = [s if s is not None else offset_stats(contribution[a:b], result[a:b], radius, cap)
+                 for s, (a, b), radius, cap in zip(stats, self.relative(j), radii, caps)]
         return sketched(contribution, result, self.relative(j), stats, sketch)
 
-    def claims(self, sketch: Sketch, radii: list[float]) -> dict[str, Term]:
+    def claims(self, sketch: Sketch, radii: list[float], caps: list[float]) -> dict[str, Term]:
         """Every member's term of our part, from the contributions as we decoded them."""
-        claims = {self.me: self.term_of(self.index, self.mine(self.index), self.claim_stats[self.me], sketch, radii)}
+        claims = {self.me: self.term_of(self.index, self.mine(self.index), self.claim_stats[self.me], sketch, radii,
+                                        caps)}
         for sender in self.others:
             payloads = [self.mailbox.slot("part", sender, k).result()[1] for k in range(len(self.chunking[self.index]))]
             contribution = torch.cat([self.codec_at(a).decode(payload, max_numel=b - a)
                                       for (a, b), payload in zip(self.chunking[self.index], payloads)])
-            claims[sender] = self.term_of(self.index, contribution, self.claim_stats[sender], sketch, radii)
+            claims[sender] = self.term_of(self.index, contribution, self.claim_stats[sender], sketch, radii, caps)
         if self.bad == "lying-reducer":
             claims[self.me] = self.cover_up(claims, radii)
         return claims
@@ -209,7 +214,7 @@ class Verifying:
                                            "verification; nothing applied", missing)
         return reports
 
-    def judge_part(self, j: int, reports: dict[str, dict], radii: list[float]) -> Verdict:
+    def judge_part(self, j: int, reports: dict[str, dict], radii: list[float], caps: list[float]) -> Verdict:
         reducer, chunks = self.members[j], len(self.chunking[j])
         raw_claims = reports.get(reducer, {}).get("claims")
         claims = {peer: Term.from_wire(value, chunks) for peer, value in raw_claims.items()} \
@@ -228,7 +233,7 @@ class Verifying:
         if any(s is None for s in stats):
             stats = [self.chunk_stats(a, b) for a, b in self.chunking[j]]
         verdict = judge(self.me, reducer, self.members, capped_weights(self.group.weights), radii, claims, own,
-                        [s[0] for s in stats], [s[1] for s in stats])
+                        [s[0] for s in stats], [s[1] for s in stats], caps)
         if not verdict.ok:
             return Verdict(False, verdict.accused, f"{reducer[-8:]}'s part: {verdict.why}")
         return verdict
