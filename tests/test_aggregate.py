@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from swarm.averaging import verify
-from swarm.averaging.verify import NORM_SPREAD
 from swarm.averaging.aggregate import (AGGREGATORS, OTHERS_SHARE, WEIGHT_SPREAD, aggregator, capped_weights,
                                       centered_clip, centered_clip_radius, mean, trimmed, trimmed_mean)
+from swarm.averaging.verify import NORM_SPREAD
 
 NUMEL = 50_000
 

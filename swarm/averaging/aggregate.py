@@ -14,7 +14,7 @@ import torch
 
 from swarm.averaging.common import chunk_bounds
 from swarm.averaging.partition import partition
-from swarm.averaging.verify import RADIUS_CEILING, RADIUS_FLOOR, norm_cap, shrink
+from swarm.averaging.verify import RADIUS_CEILING, RADIUS_FLOOR, lower_median, norm_cap, shrink
 
 AGGREGATORS = ("mean", "trimmed_mean", "centered_clip")
 # A robust aggregate counts no contribution as more than this many times the group's (lower) median weight: a
@@ -109,7 +109,7 @@ def centered_clip_radius(parts: Sequence[torch.Tensor],
     weights = capped_weights(weights)
     norms = [float(torch.linalg.vector_norm(part, dtype=torch.float64)) for part in parts]
     cap = norm_cap(norms, weights)
-    parts = [part if shrink(n, cap) == 1.0 else part * shrink(n, cap) for part, n in zip(parts, norms)]
+    parts = [part * shrink(n, cap) if n > cap else part for part, n in zip(parts, norms)]
     plain, total_weight = mean(parts, weights)
     if len(parts) <= 2:
         return plain, total_weight, math.inf, cap
@@ -122,7 +122,7 @@ def centered_clip_radius(parts: Sequence[torch.Tensor],
     others = torch.cat([pairwise[medoid, :medoid], pairwise[medoid, medoid + 1:]])
     # Within the bounds every member checks (verify.py), which follow the contributions' norms alone, so an honest
     # radius always meets them: the medoid's radius, raised to the floor or cut to the ceiling where it falls out.
-    norm = sorted(norms)[(len(norms) - 1) // 2]
+    norm = lower_median(norms)
     tau = min(max(CLIP_RADIUS * float(others.median()), RADIUS_FLOOR * norm), RADIUS_CEILING * norm)
     if float(to_mean.max()) <= tau * (1 + 1e-6):
         return plain, total_weight, tau, cap

@@ -16,6 +16,7 @@ butterfly (butterfly.py) moves the reports."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -126,12 +127,9 @@ def norm_cap(norms: Sequence[float], weights: Sequence[float]) -> float:
     ranked = sorted((float(n), float(w)) for n, w in zip(norms, weights) if w > 0)
     if len(ranked) <= 2:
         return math.inf
-    half, held = sum(w for _, w in ranked) / 2, 0.0
-    for norm, weight in ranked:
-        held += weight
-        if held >= half:
-            return NORM_SPREAD * norm if norm > 0 else math.inf
-    return math.inf  # (unreachable: the last one holds the rest)
+    half = sum(w for _, w in ranked) / 2
+    norm = next(n for (n, _), held in zip(ranked, itertools.accumulate(w for _, w in ranked)) if held >= half)
+    return NORM_SPREAD * norm if norm > 0 else math.inf
 
 
 def shrink(norm: float, cap: float) -> float:
