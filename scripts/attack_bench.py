@@ -129,20 +129,20 @@ def run_scenario(scenario: str, args: argparse.Namespace, workdir: Path) -> dict
             peak = max([peak] + [_tree_rss(process.pid) for process, _ in peers])
             time.sleep(0.5)
         finished = [process.poll() == 0 for process, _ in peers]
-        averaged = [[e for e in read_events(events) if e["event"] == "averaged"] for _, events in peers]
+        logs = [read_events(events) for _, events in peers]  # each peer's events, read once
+        told = [e for path in attacker_events for e in read_events(path)]  # the attackers' together
+        averaged = [[e for e in log if e["event"] == "averaged"] for log in logs]
         last = [max(rounds, key=lambda e: e["round"]) for rounds in averaged if rounds]
-        lies = {e.get("digest") for path in attacker_events for e in read_events(path) if e["event"] == "attacking"}
-        taken = sum(1 for _, events in peers for e in read_events(events)
-                    if e["event"] == "synced" and e.get("digest") in lies)
+        lies = {e.get("digest") for e in told if e["event"] == "attacking"}
+        taken = sum(1 for log in logs for e in log if e["event"] == "synced" and e.get("digest") in lies)
         # The longest an honest peer went without a round: from its start (or last round) to its next.
         waits = []
-        for (process, events), rounds in zip(peers, averaged):
-            times = [e["time"] for e in read_events(events) if e["event"] == "training"][:1] + \
-                [e["time"] for e in rounds]
+        for log, rounds in zip(logs, averaged):
+            times = [e["time"] for e in log if e["event"] == "training"][:1] + [e["time"] for e in rounds]
             waits += [b - a for a, b in zip(times, times[1:])]
         # That the attack ran: the rounds the attackers averaged with the swarm, and the lies scripted ones told.
-        attacker_rounds = sum(1 for path in attacker_events for e in read_events(path) if e["event"] == "averaged")
-        attacks = sum(1 for path in attacker_events for e in read_events(path) if e["event"] == "attacking")
+        attacker_rounds = sum(1 for e in told if e["event"] == "averaged")
+        attacks = sum(1 for e in told if e["event"] == "attacking")
         return {"scenario": scenario, "honest_peers": honest, "attackers": attackers, "finished": sum(finished),
                 "attacker_rounds": attacker_rounds, "attacks": attacks,
                 "rounds": min((e["round"] + 1 for e in last), default=0) if len(last) == honest else 0,
