@@ -11,7 +11,8 @@ import torch
 
 from swarm.averaging.aggregate import capped_weights, centered_clip_radius
 from swarm.averaging.common import chunk_bounds
-from swarm.averaging.verify import Sketch, Term, chunk_norms, judge, lower_median, part_seed, rounding, term
+from swarm.averaging.verify import (Sketch, Term, chunk_norms, judge, lower_median, part_seed, rounding, sketched,
+                                    term)
 from swarm.compression import get_codec
 
 PART = 3 * 65536 + 1000  # four chunks (the last one short)
@@ -202,3 +203,26 @@ def test_terms_survive_the_wire_and_malformed_ones_are_refused():
     assert Term.from_wire(t.to_wire(), len(chunks) + 1) is None
     assert Term.from_wire([[float("nan")] * 1024, [1.0] * 4, [1.0] * 4], 4) is None
     assert Term.from_wire("x", 4) is None
+
+
+def test_the_sketch_worked_out_in_blocks_is_the_count_sketch_of_the_clipped_offsets():
+    """Sketch.offsets works SKETCH_BLOCK elements at a time, from whole parts or their pieces chunk by chunk; it
+    must give what one float64 pass over the whole clipped, cut offset vector gives (every slot of every block
+    counted once, with its sign, each chunk's cut and scale applied to its own elements only)."""
+    g = torch.Generator().manual_seed(7)
+    contribution, result = torch.randn(PART, generator=g), torch.randn(PART, generator=g)
+    chunks = chunk_bounds(0, PART)
+    cuts, scales = [1.0, 0.5, 1.0, 0.25], [0.3, 1.0, 1.0, 0.7]
+    sketch = Sketch.of(b"\x02" * 32, PART)
+    assert int(sketch.slots.min()) >= 0 and int(sketch.slots.max()) < 2048
+    offsets = torch.empty(PART, dtype=torch.float64)
+    for (a, b), cut, scale in zip(chunks, cuts, scales):
+        offsets[a:b] = ((contribution[a:b] * cut - result[a:b]) * scale).double()
+    sums = torch.zeros(2048, dtype=torch.float64).index_add_(0, sketch.slots.long(), offsets)
+    expected = sums[:1024] - sums[1024:]
+    whole = sketch.offsets([contribution[a:b] for a, b in chunks], result, chunks, cuts, scales)
+    assert torch.allclose(whole, expected, rtol=1e-12, atol=1e-9)
+    stats = [(0.0, 0.0, scale, cut) for cut, scale in zip(cuts, scales)]
+    assert sketched(contribution, result, chunks, stats, sketch).sketch == tuple(whole.tolist())
+    assert torch.allclose(sketch.apply(offsets.float()), expected, rtol=1e-6, atol=1e-4)
+

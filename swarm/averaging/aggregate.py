@@ -7,7 +7,7 @@ function on the same members, so all reducers agree on the weights they name."""
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -100,14 +100,15 @@ def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> tu
     return average, total_weight
 
 
-def centered_clip_radius(parts: Sequence[torch.Tensor],
-                         weights: Sequence[float]) -> tuple[torch.Tensor, float, float, float]:
+def centered_clip_radius(parts: Sequence[torch.Tensor], weights: Sequence[float],
+                         norms: Optional[Sequence[float]] = None) -> tuple[torch.Tensor, float, float, float]:
     """centered_clip, the radius tau it used (inf for a group of two, which takes the plain mean) and the norm cap
     (norm_cap) its contributions were cut to first. tau stays within the bounds members check it against
     (verify.py): between RADIUS_FLOOR and RADIUS_CEILING times the lower median of the contributions' norms (which
-    the cap leaves as it is: the cap is above that median)."""
+    the cap leaves as it is: the cap is above that median). `norms`: the parts' norms, where the caller has them."""
     weights = capped_weights(weights)
-    norms = [float(torch.linalg.vector_norm(part, dtype=torch.float64)) for part in parts]
+    norms = list(norms) if norms is not None else [float(torch.linalg.vector_norm(part, dtype=torch.float64))
+                                                   for part in parts]
     cap = norm_cap(norms, weights)
     parts = [part * shrink(n, cap) if n > cap else part for part, n in zip(parts, norms)]
     plain, total_weight = mean(parts, weights)

@@ -10,6 +10,7 @@ commit phase ask the others for their decision (see Run.commit)."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from typing import Optional
 
@@ -23,6 +24,7 @@ from swarm.averaging.messages import Averaged, Contribution, MessageError
 from swarm.averaging.partition import partition
 from swarm.averaging.run import Run, RunContext
 from swarm.averaging.streams import GroupConflict
+from swarm.averaging.verify import norm64
 from swarm.averaging.verifying import Verifying
 from swarm.compression import Codec
 
@@ -52,6 +54,7 @@ class Butterfly(Verifying, Run):
         self.verifying = (context.verifiable and len(self.members) >= 3 and bool(group.weights)
                           and bool(group.commitments))
         self.checking = self.verifying and not self.i_am_client  # (a client member applies as the others do)
+        self.part_digests = [hashlib.sha256() for _ in self.chunking]  # of each part's averaged bytes, in order
         if self.checking:
             self.prepare_checks()
 
@@ -133,7 +136,8 @@ class Butterfly(Verifying, Run):
                 raise AllReduceError("bad_data", "the group's total weight is zero: nobody trained this round", set())
             radius = cap = None
             if self.verifying:  # (then the aggregate is CenteredClip, whose radius and norm cap the members check)
-                average, total_weight, radius, cap = centered_clip_radius(parts, weights)
+                norms = [norm64(part) for part in parts]  # (as members work out their own: verify.offset_stats)
+                average, total_weight, radius, cap = centered_clip_radius(parts, weights, norms)
             else:
                 average, total_weight = self.context.aggregate(parts, weights)
             if not torch.isfinite(average).all():  # (finite parts and weights give a finite aggregate: a bug)
@@ -143,14 +147,16 @@ class Butterfly(Verifying, Run):
             encoded = self.codec_at(a).encode(average)
             self.result[a:b] = self.codec_at(a).decode(encoded, max_numel=b - a)  # exactly what the others will hold
             self.wire[a] = (a, b, bytes(encoded))
-            if self.checking:
-                self.reduced_chunk(k, contributors, parts, radius, cap)
+            if self.verifying:
+                self.hashed(self.index, a)
             meta = Averaged(tuple(sorted(contributors)), tuple(sorted(rejected)), total_weight, radius,
                             cap).to_wire()
             self.accounts.setdefault(self.me, []).append(meta)
             outgoing = encoded if self.bad in (None, *LYING_VALUES) else self.outgoing(average, self.codec_at(a))
             for queue in self.queues.values():
                 queue.put_nowait((meta, outgoing))
+            if self.checking:  # (once the average is on its way: the members wait for it, not for these)
+                self.reduced_chunk(k, contributors, parts, norms, radius, cap)
 
     async def receive_from(self, reducer: str) -> None:
         for k, (a, b) in enumerate(self.chunking[self.members.index(reducer)]):
@@ -163,6 +169,8 @@ class Butterfly(Verifying, Run):
             try:
                 self.result[a:b] = self.decode(reducer, payload, b - a, self.codec_at(a))
                 self.wire[a] = (a, b, bytes(payload))
+                if self.verifying:
+                    self.hashed(self.members.index(reducer), a)
             except AllReduceError:
                 self.bad_reducers.add(reducer)  # every member decodes the same bytes, so all of them reject it
                 return

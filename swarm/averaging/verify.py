@@ -27,6 +27,7 @@ import torch
 from swarm.compression import Codec
 
 SKETCH_BUCKETS = 1024
+SKETCH_BLOCK = 1 << 16  # elements a sketch works on at a time (Sketch.offsets)
 # ||S u||^2 <= SKETCH_SLACK * ||u||^2 for a vector u fixed before the sketch S is drawn, but for a vanishing chance
 # (the sketched squared norm deviates by about sqrt(2 / SKETCH_BUCKETS) = 4% of it).
 SKETCH_SLACK = 1.5
@@ -105,13 +106,39 @@ class Sketch:
 
     @classmethod
     def of(cls, seed: bytes, numel: int) -> "Sketch":
-        generator = np.random.Generator(np.random.PCG64(int.from_bytes(seed[:16], "little")))
-        drawn = bytearray(generator.bytes(2 * numel))
-        return cls(torch.frombuffer(drawn, dtype=torch.int16) & (2 * SKETCH_BUCKETS - 1) if numel else
-                   torch.zeros(0, dtype=torch.int16))
+        # PCG64's raw 64-bit outputs, four slots each (eight times faster than Generator.bytes, which was most of
+        # what a member spent drawing every part's sketch after the commits), masked in place.
+        drawn = np.random.PCG64(int.from_bytes(seed[:16], "little")).random_raw((numel + 3) // 4)
+        slots = torch.from_numpy(drawn.astype("<u8", copy=False).view(np.int16)[:numel])
+        slots &= 2 * SKETCH_BUCKETS - 1
+        return cls(slots)
 
     def apply(self, values: torch.Tensor) -> torch.Tensor:
-        sums = torch.bincount(self.slots, weights=values.double(), minlength=2 * SKETCH_BUCKETS)
+        return self.offsets([values], None, [(0, values.numel())], [1.0], [1.0])
+
+    def offsets(self, pieces: Sequence[torch.Tensor], result: Optional[torch.Tensor],
+                chunks: Sequence[tuple[int, int]], cuts: Sequence[float], scales: Sequence[float]) -> torch.Tensor:
+        """The sketch of (piece * cut - result) * scale, chunk by chunk (`pieces`: a contribution's values in each
+        chunk; no result: zero), summed in float64. Worked out SKETCH_BLOCK elements at a time in two small
+        buffers: a float64 copy of a whole part (and a reducer's concatenated copy of every member's) was what a
+        member spent most of the check's time on, their pages faulted in afresh every round."""
+        sums = torch.zeros(2 * SKETCH_BUCKETS, dtype=torch.float64)
+        block = torch.empty(min(SKETCH_BLOCK, max((b - a for a, b in chunks), default=0)))
+        wide = torch.empty(block.numel(), dtype=torch.float64)
+        for piece, (a, b), cut, scale in zip(pieces, chunks, cuts, scales):
+            for start in range(a, b, SKETCH_BLOCK):
+                end = min(start + SKETCH_BLOCK, b)
+                values, out = piece[start - a:end - a], block[:end - start]
+                if cut != 1.0:
+                    torch.mul(values, cut, out=out)
+                else:
+                    out.copy_(values)
+                if result is not None:
+                    out.sub_(result[start:end])
+                if scale != 1.0:
+                    out.mul_(scale)
+                sums += torch.bincount(self.slots[start:end], weights=wide[:end - start].copy_(out),
+                                       minlength=2 * SKETCH_BUCKETS)
         return sums[:SKETCH_BUCKETS] - sums[SKETCH_BUCKETS:]
 
 
@@ -137,31 +164,48 @@ def shrink(norm: float, cap: float) -> float:
     return cap / norm if norm > cap else 1.0
 
 
-def offset_stats(contribution: torch.Tensor, result: torch.Tensor, radius: float,
-                 cap: float = math.inf) -> tuple[float, float, float, float]:
+def offset_stats(contribution: torch.Tensor, result: torch.Tensor, radius: float, cap: float = math.inf,
+                 norm: Optional[float] = None) -> tuple[float, float, float, float]:
     """One chunk of a member's term, but for the sketch: (the norm of its contribution, the distance to the result
     of its contribution cut to the norm cap `cap`, the factor that offset is pulled in by to lie within `radius`: 1
     if it does, the factor the cap cut the contribution by: 1 if it did not). Nothing here depends on the sketch, so
     a member works it out as each averaged chunk arrives (verifying.py), and only the sketching waits for the
-    nonces."""
-    norm = float(torch.linalg.vector_norm(contribution, dtype=torch.float64))
+    nonces. `norm`: the contribution's norm64, where the caller has it."""
+    norm = norm64(contribution) if norm is None else norm
     cut = shrink(norm, cap)
-    offset = (contribution.float() if cut == 1.0 else contribution.float() * cut) - result.float()
-    distance = float(torch.linalg.vector_norm(offset, dtype=torch.float64))
+    distance = norm64(contribution, cut, result)
     return norm, distance, radius / distance if distance > radius else 1.0, cut
 
 
-def sketched(contribution: torch.Tensor, result: torch.Tensor, chunks: Sequence[tuple[int, int]],
-             stats: Sequence[tuple[float, float, float, float]], sketch: Sketch) -> Term:
-    """The term whose chunks' offset_stats are `stats`: its chunks cut to the norm cap, their offsets pulled in,
-    sketched."""
-    clipped = contribution.float() - result.float()
-    for (a, b), (_, _, scale, cut) in zip(chunks, stats):
+def norm64(values: torch.Tensor, cut: float = 1.0, minus: Optional[torch.Tensor] = None) -> float:
+    """The float64 norm of values * cut - minus (no minus: of values * cut), SKETCH_BLOCK elements at a time: the
+    float64 copy of a whole chunk that torch.linalg.vector_norm(dtype=float64) makes, and the offset vector, cost
+    more than the arithmetic, in the data phase where they hold up the averages."""
+    total, numel = 0.0, values.numel()
+    block = torch.empty(min(SKETCH_BLOCK, numel))
+    wide = torch.empty(block.numel(), dtype=torch.float64)
+    for start in range(0, numel, SKETCH_BLOCK):
+        end = min(start + SKETCH_BLOCK, numel)
+        out = block[:end - start]
         if cut != 1.0:
-            clipped[a:b] = contribution[a:b].float() * cut - result[a:b].float()
-        if scale != 1.0:
-            clipped[a:b] *= scale
-    return Term(tuple(float(x) for x in sketch.apply(clipped)), tuple(s[0] for s in stats), tuple(s[1] for s in stats))
+            torch.mul(values[start:end], cut, out=out)
+        else:
+            out.copy_(values[start:end])
+        if minus is not None:
+            out.sub_(minus[start:end])
+        w = wide[:end - start].copy_(out)
+        total += float(torch.dot(w, w))
+    return math.sqrt(total)
+
+
+def sketched(contribution: torch.Tensor | Sequence[torch.Tensor], result: torch.Tensor,
+             chunks: Sequence[tuple[int, int]], stats: Sequence[tuple[float, float, float, float]],
+             sketch: Sketch) -> Term:
+    """The term whose chunks' offset_stats are `stats`: its chunks cut to the norm cap, their offsets pulled in,
+    sketched. `contribution`: the part's values, or their pieces chunk by chunk."""
+    pieces = [contribution[a:b] for a, b in chunks] if isinstance(contribution, torch.Tensor) else contribution
+    offsets = sketch.offsets(pieces, result, chunks, [s[3] for s in stats], [s[2] for s in stats])
+    return Term(tuple(offsets.tolist()), tuple(s[0] for s in stats), tuple(s[1] for s in stats))
 
 
 def term(contribution: torch.Tensor, result: torch.Tensor, chunks: Sequence[tuple[int, int]],
@@ -182,13 +226,12 @@ def lower_median(values: Sequence[float]) -> float:
 def rounding(codecs: Sequence[Codec], result: torch.Tensor, chunks: Sequence[tuple[int, int]]) -> list[float]:
     """Per chunk, the norm of the most that decoding can have moved the part's result: its codec's bound read off
     the decoded result (nothing for a lossless chunk), with 1% to spare for the bound's own rounding."""
-    return [0.0 if codec.name == "none" else
-            1.01 * float(torch.linalg.vector_norm(codec.error_bound(result[a:b]), dtype=torch.float64))
+    return [0.0 if codec.name == "none" else 1.01 * norm64(codec.error_bound(result[a:b]))
             for codec, (a, b) in zip(codecs, chunks)]
 
 
 def chunk_norms(result: torch.Tensor, chunks: Sequence[tuple[int, int]]) -> list[float]:
-    return [float(torch.linalg.vector_norm(result[a:b], dtype=torch.float64)) for a, b in chunks]
+    return [norm64(result[a:b]) for a, b in chunks]
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,6 @@ whose terms it must misreport or whose sum it cannot make vanish, averages with 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import math
 from typing import Optional
 
@@ -55,12 +54,13 @@ class Verifying:
         self.offset_stats[j][k] = offset_stats(self.mine_at(j, a, b), self.result[a:b], averaged.radius, averaged.cap)
         self.result_stats[j][k] = self.chunk_stats(a, b)
 
-    def reduced_chunk(self, k: int, contributors: list[str], parts: list[torch.Tensor], radius: float,
-                      cap: float) -> None:
-        """We averaged chunk k of our part from `parts` (of `contributors`): every member's term of it."""
+    def reduced_chunk(self, k: int, contributors: list[str], parts: list[torch.Tensor], norms: list[float],
+                      radius: float, cap: float) -> None:
+        """We averaged chunk k of our part from `parts` (of `contributors`, whose norm64 are `norms`): every
+        member's term of it."""
         a, b = self.chunking[self.index][k]
-        for member, part in zip(contributors, parts):
-            self.claim_stats[member][k] = offset_stats(part, self.result[a:b], radius, cap)
+        for member, part, norm in zip(contributors, parts, norms):
+            self.claim_stats[member][k] = offset_stats(part, self.result[a:b], radius, cap, norm)
         self.result_stats[self.index][k] = self.chunk_stats(a, b)
 
     def chunk_stats(self, a: int, b: int) -> tuple[float, float]:
@@ -83,15 +83,16 @@ class Verifying:
         self.revealed = Reveal(nonce, self.part_hashes())
         return self.revealed
 
+    def hashed(self, j: int, a: int) -> None:
+        """The averaged chunk of part j starting at `a` is in self.wire: into that part's hash (chunks come in
+        order; hashed as they come, the 12.5 MB of averages of a 25 MB fp16 round are not hashed after the data
+        phase, when every member waits)."""
+        self.part_digests[j].update(self.wire[a][2])
+
     def part_hashes(self) -> tuple[str, ...]:
         """The sha256 of each part's averaged bytes as we hold them ("" for a part with no elements)."""
-        hashes = []
-        for chunks in self.chunking:
-            digest = hashlib.sha256()
-            for a, _ in chunks:
-                digest.update(self.wire[a][2])
-            hashes.append(digest.hexdigest()[:32] if chunks else "")
-        return tuple(hashes)
+        return tuple(digest.hexdigest()[:32] if chunks else "" for digest, chunks in zip(self.part_digests,
+                                                                                          self.chunking))
 
     async def committed(self, commits: dict) -> None:
         """Check every part before we apply the average (servers only: a client member applies only if every
@@ -155,25 +156,29 @@ class Verifying:
         aggregate as it is)."""
         return self.mine_at(j, *self.bounds[j])
 
-    def term_of(self, j: int, contribution: torch.Tensor, stats: list, sketch: Sketch, radii: list[float],
-                caps: list[float]) -> Term:
-        """A term of part j whose chunks' offset_stats are `stats` (worked out now where a chunk's arrival could
-        not, e.g. its radius was missing, which fails the part anyway)."""
+    def term_of(self, j: int, contribution: torch.Tensor | list[torch.Tensor], stats: list, sketch: Sketch,
+                radii: list[float], caps: list[float]) -> Term:
+        """A term of part j (`contribution`: its values, or their pieces chunk by chunk) whose chunks'
+        offset_stats are `stats` (worked out now where a chunk's arrival could not, e.g. its radius was missing,
+        which fails the part anyway)."""
         start, end = self.bounds[j]
         result = self.result[start:end]
-        stats = [s if s is not None else offset_stats(contribution[a:b], result[a:b], radius, cap)
-                 for s, (a, b), radius, cap in zip(stats, self.relative(j), radii, caps)]
-        return sketched(contribution, result, self.relative(j), stats, sketch)
+        chunks = self.relative(j)
+        pieces = [contribution[a:b] for a, b in chunks] if isinstance(contribution, torch.Tensor) else contribution
+        stats = [s if s is not None else offset_stats(piece, result[a:b], radius, cap)
+                 for s, piece, (a, b), radius, cap in zip(stats, pieces, chunks, radii, caps)]
+        return sketched(pieces, result, chunks, stats, sketch)
 
     def claims(self, sketch: Sketch, radii: list[float], caps: list[float]) -> dict[str, Term]:
-        """Every member's term of our part, from the contributions as we decoded them."""
+        """Every member's term of our part, from the contributions as we decoded them (chunk by chunk: no copy
+        of a whole part)."""
         claims = {self.me: self.term_of(self.index, self.mine(self.index), self.claim_stats[self.me], sketch, radii,
                                         caps)}
         for sender in self.others:
             payloads = [self.mailbox.slot("part", sender, k).result()[1] for k in range(len(self.chunking[self.index]))]
-            contribution = torch.cat([self.codec_at(a).decode(payload, max_numel=b - a)
-                                      for (a, b), payload in zip(self.chunking[self.index], payloads)])
-            claims[sender] = self.term_of(self.index, contribution, self.claim_stats[sender], sketch, radii, caps)
+            pieces = [self.codec_at(a).decode(payload, max_numel=b - a)
+                      for (a, b), payload in zip(self.chunking[self.index], payloads)]
+            claims[sender] = self.term_of(self.index, pieces, self.claim_stats[sender], sketch, radii, caps)
         if self.bad == "lying-reducer":
             claims[self.me] = self.cover_up(claims, radii)
         return claims
