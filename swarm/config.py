@@ -150,6 +150,16 @@ class PipelineRecipe(_Section):
                               "gradient one step late (swarm/peer/microbatches.py); flush sends the next batch only "
                               "once the last one's gradients are all back and applied: exact steps, stages idle more")
 
+    rebalance_seconds: float = Field(
+        15.0, gt=0, le=86400, allow_inf_nan=False,
+        description="how long a stage must stay weaker (fewer live peers, or the pipelines' throughput bottleneck) "
+                    "before an unpinned peer of another stage moves to it; its stage's peers take turns, one more "
+                    "such period each")
+    settle_seconds: float = Field(
+        30.0, ge=0, le=86400, allow_inf_nan=False,
+        description="a peer moves for throughput only once it has hosted its stage this long (its capacity, and "
+                    "the others', measured): a peer that just moved does not move on at once")
+
     @field_validator("stages", mode="before")
     @classmethod
     def _auto_or_count(cls, value: Any) -> Any:
@@ -218,6 +228,9 @@ class Recipe(_Section):
             del fields["pipeline"]["stage_memory"]
         if fields["pipeline"]["schedule"] == "stream":  # (runs of stages before the field keep their digest)
             del fields["pipeline"]["schedule"]
+        for name, default in (("rebalance_seconds", 15.0), ("settle_seconds", 30.0)):  # (the same)
+            if fields["pipeline"][name] == default:
+                del fields["pipeline"][name]
         if fields["pipeline"]["stages"] == 1:  # and for whole-model runs
             del fields["pipeline"]
         return json.dumps(fields, sort_keys=True, separators=(",", ":"))

@@ -162,3 +162,15 @@ def test_pipeline_schedule_stream_keeps_the_digest_and_flush_is_its_own_run():
     assert flush.digest() != staged.digest() and flush.differing_fields(staged) == ["pipeline.schedule"]
     with pytest.raises(RecipeError, match=r"field 'pipeline.schedule'"):
         parse_recipe({"pipeline": {"stages": 2, "schedule": "1f1b"}})
+
+
+def test_rebalancing_waits_keep_the_digest_at_their_defaults_and_are_checked():
+    staged = Recipe.model_validate({"pipeline": {"stages": 2}})
+    assert (staged.pipeline.rebalance_seconds, staged.pipeline.settle_seconds) == (15.0, 30.0)
+    assert "rebalance_seconds" not in staged.canonical_json() and "settle_seconds" not in staged.canonical_json()
+    quick = Recipe.model_validate({"pipeline": {"stages": 2, "rebalance_seconds": 6, "settle_seconds": 12}})
+    assert quick.digest() != staged.digest()
+    assert quick.differing_fields(staged) == ["pipeline.rebalance_seconds", "pipeline.settle_seconds"]
+    for bad in ({"rebalance_seconds": 0}, {"rebalance_seconds": float("inf")}, {"settle_seconds": -1}):
+        with pytest.raises(RecipeError, match=r"field 'pipeline\.(rebalance|settle)_seconds'"):
+            parse_recipe({"pipeline": {"stages": 2, **bad}})

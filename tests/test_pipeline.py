@@ -373,10 +373,10 @@ def test_killing_a_peer_of_a_stage_mid_round_loses_no_microbatch_and_the_swarm_g
 def test_a_peer_moves_to_the_stage_that_holds_the_pipelines_back_or_lost_its_hosts(swarm):
     """Peer A hosts stage 1 (pinned) and computes 4x slower (a weaker device: --inject-fault slow@0); C joins
     without --stage and takes the empty stage 0; B joins pinned to stage 0. One peer a stage against two is no
-    reason to move, but the pipelines run at A's pace: once C has hosted stage 0 for THROUGHPUT_AFTER and the
+    reason to move, but the pipelines run at A's pace: once C has hosted stage 0 for settle_seconds and the
     capacities are measured (operators see stage 1 as the bottleneck by capacity), C moves to stage 1, which lifts
     the pace. Then B, stage 0's only host, is SIGKILLed: the first stage cannot train, and C, free to move, goes
-    back after REBALANCE_SECONDS (starting stage 0 from the recipe's init: nobody held it), and both stages average
+    back after rebalance_seconds (starting stage 0 from the recipe's init: nobody held it), and both stages average
     rounds again."""
     recipe = Path(__file__).parent / "recipes" / "rebalance.yaml"
     _, maddr = swarm.bootstrap(recipe=recipe)

@@ -38,8 +38,6 @@ from swarm.runtime import LoopThread
 logger = logging.getLogger(__name__)
 PEERS_SECONDS = 2.0  # how often the next stage's peers are read
 WAIT_SECONDS = 0.2  # a serving stage's training thread waits this long for a microbatch before it looks around
-REBALANCE_SECONDS = 15.0  # how long a stage must stay weaker before a peer of a stronger one moves to it
-THROUGHPUT_AFTER = 30.0  # a peer moves for throughput only once it has hosted its stage this long
 DRAIN_SECONDS = 600.0  # the longest a serving stage answers the stage before after its own last round
 
 
@@ -220,10 +218,10 @@ class Part:
     def _weaker(self, hosts: list[list]) -> tuple[Optional[int], str, float]:
         """The stage we should move to (block_selection.stage_to_move_to: a stage with two fewer live peers than
         ours, or the pipelines' throughput bottleneck), why (for the log), and how long it must stay so first. Only an unpinned
-        peer moves, for throughput only once it has hosted its stage for THROUGHPUT_AFTER (its capacity, and the
-        others', measured: a peer that just moved does not move on at once), and its stage's peers take turns:
-        REBALANCE_SECONDS for the first in the order of their id's hash, one more period for each after it, so that
-        one moves and the others see the stages change."""
+        peer moves, for throughput only once it has hosted its stage for the recipe's pipeline.settle_seconds (its
+        capacity, and the others', measured: a peer that just moved does not move on at once), and its stage's peers
+        take turns: pipeline.rebalance_seconds for the first in the order of their id's hash, one more period for
+        each after it, so that one moves and the others see the stages change."""
         if self.pinned or self.settings.network.client_mode:
             return None, "", 0.0
         me = self.node.peer_id
@@ -233,7 +231,7 @@ class Part:
         capacities = [view.stage_capacity(stage) for stage in hosts]
         others_capacity, mine = (view.stage_capacity(ours) if ours else 0.0), self.capacity()  # (ours read live)
         capacities[self.index] = None if others_capacity is None or mine <= 0 else others_capacity + mine
-        settled = time.monotonic() - self.started >= THROUGHPUT_AFTER
+        settled = time.monotonic() - self.started >= self.recipe.pipeline.settle_seconds
         target, why = stage_to_move_to(counts, capacities if settled else [None] * self.stages, self.index,
                                        mine, self.costs, self.fits)
         if target is None:
@@ -243,7 +241,7 @@ class Part:
             f"computes {min(capacities):.0f} tokens/s (stage {target}: {capacities[target]:.0f}, ours " \
             f"{capacities[self.index]:.0f})"
         turn = sorted([peer_id_hash(p.peer_id) for p in ours] + [peer_id_hash(me)]).index(peer_id_hash(me))
-        return target, why, REBALANCE_SECONDS * (1 + turn)
+        return target, why, self.recipe.pipeline.rebalance_seconds * (1 + turn)
 
     def validation_loss(self, batches: list[torch.Tensor], device: torch.device) -> Optional[float]:
         """The validation loss of the pipeline as its stages' params stand (the global params of ours, each other
