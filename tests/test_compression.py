@@ -456,3 +456,14 @@ def test_cuda_tensors_encode_within_the_same_bound(name):
     error = _roundtrip_error(codec, tensor.cuda())
     assert error.device.type == "cpu"
     assert bool((error <= codec.error_bound(tensor).double()).all())
+
+
+@pytest.mark.parametrize("name", LOSSY)
+def test_error_bound_norm_is_the_norm_of_the_bound(name):
+    """The reducer check allows each chunk its codec's rounding as the norm of the error bound; fp16 and bf16 work it
+    out from sums over the tensor (a closed form, exact in float64 where the bound's elements are float32), the others
+    from the bound itself: the same number either way, to far less than the check's 1% slack."""
+    codec = get_codec(name)
+    for tensor in (_gaussian(200_003, seed=8), _gaussian(70_000, seed=9) * torch.logspace(-30, 30, 70_000)):
+        expected = float(torch.linalg.vector_norm(codec.error_bound(tensor), dtype=torch.float64))
+        assert codec.error_bound_norm(tensor) == pytest.approx(expected, rel=1e-6)

@@ -128,15 +128,10 @@ class Sketch:
         for piece, (a, b), cut, scale in zip(pieces, chunks, cuts, scales):
             for start in range(a, b, SKETCH_BLOCK):
                 end = min(start + SKETCH_BLOCK, b)
-                values, out = piece[start - a:end - a], block[:end - start]
-                if cut != 1.0:
-                    torch.mul(values, cut, out=out)
-                else:
-                    out.copy_(values)
-                if result is not None:
-                    out.sub_(result[start:end])
+                out = _offset(piece[start - a:end - a], cut, None if result is None else result[start:end],
+                              block[:end - start])
                 if scale != 1.0:
-                    out.mul_(scale)
+                    out = torch.mul(out, scale, out=block[:end - start])
                 sums += torch.bincount(self.slots[start:end], weights=wide[:end - start].copy_(out),
                                        minlength=2 * SKETCH_BUCKETS)
         return sums[:SKETCH_BUCKETS] - sums[SKETCH_BUCKETS:]
@@ -186,16 +181,21 @@ def norm64(values: torch.Tensor, cut: float = 1.0, minus: Optional[torch.Tensor]
     wide = torch.empty(block.numel(), dtype=torch.float64)
     for start in range(0, numel, SKETCH_BLOCK):
         end = min(start + SKETCH_BLOCK, numel)
-        out = block[:end - start]
-        if cut != 1.0:
-            torch.mul(values[start:end], cut, out=out)
-        else:
-            out.copy_(values[start:end])
-        if minus is not None:
-            out.sub_(minus[start:end])
-        w = wide[:end - start].copy_(out)
+        w = wide[:end - start].copy_(_offset(values[start:end], cut, None if minus is None else minus[start:end],
+                                             block[:end - start]))
         total += float(torch.dot(w, w))
     return math.sqrt(total)
+
+
+def _offset(values: torch.Tensor, cut: float, minus: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """values * cut - minus in float32 (in `out`, or `values` itself where that is all), in as few passes as that
+    takes: every member computes the same float32 elements, whichever of these paths it takes."""
+    if cut != 1.0:
+        torch.mul(values, cut, out=out)
+        return out if minus is None else out.sub_(minus)
+    if minus is None:
+        return values
+    return torch.sub(values, minus, out=out)
 
 
 def sketched(contribution: torch.Tensor | Sequence[torch.Tensor], result: torch.Tensor,
@@ -226,7 +226,7 @@ def lower_median(values: Sequence[float]) -> float:
 def rounding(codecs: Sequence[Codec], result: torch.Tensor, chunks: Sequence[tuple[int, int]]) -> list[float]:
     """Per chunk, the norm of the most that decoding can have moved the part's result: its codec's bound read off
     the decoded result (nothing for a lossless chunk), with 1% to spare for the bound's own rounding."""
-    return [0.0 if codec.name == "none" else 1.01 * norm64(codec.error_bound(result[a:b]))
+    return [0.0 if codec.name == "none" else 1.01 * codec.error_bound_norm(result[a:b])
             for codec, (a, b) in zip(codecs, chunks)]
 
 

@@ -36,6 +36,7 @@ MAX_BLOCK_SIZE = 4096
 # a fresh full-size temporary costs more in page faults than the arithmetic itself. Much smaller chunks lose to
 # per-op thread hand-off, badly so when other processes share the cores (measured on 2 cores at 16M elements).
 CHUNK_ELEMENTS = 2**20
+SUM_BLOCK = 2**16  # elements square_and_abs_sums copies to float64 at a time
 
 
 class Codec(abc.ABC):
@@ -79,6 +80,11 @@ class Codec(abc.ABC):
         Raises CodecError for the same inputs `encode` refuses.
         """
 
+    def error_bound_norm(self, tensor: torch.Tensor) -> float:
+        """The float64 Euclidean norm of error_bound(tensor) (what the reducer check allows a chunk's rounding);
+        codecs whose bound has a closed form work it out from sums over the tensor instead of the bound itself."""
+        return float(torch.linalg.vector_norm(self.error_bound(tensor), dtype=torch.float64))
+
     @abc.abstractmethod
     def bytes_per_param(self, numel: int) -> float:
         """Returns the expected wire size (header included) of a 1-D tensor of `numel` elements, divided by numel."""
@@ -112,6 +118,17 @@ def prepare_input(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], 
     # Checked in the source dtype: a float64 1e300 would otherwise turn into inf and get a misleading message.
     check_finite_range(flat)
     return flat.to(torch.float32).contiguous(), tuple(tensor.shape), tensor.dtype
+
+
+def square_and_abs_sums(flat: torch.Tensor) -> tuple[float, float]:
+    """(sum of x^2, sum of |x|) over a flat float tensor, in float64, a block at a time (no float64 copy of it)."""
+    squares = absolutes = 0.0
+    wide = torch.empty(min(SUM_BLOCK, flat.numel()), dtype=torch.float64)
+    for start in range(0, flat.numel(), SUM_BLOCK):
+        block = wide[:min(SUM_BLOCK, flat.numel() - start)].copy_(flat[start:start + SUM_BLOCK])
+        squares += float(torch.dot(block, block))
+        absolutes += float(torch.linalg.vector_norm(block, ord=1))
+    return squares, absolutes
 
 
 def check_finite_range(flat: torch.Tensor) -> None:

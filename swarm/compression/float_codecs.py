@@ -19,6 +19,7 @@ from swarm.compression.base import (
     is_power_of_two,
     prepare_input,
     require_positive_numel,
+    square_and_abs_sums,
 )
 from swarm.compression.wire import (
     WireHeader,
@@ -60,6 +61,12 @@ class NoneCodec(Codec):
     def bytes_per_param(self, numel: int) -> float:
         require_positive_numel(numel)
         return (header_len(1, 1) + 4 * numel) / numel
+
+
+def _affine_norm(flat: torch.Tensor, a: float, b: float) -> float:
+    """The norm of a |x| + b over `flat`, from its sums: ||a|x| + b||^2 = a^2 sum x^2 + 2ab sum |x| + n b^2."""
+    squares, absolutes = square_and_abs_sums(flat.cpu())
+    return math.sqrt(a * a * squares + 2 * a * b * absolutes + flat.numel() * b * b)
 
 
 def fp16_scale(flat: torch.Tensor) -> float:
@@ -115,6 +122,10 @@ class Float16Codec(Codec):
         scale = fp16_scale(flat)
         return (flat.abs() * 2.0**-11 + scale * 2.0**-24).cpu()
 
+    def error_bound_norm(self, tensor: torch.Tensor) -> float:
+        flat, _, _ = prepare_input(tensor)
+        return _affine_norm(flat, 2.0**-11, fp16_scale(flat) * 2.0**-24)
+
     def bytes_per_param(self, numel: int) -> float:
         require_positive_numel(numel)
         return (header_len(1, 2) + 4 + 2 * numel) / numel
@@ -142,6 +153,10 @@ class BFloat16Codec(Codec):
     def error_bound(self, tensor: torch.Tensor) -> torch.Tensor:
         flat, _, _ = prepare_input(tensor)
         return (flat.abs() * 2.0**-8 + 2.0**-133).cpu()
+
+    def error_bound_norm(self, tensor: torch.Tensor) -> float:
+        flat, _, _ = prepare_input(tensor)
+        return _affine_norm(flat, 2.0**-8, 2.0**-133)
 
     def bytes_per_param(self, numel: int) -> float:
         require_positive_numel(numel)
