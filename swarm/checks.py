@@ -192,7 +192,7 @@ def check_memory(need: int, free: Optional[int], replay: Optional[float]) -> Che
                                   f"other programs, or lower {log}", details)
 
 
-def check_device_memory(name: str, need: int, free: int) -> Check:
+def check_device_memory(name: str, *, need: int, free: int) -> Check:
     details = {"device": name, "need": need, "free": free}
     if free >= need:
         return Check("device memory", True, f"{name}: {fmt_bytes(free)} free, about {fmt_bytes(need)} needed", details)
@@ -225,5 +225,6 @@ def resource_checks(recipe: Recipe, settings: PeerSettings, shared: bool = False
         checks.append(check_max_memory(recipe.model_copy(update={"model": model}), settings.max_memory))
     gpu = device_memory(device)
     if gpu is not None:
-        checks.append(check_device_memory(*gpu, needs.device))
+        name, free = gpu
+        checks.append(check_device_memory(name, need=needs.device, free=free))
     return checks

@@ -138,11 +138,32 @@ def test_device_memory_against_the_model():
     needs = estimate_needs(recipe, "cuda", replay_log_mb=None)
     assert needs.params == sum(p.numel() for p in build_model(recipe.model, recipe.data.vocab_size).parameters())
     assert needs.device > 16 * needs.params and needs.checkpoint == 12 * needs.params
-    short = check_device_memory("RTX Test", needs.device, free=needs.device // 2)
+    short = check_device_memory("RTX Test", need=needs.device, free=needs.device // 2)
     assert not short.ok and "--device cpu" in short.message and "nvidia-smi" in short.message
-    assert check_device_memory("RTX Test", needs.device, free=needs.device * 2).ok
+    assert check_device_memory("RTX Test", need=needs.device, free=needs.device * 2).ok
     on_cpu = estimate_needs(recipe, "cpu", replay_log_mb=0)
     assert on_cpu.device == 0 and on_cpu.host == needs.host - 8 * needs.params + needs.device
+
+
+def test_join_and_doctor_compare_a_gpus_free_memory_with_what_training_needs(monkeypatch, tmp_path):
+    """What `join` and `doctor` run (resource_checks) on a CUDA machine, with the GPU's answer stubbed: an H200's
+    143 GB free is plenty for the tiny model, 1 MB is not. (On a real H200 the free memory and the need were passed
+    the other way round: the peer warned that the GPU had 10 MB free and the 0.16M-parameter model needed 149 GB.)"""
+    import torch
+
+    import swarm.checks
+    import swarm.peer.training
+    from swarm.checks import resource_checks
+
+    recipe = load_recipe(TINY)
+    need = estimate_needs(recipe, "cuda", replay_log_mb=None).device
+    monkeypatch.setattr(swarm.peer.training, "pick_device", lambda requested: torch.device("cuda"))
+    settings = PeerSettings(initial_peers=(_dead_bootstrap(),), device="cuda", cache_dir=str(tmp_path))
+    for free, ok in ((143_771 << 20, True), (1 << 20, False)):
+        monkeypatch.setattr(swarm.checks, "device_memory", lambda device, free=free: ("NVIDIA H200", free))
+        check = _by_name(resource_checks(recipe, settings))["device memory"]
+        assert check.ok is ok and check.details == {"device": "NVIDIA H200", "need": need, "free": free}, check
+        assert ("needed" if ok else "needs about") in check.message
 
 
 def test_nobody_listening_on_the_bootstrap_port():
