@@ -6,6 +6,7 @@ microbatch; malformed or oversized requests are refused with a reason and the se
 from __future__ import annotations
 
 import json
+import math
 import signal
 import time
 import struct
@@ -213,6 +214,35 @@ def test_a_flushed_stream_trains_exactly_what_the_whole_batch_trains(pipeline):
     for ours, theirs in zip(server.worker.stage.parameters(), stages[1].parameters()):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-6)
     assert worker.microbatches == 6 and server.worker.microbatches == 6 and router.most_in_flight == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: stages on a GPU, fed from the wire's CPU tensors")
+def test_stages_on_a_gpu_hop_stream_and_validate_as_one_process_does(p2p_network):
+    """Stages on a GPU take what comes off the wire (token ids, activations, gradients and targets, all on the
+    CPU) and give the wire CPU tensors back: a hop computes what one CPU process computes, a validation microbatch
+    gets the pipeline's loss, and a stream of microbatches trains each one once. (On an H200 the first stage's
+    embedding was fed CPU token ids and the peer stopped at its first microbatch.)"""
+    from swarm.peer.microbatches import MicrobatchStream
+    loop, node = p2p_network
+    first, last = node(), node()
+    server = StageServer(_worker(make_stages(_model(), BOUNDS)[1].to("cuda")), HIDDEN, max_tokens=64,
+                         vocab_size=VOCAB, loop=loop.loop)
+    loop.run(last.add_stream_handler(stage_protocol(RUN, *BOUNDS[1]), server.handle), timeout=30)
+    router = Router(first, stage_protocol(RUN, *BOUNDS[1]), lambda: [(last.peer_id, 1000.0)], codec="none",
+                    timeout=20, seed=3)
+    worker = _worker(make_stages(_model(), BOUNDS)[0].to("cuda"))
+    stages = make_stages(_model(), BOUNDS)
+    batch = _batch(5)
+    expected = run_pipeline(stages, batch, get_codec("none"), WireStats())
+    assert abs(_run(loop, worker, router, batch) - float(expected)) < 1e-4
+    assert server.worker.microbatches == 1
+    loss = worker.evaluate(batch[:, :-1].cuda(), batch[:, 1:].cuda(), router.evaluator(loop.loop))
+    assert math.isfinite(loss) and server.worker.microbatches == 1
+    stream = MicrobatchStream(worker, router.send(loop.loop), parts=2, window=2)
+    batches = iter([torch.randint(0, VOCAB, (4, 9), generator=torch.Generator().manual_seed(s)) for s in range(4)])
+    losses = [stream.step(lambda: next(batches))[0] for _ in range(3)] + [loss for loss, _ in stream.settle()]
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
+    assert worker.microbatches == 1 + 8 and server.worker.microbatches == 1 + 8, "each microbatch trained once"
 
 
 def test_the_wiring_feeds_both_peers_and_a_dead_peer_costs_retries_not_microbatches(pipeline):

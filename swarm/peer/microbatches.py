@@ -105,7 +105,9 @@ class MicrobatchStream:
                     break
                 tokens = next_batch()
                 self.taken += 1
-                batch = _Batch(tokens[:, :-1], tokens[:, 1:], min(self.parts, tokens.shape[0]), self._stash())
+                # (the token ids where the stage computes; the targets travel to the next stage from the CPU)
+                batch = _Batch(tokens[:, :-1].to(self.worker.device), tokens[:, 1:].cpu(),
+                               min(self.parts, tokens.shape[0]), self._stash())
                 self.batches.append(batch)
             index = batch.sent
             batch.sent += 1

@@ -73,6 +73,9 @@ class StageWorker:
         self.first_at: Optional[float] = None  # (time.perf_counter) when it first computed, and last did
         self.last_at = 0.0
         self.slowdown = 1.0  # > 1: every computation takes this many times as long (--inject-fault slow@R)
+        # Where the stage computes: what comes off the wire (token ids, activations, gradients, targets) is on the
+        # CPU, so it goes there first, and what goes back on the wire comes back to the CPU.
+        self.device = next(stage.parameters()).device
 
     def step(self, x: torch.Tensor, targets: torch.Tensor, downstream: Optional[Downstream],
              scale: float = 1.0) -> tuple[Optional[torch.Tensor], float]:
@@ -82,10 +85,12 @@ class StageWorker:
         of `x`, None on the first stage; the loss). Raises what `downstream` raises, with nothing applied."""
         with self.lock:
             started = time.perf_counter()
+            x = x.to(self.device)
             inputs = x if self.stage.first else x.detach().requires_grad_(True)
             out = self.stage(inputs)
             if self.stage.last:
-                loss_tensor = F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), targets.reshape(-1))
+                loss_tensor = F.cross_entropy(out.reshape(-1, out.shape[-1]).float(),
+                                              targets.to(self.device).reshape(-1))
                 (loss_tensor * scale).backward()
                 loss = float(loss_tensor.detach())
             else:
@@ -102,7 +107,7 @@ class StageWorker:
                 self.microbatches += 1
                 self.tokens += targets.numel()
             self.computed(started)
-            return (None if self.stage.first else inputs.grad.detach()), loss
+            return (None if self.stage.first else inputs.grad.detach().cpu()), loss
 
     def evaluate(self, x: torch.Tensor, targets: torch.Tensor, downstream: Optional[Evaluate]) -> float:
         """A microbatch's loss through this stage and the rest of the pipeline (`downstream`: the next hop's loss),
@@ -111,11 +116,11 @@ class StageWorker:
             was_training = self.stage.training
             self.stage.eval()
             try:
-                out = self.stage(x)
+                out = self.stage(x.to(self.device))
             finally:
                 self.stage.train(was_training)
         if self.stage.last:
-            return float(F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), targets.reshape(-1)))
+            return float(F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), targets.to(self.device).reshape(-1)))
         return downstream(out, targets)
 
     def computed(self, started: float) -> None:
@@ -132,7 +137,7 @@ class StageWorker:
         if grad.shape != out.shape or not torch.isfinite(grad).all():
             self.stage.zero_grad(set_to_none=True)
             raise PipelineError("the next stage returned a gradient of the wrong shape or not finite")
-        out.backward(grad.to(out.dtype))
+        out.backward(grad.to(out.device, out.dtype))
 
     def _apply(self) -> None:
         """Clip and step on the gradients gathered since the last step."""
@@ -159,8 +164,8 @@ async def call_stage(node: SwarmNode, peer: str, protocol: str, x: torch.Tensor,
     share of its batch; its answer: the gradient of `x` (None with `evaluate`: a validation microbatch, forward
     only) and the microbatch's loss. Raises on any failure (the caller retries elsewhere)."""
     codec = get_codec(codec_name)
-    payload = codec.encode(x.detach().float().reshape(-1))
-    ids = targets.to(torch.int32).numpy().tobytes()
+    payload = codec.encode(x.detach().float().reshape(-1).cpu())
+    ids = targets.to("cpu", torch.int32).numpy().tobytes()
     async with asyncio.timeout(timeout):
         reader, writer = await node.open_stream(peer, protocol)
         try:
