@@ -226,10 +226,8 @@ class Recipe(_Section):
             del fields["data"]["text_field"]
         if fields["pipeline"]["stages"] != "auto":  # stage_memory only says how many stages auto makes
             del fields["pipeline"]["stage_memory"]
-        if fields["pipeline"]["schedule"] == "stream":  # (runs of stages before the field keep their digest)
-            del fields["pipeline"]["schedule"]
-        for name, default in (("rebalance_seconds", 15.0), ("settle_seconds", 30.0)):  # (the same)
-            if fields["pipeline"][name] == default:
+        for name in ("schedule", "rebalance_seconds", "settle_seconds"):  # (runs of stages before these fields
+            if fields["pipeline"][name] == PipelineRecipe.model_fields[name].default:  # keep their digest)
                 del fields["pipeline"][name]
         if fields["pipeline"]["stages"] == 1:  # and for whole-model runs
             del fields["pipeline"]

@@ -119,20 +119,13 @@ class Sketch:
     def offsets(self, pieces: Sequence[torch.Tensor], result: Optional[torch.Tensor],
                 chunks: Sequence[tuple[int, int]], cuts: Sequence[float], scales: Sequence[float]) -> torch.Tensor:
         """The sketch of (piece * cut - result) * scale, chunk by chunk (`pieces`: a contribution's values in each
-        chunk; no result: zero), summed in float64. Worked out SKETCH_BLOCK elements at a time in two small
-        buffers: a float64 copy of a whole part (and a reducer's concatenated copy of every member's) was what a
-        member spent most of the check's time on, their pages faulted in afresh every round."""
+        chunk; no result: zero), summed in float64 a block at a time (_float64_blocks): a float64 copy of a whole
+        part (and a reducer's concatenated copy of every member's) was what a member spent most of the check's
+        time on, their pages faulted in afresh every round."""
         sums = torch.zeros(2 * SKETCH_BUCKETS, dtype=torch.float64)
-        block = torch.empty(min(SKETCH_BLOCK, max((b - a for a, b in chunks), default=0)))
-        wide = torch.empty(block.numel(), dtype=torch.float64)
         for piece, (a, b), cut, scale in zip(pieces, chunks, cuts, scales):
-            for start in range(a, b, SKETCH_BLOCK):
-                end = min(start + SKETCH_BLOCK, b)
-                out = _offset(piece[start - a:end - a], cut, None if result is None else result[start:end],
-                              block[:end - start])
-                if scale != 1.0:
-                    out = torch.mul(out, scale, out=block[:end - start])
-                sums += torch.bincount(self.slots[start:end], weights=wide[:end - start].copy_(out),
+            for start, wide in _float64_blocks(piece, cut, None if result is None else result[a:b], scale):
+                sums += torch.bincount(self.slots[a + start:a + start + wide.numel()], weights=wide,
                                        minlength=2 * SKETCH_BUCKETS)
         return sums[:SKETCH_BUCKETS] - sums[SKETCH_BUCKETS:]
 
@@ -173,18 +166,25 @@ def offset_stats(contribution: torch.Tensor, result: torch.Tensor, radius: float
 
 
 def norm64(values: torch.Tensor, cut: float = 1.0, minus: Optional[torch.Tensor] = None) -> float:
-    """The float64 norm of values * cut - minus (no minus: of values * cut), SKETCH_BLOCK elements at a time: the
-    float64 copy of a whole chunk that torch.linalg.vector_norm(dtype=float64) makes, and the offset vector, cost
-    more than the arithmetic, in the data phase where they hold up the averages."""
-    total, numel = 0.0, values.numel()
+    """The float64 norm of values * cut - minus (no minus: of values * cut), a block at a time (_float64_blocks):
+    the float64 copy of a whole chunk that torch.linalg.vector_norm(dtype=float64) makes, and the offset vector,
+    cost more than the arithmetic, in the data phase where they hold up the averages."""
+    return math.sqrt(sum(float(torch.dot(wide, wide)) for _, wide in _float64_blocks(values, cut, minus)))
+
+
+def _float64_blocks(values: torch.Tensor, cut: float, minus: Optional[torch.Tensor], scale: float = 1.0):
+    """(values * cut - minus) * scale, worked out in float32 as every member works it out, SKETCH_BLOCK elements at
+    a time, each block then copied to float64: yields (the block's start, the float64 block), in two small buffers
+    reused from block to block."""
+    numel = values.numel()
     block = torch.empty(min(SKETCH_BLOCK, numel))
     wide = torch.empty(block.numel(), dtype=torch.float64)
     for start in range(0, numel, SKETCH_BLOCK):
         end = min(start + SKETCH_BLOCK, numel)
-        w = wide[:end - start].copy_(_offset(values[start:end], cut, None if minus is None else minus[start:end],
-                                             block[:end - start]))
-        total += float(torch.dot(w, w))
-    return math.sqrt(total)
+        out = _offset(values[start:end], cut, None if minus is None else minus[start:end], block[:end - start])
+        if scale != 1.0:
+            out = torch.mul(out, scale, out=block[:end - start])
+        yield start, wide[:end - start].copy_(out)
 
 
 def _offset(values: torch.Tensor, cut: float, minus: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
