@@ -264,6 +264,71 @@ def test_the_wiring_feeds_both_peers_and_a_dead_peer_costs_retries_not_microbatc
     assert worker.microbatches == 20, "a microbatch nobody took changes nothing"
 
 
+def test_a_stop_signal_cancels_the_hops_a_first_stage_waits_on(pipeline):
+    """A first stage streaming through a peer that never answers (one stopping, or stuck) waits on its oldest
+    microbatch's gradient. A stop signal cancels what the peer's loop was given (LoopThread.cancel_submitted): the
+    hops it started with the LoopThread go with them, so the wait ends at once, not when the hop times out (here
+    20 s; 60 s a try in a peer, on each of three peers, past the 9 s a stop allows: CI saw a peer killed so). Both
+    microbatches are kept to send again."""
+    import asyncio
+    import concurrent.futures
+    from swarm.peer.microbatches import MicrobatchStream
+    loop, worker, router, servers, alive = pipeline
+    peer, server = servers[sorted(servers)[1]]
+    alive.discard(sorted(servers)[0])
+    arrived = []
+
+    async def never(x, targets, scale):
+        arrived.append(scale)
+        await asyncio.get_running_loop().create_future()
+
+    server.execute = never
+    stream = MicrobatchStream(worker, router.send(loop), parts=2, window=2)
+    batches = iter([torch.randint(0, VOCAB, (4, 9), generator=torch.Generator().manual_seed(seed))
+                    for seed in range(2)])
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        stepping = pool.submit(stream.step, lambda: next(batches))
+        deadline = time.monotonic() + 15
+        while len(arrived) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(arrived) == 2 and not stepping.done(), "both microbatches reached the peer, which never answers"
+        started = time.monotonic()
+        assert loop.cancel_submitted() >= 2
+        with pytest.raises(concurrent.futures.CancelledError):
+            stepping.result(timeout=5)
+        assert time.monotonic() - started < 2
+    # (the second hop is moved to the unsent ones with the first if it was cancelled by then, else on the next call)
+    assert len(stream.unsent) + len(stream.flight) == 2 and all(hop.future.cancelled() for hop in stream.flight)
+    assert stream.pending == 1 and stream.trained == 0 and worker.microbatches == 0
+
+
+def test_a_serving_stage_that_stops_answers_what_it_queued_and_takes_no_more(pipeline):
+    """A serving stage's handler queues microbatches for its training thread (Handoff). When the thread serves no
+    more (a stop signal, its last round, a move), the queued ones are answered with a reason and new ones refused,
+    so their senders go to another peer at once instead of waiting out the hop's timeout."""
+    from swarm.peer.staged import Handoff
+    loop, worker, router, servers, alive = pipeline
+    peer, server = servers[sorted(servers)[1]]
+    alive.discard(sorted(servers)[0])
+    handoff = Handoff(loop.loop)
+    server.execute = handoff.hand_over
+    batch = _batch(5)
+    out = worker.stage(batch[:, :-1]).detach()
+    hop = router.send(loop)(out, batch[:, 1:], 1.0)
+    deadline = time.monotonic() + 15
+    while handoff.queue.empty() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert handoff.queue.qsize() == 1 and not hop.done()
+    started = time.monotonic()
+    handoff.close()
+    with pytest.raises(PipelineError, match="the stage peer is stopping"):
+        hop.result(timeout=5)
+    assert time.monotonic() - started < 2 and handoff.queue.empty()
+    with pytest.raises(PipelineError, match="the stage peer is stopping"):
+        loop.run(handoff.hand_over(out, batch[:, 1:], 1.0), timeout=5)
+    assert handoff.queue.empty()
+
+
 def test_malformed_and_oversized_microbatches_are_refused_and_the_server_goes_on(pipeline):
     loop, worker, router, servers, _ = pipeline
     node, peer = router.node, sorted(servers)[0]

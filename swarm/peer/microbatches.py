@@ -88,7 +88,7 @@ class MicrobatchStream:
             self._top_up(None)
             try:
                 done = self._receive_oldest()
-            except PipelineError:
+            except (PipelineError, concurrent.futures.CancelledError):  # (cancelled: the peer is stopping)
                 break
             if done is not None:
                 finished.append((done.loss, done.targets.numel()))
@@ -135,7 +135,8 @@ class MicrobatchStream:
         except BaseException:
             # Kept: its activations go again (the next stage trained nothing of it); so do those of the other
             # microbatches that failed meanwhile, so one outage costs the caller one wait, not one per microbatch.
-            failed = [hop] + [h for h in self.flight if h.future.done() and h.future.exception() is not None]
+            failed = [hop] + [h for h in self.flight if h.future.done() and
+                              (h.future.cancelled() or h.future.exception() is not None)]
             self.flight = deque(h for h in self.flight if h not in failed)
             self.unsent.extend(failed)
             raise

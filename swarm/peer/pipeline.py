@@ -35,6 +35,7 @@ from swarm.compression import decode, get_codec
 from swarm.dht.frames import recv_frame, send_frame
 from swarm.dht.node import SwarmNode
 from swarm.peer.stages import Stage
+from swarm.runtime import LoopThread
 
 logger = logging.getLogger(__name__)
 
@@ -194,6 +195,14 @@ async def call_stage(node: SwarmNode, peer: str, protocol: str, x: torch.Tensor,
             writer.close()
 
 
+def _submitter(loop: "asyncio.AbstractEventLoop | LoopThread") -> Callable[[Awaitable], concurrent.futures.Future]:
+    """How a thread other than the loop's starts a coroutine on it: a LoopThread's submit (which a stop signal
+    cancels), or run_coroutine_threadsafe on a bare loop."""
+    if isinstance(loop, asyncio.AbstractEventLoop):
+        return lambda coro: asyncio.run_coroutine_threadsafe(coro, loop)
+    return loop.submit
+
+
 def _bound(values: int) -> int:
     """The largest payload a codec makes of `values` floats: fp32 and a header."""
     return 4 * values + 4096
@@ -313,7 +322,7 @@ class Router:
     def __post_init__(self) -> None:
         self._random = random.Random(self.seed)
 
-    def hop(self, loop: asyncio.AbstractEventLoop) -> Downstream:
+    def hop(self, loop: "asyncio.AbstractEventLoop | LoopThread") -> Downstream:
         """forward() as a blocking call, for a thread other than `loop`'s (a StageWorker's)."""
         send = self.send(loop)
 
@@ -322,20 +331,26 @@ class Router:
 
         return hop
 
-    def evaluator(self, loop: asyncio.AbstractEventLoop) -> Evaluate:
+    def evaluator(self, loop: "asyncio.AbstractEventLoop | LoopThread") -> Evaluate:
         """A validation microbatch's hop as a blocking call (a thread other than `loop`'s): the loss of the rest
         of the pipeline, forward only."""
+        submit = _submitter(loop)
+
         def evaluate(out: torch.Tensor, targets: torch.Tensor) -> float:
-            return asyncio.run_coroutine_threadsafe(self.forward(out, targets, evaluate=True), loop).result()[1]
+            return submit(self.forward(out, targets, evaluate=True)).result()[1]
 
         return evaluate
 
-    def send(self, loop: asyncio.AbstractEventLoop) -> Callable[[torch.Tensor, torch.Tensor, float],
-                                                                 concurrent.futures.Future]:
+    def send(self, loop: "asyncio.AbstractEventLoop | LoopThread") -> Callable[[torch.Tensor, torch.Tensor, float],
+                                                                               concurrent.futures.Future]:
         """forward() started from a thread other than `loop`'s: returns its future at once, so that several
-        microbatches can be in flight (swarm/peer/microbatches.py)."""
+        microbatches can be in flight (swarm/peer/microbatches.py). Given a peer's LoopThread, a stop signal
+        cancels the hops in flight (LoopThread.cancel_submitted): a first stage waiting on a gradient stops at
+        once instead of when the hop times out (HOP_SECONDS, a try on each of `attempts` peers)."""
+        submit = _submitter(loop)
+
         def send(out: torch.Tensor, targets: torch.Tensor, scale: float = 1.0) -> concurrent.futures.Future:
-            return asyncio.run_coroutine_threadsafe(self.forward(out, targets, scale), loop)
+            return submit(self.forward(out, targets, scale))
 
         return send
 

@@ -10,6 +10,7 @@ training thread runs (so a microbatch never races an outer step).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -60,7 +61,7 @@ class Part:
         self.module: torch.nn.Module = model
         self.run = recipe
         self.stream: Optional[MicrobatchStream] = None  # a first stage's microbatches, a stream across batches
-        self.work: queue.Queue = queue.Queue()
+        self.work: Optional[Handoff] = None  # a serving stage's: microbatches the stage before sent, for us to run
         self.router: Optional[Router] = None
         limit, capacity = _capacity(settings)
         parts = part_params(recipe, model)
@@ -154,15 +155,16 @@ class Part:
                                  lambda: self._next_peers)
         if self.first:
             k = self.settings.microbatches  # each batch cut into k, and k in flight at all times
-            self.stream = MicrobatchStream(self.worker, self.router.send(self.loop.loop), parts=k, window=k,
+            self.stream = MicrobatchStream(self.worker, self.router.send(self.loop), parts=k, window=k,
                                            across=self.recipe.pipeline.schedule == "stream")
         self.started, self.server = time.monotonic(), None
         self.loop.submit(self._watch())
         if not self.first:
             config, data = self.model.config, self.recipe.data
+            self.work = Handoff(self.loop.loop)
             self.server = server = StageServer(self.worker, config.hidden_size, data.batch_size * data.seq_len,
-                                               config.vocab_size, self.loop.loop, execute=self._hand_over,
-                                               execute_eval=lambda x, targets: self._hand_over(x, targets, None))
+                                               config.vocab_size, self.loop.loop, execute=self.work.hand_over,
+                                               execute_eval=lambda x, targets: self.work.hand_over(x, targets, None))
             self.loop.run(self.node.add_stream_handler(stage_protocol(self.recipe.run_id, *self.bounds),
                                                        server.handle), timeout=30)
 
@@ -249,7 +251,7 @@ class Part:
         stages, or if the next stage took a batch nowhere."""
         if self.whole or not self.first:
             return None
-        evaluate, losses = self.router.evaluator(self.loop.loop), []
+        evaluate, losses = self.router.evaluator(self.loop), []
         try:
             for batch in batches:
                 batch = batch.to(device)
@@ -271,13 +273,6 @@ class Part:
         if self.whole or self.worker.busy <= 0:
             return 0.0
         return self.worker.tokens / self.worker.busy
-
-    async def _hand_over(self, x: torch.Tensor, targets: torch.Tensor, scale: Optional[float]):
-        """A served microbatch, run by the training thread (see step); a validation one (forward only, its loss)
-        with `scale` None."""
-        done = asyncio.get_running_loop().create_future()
-        self.work.put((x, targets, scale, done))
-        return await done
 
     @property
     def in_flight(self) -> bool:
@@ -310,24 +305,28 @@ class Part:
                 logger.info("pipeline: %s; trying again in 1 s", e)
                 time.sleep(1.0)
                 return None, 0, self.stream.taken - taken
+            except concurrent.futures.CancelledError:  # a stop signal cancelled the hops in flight: the loop ends
+                return None, 0, self.stream.taken - taken
             return loss, tokens, self.stream.taken - taken
         return self._serve_one()
 
     def _serve_one(self) -> tuple[Optional[float], int, int]:
         """Run the next microbatch from the stage before, if one comes within WAIT_SECONDS."""
         try:
-            x, targets, scale, done = self.work.get(timeout=WAIT_SECONDS)
+            x, targets, scale, done = self.work.queue.get(timeout=WAIT_SECONDS)
         except queue.Empty:
             return None, 0, 0
         try:
             if scale is None:  # a validation microbatch: its loss, nothing trained
                 loss = self.worker.evaluate(x, targets, None if self.router is None else
-                                            self.router.evaluator(self.loop.loop))
+                                            self.router.evaluator(self.loop))
                 self.loop.loop.call_soon_threadsafe(_settle, done, loss, None)
                 return None, 0, 0
-            grad, loss = self.worker.step(x, targets, None if self.router is None else self.router.hop(self.loop.loop),
+            grad, loss = self.worker.step(x, targets, None if self.router is None else self.router.hop(self.loop),
                                           scale)
         except Exception as e:  # noqa: BLE001 - the stage before learns of it and retries elsewhere
+            if isinstance(e, concurrent.futures.CancelledError):  # (our next hop, cancelled by a stop signal)
+                e = PipelineError("the stage peer is stopping")
             self.loop.loop.call_soon_threadsafe(_settle, done, None, e)
             return None, 0, 0
         self.loop.loop.call_soon_threadsafe(_settle, done, (grad, loss), None)
@@ -345,6 +344,8 @@ class Part:
             self.stream.settle()
         if self.move_to is None:
             self.drain(stop)
+        if self.work is not None:
+            self.work.close()
         taken, trained, pending = (self.stream.taken, self.stream.trained, self.stream.pending) if self.stream \
             else (0, 0, 0)
         retries = self.router.retries if self.router is not None else 0
@@ -397,6 +398,42 @@ def _capacity(settings: PeerSettings) -> tuple[Optional[int], Optional[int]]:
     if settings.device != "cpu" and torch.cuda.is_available():
         return None, torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     return None, None
+
+
+class Handoff:
+    """Microbatches a serving stage's handler (on `loop`) hands to the training thread, which also takes its outer
+    steps: `queue` holds (activations, targets, scale, the future of the answer); scale None is a validation
+    microbatch. Once `close` has run, microbatches are refused with a reason, and those queued are answered so: their
+    senders try another peer at once, not when the hop times out (HOP_SECONDS)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: queue.Queue = queue.Queue()
+        self.closed = False  # (set on the loop)
+
+    async def hand_over(self, x: torch.Tensor, targets: torch.Tensor, scale: Optional[float]):
+        """A served microbatch, run by the training thread (Part.step); a validation one (forward only, its loss)
+        with `scale` None."""
+        if self.closed:
+            raise PipelineError("the stage peer is stopping")
+        done = self.loop.create_future()
+        self.queue.put((x, targets, scale, done))
+        return await done
+
+    def close(self) -> None:
+        """From the training thread, once it serves no more (the end of training, a stop signal, a move)."""
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._refuse)
+
+    def _refuse(self) -> None:
+        # (on the loop, so no hand_over queues a microbatch between the flag and the queue's last get)
+        self.closed = True
+        while True:
+            try:
+                *_, done = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            _settle(done, None, PipelineError("the stage peer is stopping"))
 
 
 def _settle(future: asyncio.Future, result, error: Optional[BaseException]) -> None:
