@@ -90,7 +90,7 @@ def build_store(texts: Iterable[str], encode: Callable[[list[str]], list[list[in
     others read its files. Memory: the tokenizer's work on one batch (tens of MB), not a shard. Without
     `directory`, the shards are built in memory."""
     dtype = token_dtype(vocab_size)
-    tokens, chars, started = 0, 0, time.monotonic()
+    chars, started = 0, time.monotonic()
     staging = None
     if directory is not None:
         staging = directory.with_name(f".{directory.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
