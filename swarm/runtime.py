@@ -16,7 +16,12 @@ T = TypeVar("T")
 
 
 class LoopThread:
-    """An asyncio loop in a daemon thread. `run` blocks for a result; `submit` returns a concurrent Future."""
+    """An asyncio loop in a daemon thread. `run` blocks for a result; `submit` returns a concurrent Future.
+
+    A stop signal cancels what was submitted (`cancel_submitted`) and, with `interrupt`, refuses every
+    `interruptible` submission after it: the network phases a stopping peer must not start (matchmaking, an
+    all-reduce, a state download, a pipeline hop). Checking a stop flag before submitting is not enough: a signal
+    between the check and the submission left a peer in matchmaking past its stop deadline (CI saw it)."""
 
     def __init__(self, name: str = "swarm-loop"):
         self.loop = asyncio.new_event_loop()
@@ -24,6 +29,8 @@ class LoopThread:
         # and forgotten (a heartbeat), awaiting a future that nothing else holds, is otherwise garbage-collected
         # mid-way ("Task was destroyed but it is pending"), and the heartbeat silently stops.
         self._pending: set[concurrent.futures.Future] = set()
+        self._lock = threading.Lock()  # a submission and a cancellation do not interleave
+        self.interrupted = False  # set by cancel_submitted(interrupt=True): interruptible work is refused from then
         self._running = threading.Event()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
@@ -34,24 +41,37 @@ class LoopThread:
         self.loop.call_soon(self._running.set)
         self.loop.run_forever()
 
-    def submit(self, coro: Awaitable[T]) -> concurrent.futures.Future:
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        self._pending.add(future)
+    def submit(self, coro: Awaitable[T], interruptible: bool = False) -> concurrent.futures.Future:
+        """Start `coro` on the loop. If `interruptible` and the loop was interrupted (a stop signal), `coro` never
+        starts and the future returned is cancelled."""
+        with self._lock:
+            if interruptible and self.interrupted:
+                if hasattr(coro, "close"):
+                    coro.close()  # (never awaited: no "coroutine was never awaited" warning)
+                future: concurrent.futures.Future = concurrent.futures.Future()
+                future.cancel()
+                return future
+            future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+            self._pending.add(future)
         future.add_done_callback(self._pending.discard)
         return future
 
-    def cancel_submitted(self) -> int:
+    def cancel_submitted(self, interrupt: bool = False) -> int:
         """Cancel every submitted coroutine not yet done, the way a stop signal interrupts matchmaking, an
-        all-reduce or a state download; whoever waits in run() gets concurrent.futures.CancelledError. Returns how
-        many were cancelled."""
-        pending = [future for future in list(self._pending) if not future.done()]
+        all-reduce or a state download; whoever waits in run() gets concurrent.futures.CancelledError. With
+        `interrupt`, interruptible submissions from now on are cancelled at once too. Returns how many were
+        cancelled."""
+        with self._lock:
+            self.interrupted = self.interrupted or interrupt
+            pending = [future for future in list(self._pending) if not future.done()]
         for future in pending:
             future.cancel()
         return len(pending)
 
-    def run(self, coro: Awaitable[T], timeout: Optional[float] = None) -> T:
-        """Run `coro` on the loop and wait for it; raises TimeoutError after `timeout` seconds (and cancels it)."""
-        future = self.submit(coro)
+    def run(self, coro: Awaitable[T], timeout: Optional[float] = None, interruptible: bool = False) -> T:
+        """Run `coro` on the loop and wait for it; raises TimeoutError after `timeout` seconds (and cancels it),
+        concurrent.futures.CancelledError if a stop signal cancelled it (or, `interruptible`, came before it)."""
+        future = self.submit(coro, interruptible)
         try:
             return future.result(timeout)
         except concurrent.futures.TimeoutError:

@@ -52,3 +52,47 @@ def test_close_right_after_start_stops_and_closes_the_loop():
     assert used.run(asyncio.sleep(0, result=7), timeout=5) == 7
     used.close()
     assert used.loop.is_closed()
+
+
+def test_a_stop_refuses_interruptible_work_submitted_after_it():
+    """A stop signal cancels what the loop was given; a peer that checked its stop flag just before the signal
+    would still start matchmaking after it, and wait there past the stop deadline (CI saw it). So after
+    cancel_submitted(interrupt=True), interruptible work is cancelled without starting, at once; other work (the
+    offline record, the final checkpoint's network part) still runs."""
+    import concurrent.futures
+    import time
+
+    import pytest
+
+    loop = LoopThread()
+    started = []
+
+    async def matchmaking() -> None:
+        started.append(True)
+        await asyncio.sleep(60)
+
+    try:
+        waiting = loop.submit(matchmaking(), interruptible=True)
+        deadline = time.monotonic() + 5
+        while not started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert started and loop.cancel_submitted(interrupt=True) == 1
+        with pytest.raises(concurrent.futures.CancelledError):
+            waiting.result(timeout=2)
+        began = time.monotonic()
+        with pytest.raises(concurrent.futures.CancelledError):
+            loop.run(matchmaking(), timeout=30, interruptible=True)
+        assert time.monotonic() - began < 1 and len(started) == 1, "the coroutine never started"
+        assert loop.run(asyncio.sleep(0, result="offline record"), timeout=5) == "offline record"
+    finally:
+        loop.close()
+
+
+def test_cancel_without_interrupt_leaves_later_work_alone():
+    """Without `interrupt`, cancelling what was submitted does not refuse interruptible work that comes after."""
+    loop = LoopThread()
+    try:
+        assert loop.cancel_submitted() == 0
+        assert loop.run(asyncio.sleep(0, result=3), timeout=5, interruptible=True) == 3
+    finally:
+        loop.close()

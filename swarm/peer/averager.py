@@ -79,7 +79,7 @@ class Averager:
             group, others_seen = self.match(contribution, attempt)
             if group is None:
                 # Peers that put us in their group hear at once that we are not coming.
-                self.loop.run(self.allreduce.decide(round_no, attempt, None), timeout=10)
+                self.loop.run(self.allreduce.decide(round_no, attempt, None), timeout=10, interruptible=True)
                 self.metrics.averaging_failures.labels(reason="no_group").inc()
                 logger.info("round %d: no group formed (attempt %d); training on", round_no, attempt)
                 self.events.emit("no_group", round=round_no, attempt=attempt)
@@ -119,7 +119,7 @@ class Averager:
                 self.node, self.recipe.run_id, round_no, attempt, me_as, self.in_round(round_no), r.min_group_size,
                 r.target_group_size, r.matchmaking_timeout, excluded=rejected, not_waiting_for=unresponsive,
                 still_in=lambda: None if self.moved_on(round_no) else self.in_round(round_no),
-                push=self.group_push), timeout=3 * r.matchmaking_timeout + 30)
+                push=self.group_push), timeout=3 * r.matchmaking_timeout + 30, interruptible=True)
         except TimeoutError:
             return None, 1
 
@@ -130,7 +130,7 @@ class Averager:
         if group.mix:
             vector, exact_from = torch.cat([vector, self.flat_state()]), vector.numel()
         return self.loop.run(self.allreduce.run(group, vector, contribution.weight, exact_from),
-                             timeout=self.recipe.averaging.allreduce_timeout + 10)
+                             timeout=self.recipe.averaging.allreduce_timeout + 10, interruptible=True)
 
     def in_round(self, round_no: int) -> set[str]:
         return {p.peer_id for p in self.announcer.in_round(round_no)}

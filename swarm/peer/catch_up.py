@@ -49,7 +49,8 @@ class CatchUp:
         self.rounds.set_state("syncing")
         deadline = sync_deadline(8 * self.diloco.numel)  # params and outer momentum, fp32
         try:
-            synced = self.loop.run(sync_state(self.node, holders, self.run_id, self.diloco, digest), deadline)
+            synced = self.loop.run(sync_state(self.node, holders, self.run_id, self.diloco, digest), deadline,
+                                   interruptible=True)
         except (StateSyncError, TimeoutError, concurrent.futures.CancelledError) as e:
             moved_on = getattr(e, "moved_on", False)
             if isinstance(e, TimeoutError):

@@ -196,11 +196,11 @@ async def call_stage(node: SwarmNode, peer: str, protocol: str, x: torch.Tensor,
 
 
 def _submitter(loop: "asyncio.AbstractEventLoop | LoopThread") -> Callable[[Awaitable], concurrent.futures.Future]:
-    """How a thread other than the loop's starts a coroutine on it: a LoopThread's submit (which a stop signal
-    cancels), or run_coroutine_threadsafe on a bare loop."""
+    """How a thread other than the loop's starts a coroutine on it: a LoopThread's submit, interruptible (a stop
+    signal cancels the hop, or refuses it once the peer is stopping), or run_coroutine_threadsafe on a bare loop."""
     if isinstance(loop, asyncio.AbstractEventLoop):
         return lambda coro: asyncio.run_coroutine_threadsafe(coro, loop)
-    return loop.submit
+    return lambda coro: loop.submit(coro, interruptible=True)
 
 
 def _bound(values: int) -> int:

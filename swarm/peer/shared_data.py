@@ -61,7 +61,7 @@ class SharedData:
         """The dataset, its start files here (fetched now), and the model recipe naming its model config. Raises
         DatasetError with one line if it cannot be had or does not fit the recipe."""
         r = self.recipe
-        manifest = self.loop.run(self.fetcher.manifest(), timeout=WAIT_SECONDS)
+        manifest = self.loop.run(self.fetcher.manifest(), timeout=WAIT_SECONDS, interruptible=True)
         if (manifest.seq_len, manifest.num_shards) != (r.data.seq_len, r.data.num_shards):
             raise DatasetError(f"the run's dataset {self.id[:12]} is cut for seq_len {manifest.seq_len} and "
                                f"{manifest.num_shards} shards, its recipe says {r.data.seq_len} and "
@@ -70,7 +70,7 @@ class SharedData:
             raise DatasetError(f"the run's dataset {self.id[:12]} does not carry the model config its recipe names: "
                                f"ask the run host to restart the bootstrap")
         start = [manifest.tokenizer, *([manifest.model_config] if manifest.model_config else []), manifest.validation]
-        self.loop.run(self.fetcher.fetch_all(start), timeout=WAIT_SECONDS)
+        self.loop.run(self.fetcher.fetch_all(start), timeout=WAIT_SECONDS, interruptible=True)
         self.dataset = data = open_dataset(manifest, self.store, r.data.batch_size, self.fetch_shard)
         self.metrics.data_files_total.set(len(manifest.files))
         self.metrics.data_files_held.set_function(lambda: float(self.held()))
@@ -95,7 +95,7 @@ class SharedData:
         """Called by the training thread for a shard file it must read and does not hold: fetched at once."""
         entry = self.dataset.manifest.shards[shard]
         logger.info("data: waiting for shard file %d (%s)", shard, entry.sha256[:12])
-        self.loop.run(self.fetcher.fetch(entry), timeout=WAIT_SECONDS)
+        self.loop.run(self.fetcher.fetch(entry), timeout=WAIT_SECONDS, interruptible=True)
 
     def fetch_rest(self, start: int) -> None:
         """Fetch the shard files we do not hold in the background, in the order a stream from `start` reads them."""

@@ -379,7 +379,10 @@ class Part:
         deadline, served, check_at = time.monotonic() + DRAIN_SECONDS, 0, 0.0
         while not stop.is_set() and time.monotonic() < deadline:
             if time.monotonic() >= check_at:
-                records, _ = parse_peer_records(self.loop.run(self.node.get(peers_key(upstream)), 30))
+                try:
+                    records, _ = parse_peer_records(self.loop.run(self.node.get(peers_key(upstream)), 30))
+                except concurrent.futures.CancelledError:  # a stop signal: the loop ends (the checkpoint still comes)
+                    break
                 if not view.live(records, self.node.now()):
                     break
                 if check_at == 0.0:

@@ -42,7 +42,7 @@ class Stop:
         self.event.set()
         self.events.emit("stopping", signal=signum)
         if self.loop is not None:
-            self.loop.cancel_submitted()
+            self.loop.cancel_submitted(interrupt=True)
         self.watchdog = threading.Timer(self.seconds + 0.5, self._now)
         self.watchdog.daemon = True
         self.watchdog.start()
