@@ -29,8 +29,10 @@ class LoopThread:
         # and forgotten (a heartbeat), awaiting a future that nothing else holds, is otherwise garbage-collected
         # mid-way ("Task was destroyed but it is pending"), and the heartbeat silently stops.
         self._pending: set[concurrent.futures.Future] = set()
-        self._lock = threading.Lock()  # a submission and a cancellation do not interleave
-        self.interrupted = False  # set by cancel_submitted(interrupt=True): interruptible work is refused from then
+        # Set by cancel_submitted(interrupt=True): interruptible work is refused from then. No lock guards it: the
+        # stop signal's handler runs on the main thread, which may be inside submit() (it sends pipeline hops), and a
+        # lock there deadlocked the handler. See submit for why the order of the two checks is enough.
+        self.interrupted = False
         self._running = threading.Event()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
@@ -44,16 +46,19 @@ class LoopThread:
     def submit(self, coro: Awaitable[T], interruptible: bool = False) -> concurrent.futures.Future:
         """Start `coro` on the loop. If `interruptible` and the loop was interrupted (a stop signal), `coro` never
         starts and the future returned is cancelled."""
-        with self._lock:
-            if interruptible and self.interrupted:
-                if hasattr(coro, "close"):
-                    coro.close()  # (never awaited: no "coroutine was never awaited" warning)
-                future: concurrent.futures.Future = concurrent.futures.Future()
-                future.cancel()
-                return future
-            future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-            self._pending.add(future)
+        if interruptible and self.interrupted:
+            if hasattr(coro, "close"):
+                coro.close()  # (never awaited: no "coroutine was never awaited" warning)
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            future.cancel()
+            return future
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        self._pending.add(future)
         future.add_done_callback(self._pending.discard)
+        # A stop between the check above and the add: cancel_submitted set `interrupted` before it listed _pending,
+        # so either it listed this future (and cancels it) or this check sees the flag.
+        if interruptible and self.interrupted:
+            future.cancel()
         return future
 
     def cancel_submitted(self, interrupt: bool = False) -> int:
@@ -61,9 +66,9 @@ class LoopThread:
         all-reduce or a state download; whoever waits in run() gets concurrent.futures.CancelledError. With
         `interrupt`, interruptible submissions from now on are cancelled at once too. Returns how many were
         cancelled."""
-        with self._lock:
-            self.interrupted = self.interrupted or interrupt
-            pending = [future for future in list(self._pending) if not future.done()]
+        if interrupt:
+            self.interrupted = True  # (before _pending is listed: see submit)
+        pending = [future for future in list(self._pending) if not future.done()]
         for future in pending:
             future.cancel()
         return len(pending)

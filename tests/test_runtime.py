@@ -96,3 +96,30 @@ def test_cancel_without_interrupt_leaves_later_work_alone():
         assert loop.run(asyncio.sleep(0, result=3), timeout=5, interruptible=True) == 3
     finally:
         loop.close()
+
+
+def test_a_stop_between_the_check_and_the_submission_still_cancels_it(monkeypatch):
+    """The stop signal's handler runs on the main thread, which may itself be inside submit() (a first stage sends
+    its pipeline hops from there): so submit takes no lock, and a stop landing after its check of the flag and
+    before the future is listed must still cancel the work. Here the stop lands exactly there."""
+    import concurrent.futures
+
+    import pytest
+
+    import swarm.runtime as runtime
+
+    loop = LoopThread()
+    original = runtime.asyncio.run_coroutine_threadsafe
+
+    def stop_lands_now(coro, target):
+        future = original(coro, target)
+        assert loop.cancel_submitted(interrupt=True) == 0  # (this future is not listed yet)
+        return future
+
+    try:
+        monkeypatch.setattr(runtime.asyncio, "run_coroutine_threadsafe", stop_lands_now)
+        with pytest.raises(concurrent.futures.CancelledError):
+            loop.run(asyncio.sleep(60), timeout=5, interruptible=True)
+    finally:
+        monkeypatch.undo()
+        loop.close()

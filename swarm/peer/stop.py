@@ -37,15 +37,17 @@ class Stop:
             logger.warning("second signal (%d): stopping at once", signum)
             os._exit(128 + signum)
             return  # (only reached where os._exit is replaced, as in a test)
-        logger.info("stopping within %.0f s (signal %d); Ctrl-C again to stop at once", self.seconds, signum)
         self.deadline = time.monotonic() + self.seconds
         self.event.set()
-        self.events.emit("stopping", signal=signum)
-        if self.loop is not None:
-            self.loop.cancel_submitted(interrupt=True)
+        # The watchdog first: this handler runs on the main thread between two of its bytecodes, wherever it was,
+        # so whatever comes after could in principle wait on something the main thread holds.
         self.watchdog = threading.Timer(self.seconds + 0.5, self._now)
         self.watchdog.daemon = True
         self.watchdog.start()
+        logger.info("stopping within %.0f s (signal %d); Ctrl-C again to stop at once", self.seconds, signum)
+        self.events.emit("stopping", signal=signum)
+        if self.loop is not None:
+            self.loop.cancel_submitted(interrupt=True)
 
     def _now(self) -> None:
         logger.error("did not stop within %.0f s of the signal: exiting without the final checkpoint", self.seconds)
