@@ -306,7 +306,7 @@ def test_a_serving_stage_that_stops_answers_what_it_queued_and_takes_no_more(pip
     """A serving stage's handler queues microbatches for its training thread (Handoff). When the thread serves no
     more (a stop signal, its last round, a move), the queued ones are answered with a reason and new ones refused,
     so their senders go to another peer at once instead of waiting out the hop's timeout."""
-    from swarm.peer.staged import Handoff
+    from swarm.peer.pipeline import Handoff
     loop, worker, router, servers, alive = pipeline
     peer, server = servers[sorted(servers)[1]]
     alive.discard(sorted(servers)[0])

@@ -6,7 +6,6 @@ and the network and runs the training loop."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import math
 import logging
 import time
@@ -276,13 +275,7 @@ class Peer:
         if self.faults.local("slow", self.diloco.round):
             self.part.slow_down(SLOWDOWN)
         started = time.monotonic()
-        try:
-            loss, tokens, read = self.part.step(batches, self.device, self.inner_optimizer, lr, r.inner.grad_clip,
-                                                settle)
-        except concurrent.futures.CancelledError:  # a shard file's fetch (next(batches)), cancelled by a stop signal
-            if not self.stop.event.is_set():
-                raise
-            return True  # nothing trained; the loop ends, and the final checkpoint is still written
+        loss, tokens, read = self.part.step(batches, self.device, self.inner_optimizer, lr, r.inner.grad_clip, settle)
         self.stream.step += read
         if loss is None:
             return True  # a stage that got no microbatch, or one its next stage did not take: nothing trained

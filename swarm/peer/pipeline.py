@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import queue
 import random
 import threading
 import time
@@ -389,3 +390,52 @@ class Router:
                 self.in_flight[peer] -= 1
         raise PipelineError(f"no peer of the next stage took the microbatch (tried {len(tried)}"
                             + (f"; last: {last_error}" if last_error else "") + ")")
+
+
+class Handoff:
+    """Microbatches a serving stage's handler (on `loop`) hands to the training thread, which also takes its outer
+    steps: `queue` holds (activations, targets, scale, the future of the answer); scale None is a validation
+    microbatch. Once `close` has run, microbatches are refused with a reason, and those queued are answered so: their
+    senders try another peer at once, not when the hop times out (HOP_SECONDS)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: queue.Queue = queue.Queue()
+        self.closed = False  # (set on the loop)
+
+    async def hand_over(self, x: torch.Tensor, targets: torch.Tensor, scale: Optional[float]):
+        """A served microbatch, run by the training thread (swarm/peer/staged.py); a validation one (forward only, its loss)
+        with `scale` None."""
+        if self.closed:
+            raise PipelineError("the stage peer is stopping")
+        done = self.loop.create_future()
+        self.queue.put((x, targets, scale, done))
+        return await done
+
+    def answer(self, done: asyncio.Future, result=None, error: Optional[BaseException] = None) -> None:
+        """From the training thread: the answer to a microbatch it took from `queue`."""
+        self.loop.call_soon_threadsafe(_settle, done, result, error)
+
+    def close(self) -> None:
+        """From the training thread, once it serves no more (the end of training, a stop signal, a move)."""
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._refuse)
+
+    def _refuse(self) -> None:
+        # (on the loop, so no hand_over queues a microbatch between the flag and the queue's last get)
+        self.closed = True
+        while True:
+            try:
+                *_, done = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            _settle(done, None, PipelineError("the stage peer is stopping"))
+
+
+def _settle(future: asyncio.Future, result, error: Optional[BaseException]) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -29,7 +29,7 @@ from swarm.dht.node import SwarmNode
 from swarm.dht.records import ONLINE_STATES, TRAINING_STATES, parse_peer_records, peers_key
 from swarm.peer.microbatches import MicrobatchStream
 from swarm.peer.model import build_model, n_blocks as count_blocks
-from swarm.peer.pipeline import PipelineError, Router, StageServer, StageWorker, stage_protocol
+from swarm.peer.pipeline import Handoff, PipelineError, Router, StageServer, StageWorker, stage_protocol
 from swarm.peer.block_selection import stage_to_move_to
 from swarm.peer.stages import Stage, even_bounds, materialize
 from swarm.peer.stream import peer_id_hash
@@ -286,7 +286,10 @@ class Part:
         each batch as it is stepped on; with `settle`, it finishes the batches in flight instead, taking none, and
         returns them together (before its weights are averaged)."""
         if self.whole:
-            batch = next(batches)
+            try:
+                batch = next(batches)
+            except concurrent.futures.CancelledError:  # a shard file's fetch, cancelled by a stop: the loop ends
+                return None, 0, 0
             return inner_step(self.model, optimizer, batch, device, lr, grad_clip), batch[:, 1:].numel(), 1
         # A stage sees only its own gradient: each clips to its share of the whole model's bound.
         self.worker.optimizer, self.worker.lr = optimizer, lambda: lr
@@ -320,16 +323,16 @@ class Part:
             if scale is None:  # a validation microbatch: its loss, nothing trained
                 loss = self.worker.evaluate(x, targets, None if self.router is None else
                                             self.router.evaluator(self.loop))
-                self.loop.loop.call_soon_threadsafe(_settle, done, loss, None)
+                self.work.answer(done, loss)
                 return None, 0, 0
             grad, loss = self.worker.step(x, targets, None if self.router is None else self.router.hop(self.loop),
                                           scale)
         except Exception as e:  # noqa: BLE001 - the stage before learns of it and retries elsewhere
             if isinstance(e, concurrent.futures.CancelledError):  # (our next hop, cancelled by a stop signal)
                 e = PipelineError("the stage peer is stopping")
-            self.loop.loop.call_soon_threadsafe(_settle, done, None, e)
+            self.work.answer(done, error=e)
             return None, 0, 0
-        self.loop.loop.call_soon_threadsafe(_settle, done, (grad, loss), None)
+        self.work.answer(done, (grad, loss))
         return loss, targets.numel(), 0
 
     def finish(self, stop: threading.Event, events) -> None:
@@ -401,48 +404,3 @@ def _capacity(settings: PeerSettings) -> tuple[Optional[int], Optional[int]]:
     if settings.device != "cpu" and torch.cuda.is_available():
         return None, torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     return None, None
-
-
-class Handoff:
-    """Microbatches a serving stage's handler (on `loop`) hands to the training thread, which also takes its outer
-    steps: `queue` holds (activations, targets, scale, the future of the answer); scale None is a validation
-    microbatch. Once `close` has run, microbatches are refused with a reason, and those queued are answered so: their
-    senders try another peer at once, not when the hop times out (HOP_SECONDS)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.queue: queue.Queue = queue.Queue()
-        self.closed = False  # (set on the loop)
-
-    async def hand_over(self, x: torch.Tensor, targets: torch.Tensor, scale: Optional[float]):
-        """A served microbatch, run by the training thread (Part.step); a validation one (forward only, its loss)
-        with `scale` None."""
-        if self.closed:
-            raise PipelineError("the stage peer is stopping")
-        done = self.loop.create_future()
-        self.queue.put((x, targets, scale, done))
-        return await done
-
-    def close(self) -> None:
-        """From the training thread, once it serves no more (the end of training, a stop signal, a move)."""
-        if not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self._refuse)
-
-    def _refuse(self) -> None:
-        # (on the loop, so no hand_over queues a microbatch between the flag and the queue's last get)
-        self.closed = True
-        while True:
-            try:
-                *_, done = self.queue.get_nowait()
-            except queue.Empty:
-                return
-            _settle(done, None, PipelineError("the stage peer is stopping"))
-
-
-def _settle(future: asyncio.Future, result, error: Optional[BaseException]) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
