@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from conftest import kill_session
-from swarm.averaging.aggregate import capped_weights
+from swarm.averaging.aggregate import capped_weights, centered_clip_radius
 from swarm.averaging.faults import SCALE
-from swarm.averaging.verify import RADIUS_FLOOR
+from swarm.averaging.partition import partition
 from swarm.events import read_events
 from test_swarm import _traces
 
@@ -77,11 +77,9 @@ def test_a_forged_reference_moves_no_honest_peer(swarm, cache_dir):
 def test_a_scaled_pseudo_gradient_moves_the_average_a_bounded_way(swarm):
     """One of four members sends its pseudo-gradient x1000 (well-formed, finite, an honest weight) every round.
     With the default aggregator (centered_clip) the average every member applies moves from the honest members'
-    own mean by at most CenteredClip's radius times the attacker's weight over the honest weight, part by part. The
-    radius is 1.5x the median distance between the contributions, raised to a quarter of their (lower median) norm
-    where that is more; summed over the parts, at most sqrt(2.25 D^2 + N^2 / 32), D^2 the honest pairs' squared
-    distances, N^2 the honest squared norms. The plain mean would move hundreds of times as far; the honest members
-    end bit-identical and nobody's contribution is dropped."""
+    own mean, part by part, by at most the attacker's weight times the part's radius, plus the honest members'
+    weighted excess over the radius, over the honest weight (CenteredClip's fixed point). The plain mean would move
+    over 20 times as far; the honest members end bit-identical and nobody's contribution is dropped."""
     rounds = 3
     _, maddr = swarm.bootstrap(recipe=ROOT / "tests" / "recipes" / "four.yaml")  # every round waits for all four
     names = ["honest0", "honest1", "honest2", "attacker"]
@@ -110,7 +108,20 @@ def test_a_scaled_pseudo_gradient_moves_the_average_a_bounded_way(swarm):
         pairs = sum(float((a["pseudo_gradient"] - b["pseudo_gradient"]).norm()) ** 2
                     for i, a in enumerate(tensors) for b in tensors[i + 1:])
         norms = sum(float(t["pseudo_gradient"].norm()) ** 2 for t in tensors)
-        bound = lie_weight / sum(weights) * math.sqrt((1.5 ** 2) * pairs + RADIUS_FLOOR ** 2 * norms / 2)
+        # At CenteredClip's fixed point v, W_h (honest mean - v) = sum_h w_i excess_i - w_a clip_tau(lie - v), part
+        # by part: the lie pulls by at most its weight times the part's radius tau, and an honest member that the
+        # pulled centre leaves more than tau away is clipped too and pulls further, by its excess over tau. Each
+        # part's tau is the one its reducer computed (centered_clip_radius of the four parts as sent; the lie is
+        # first cut to the group's norm cap, so it can land nearer the medoid than an honest member, and a bound
+        # from the honest distances alone, used before, was exceeded once: moved 0.632 against 0.587).
+        pulled = excess = 0.0
+        for start, end in partition(tensors[0]["average"].numel(), metas[0]["shares"]):
+            parts = [t["pseudo_gradient"][start:end] for t in tensors] + [SCALE * lie["pseudo_gradient"][start:end]]
+            tau = centered_clip_radius(parts, [m["weight"] for m in metas] + [lie_meta["weight"]])[2]
+            centre = tensors[0]["average"][start:end]
+            pulled += (lie_weight * tau) ** 2
+            excess += sum(w * max(float((x - centre).norm()) - tau, 0.0) for x, w in zip(parts, weights)) ** 2
+        bound = (math.sqrt(pulled) + math.sqrt(excess)) / sum(weights)
         with_lie = (honest_mean * sum(weights) + SCALE * lie["pseudo_gradient"] * lie_weight) \
             / (sum(weights) + lie_weight)
         moved = float((tensors[0]["average"] - honest_mean).norm())
