@@ -172,6 +172,16 @@ def p2p_network():
     loop.close()
 
 
+def wait_until(condition, timeout: float, step: float = 0.02) -> bool:
+    """Poll `condition` until it holds or `timeout` seconds pass; whether it held."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(step)
+    return True
+
+
 async def dribble(reader, data: bytes, until) -> None:
     """Feed `data` to `reader` a byte each 50 ms, so its reader is never silent for a read deadline, until the
     task `until` is done: how a hostile peer holds a handler's slot without ever stalling."""

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+from conftest import wait_until
 from swarm.compression import get_codec
 from swarm.dht.frames import recv_frame, send_frame
 from swarm.peer.pipeline import PipelineError, Router, StageServer, StageWorker, stage_protocol
@@ -288,9 +289,7 @@ def test_a_stop_signal_cancels_the_hops_a_first_stage_waits_on(pipeline):
                     for seed in range(2)])
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         stepping = pool.submit(stream.step, lambda: next(batches))
-        deadline = time.monotonic() + 15
-        while len(arrived) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: len(arrived) >= 2, 15)
         assert len(arrived) == 2 and not stepping.done(), "both microbatches reached the peer, which never answers"
         started = time.monotonic()
         assert loop.cancel_submitted() >= 2
@@ -315,9 +314,7 @@ def test_a_serving_stage_that_stops_answers_what_it_queued_and_takes_no_more(pip
     batch = _batch(5)
     out = worker.stage(batch[:, :-1]).detach()
     hop = router.send(loop)(out, batch[:, 1:], 1.0)
-    deadline = time.monotonic() + 15
-    while handoff.queue.empty() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: not handoff.queue.empty(), 15)
     assert handoff.queue.qsize() == 1 and not hop.done()
     started = time.monotonic()
     handoff.close()

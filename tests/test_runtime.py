@@ -7,6 +7,7 @@ import gc
 import threading
 import weakref
 
+from conftest import wait_until
 from swarm.runtime import LoopThread
 
 
@@ -73,9 +74,7 @@ def test_a_stop_refuses_interruptible_work_submitted_after_it():
 
     try:
         waiting = loop.submit(matchmaking(), interruptible=True)
-        deadline = time.monotonic() + 5
-        while not started and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: started, 5)
         assert started and loop.cancel_submitted(interrupt=True) == 1
         with pytest.raises(concurrent.futures.CancelledError):
             waiting.result(timeout=2)
