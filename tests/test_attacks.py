@@ -15,8 +15,10 @@ import torch
 
 from conftest import kill_session
 from swarm.averaging.aggregate import capped_weights, centered_clip_radius
+from swarm.averaging.common import chunk_bounds
 from swarm.averaging.faults import SCALE
 from swarm.averaging.partition import partition
+from swarm.averaging.verify import shrink
 from swarm.events import read_events
 from test_swarm import _traces
 
@@ -76,10 +78,11 @@ def test_a_forged_reference_moves_no_honest_peer(swarm, cache_dir):
 
 def test_a_scaled_pseudo_gradient_moves_the_average_a_bounded_way(swarm):
     """One of four members sends its pseudo-gradient x1000 (well-formed, finite, an honest weight) every round.
-    With the default aggregator (centered_clip) the average every member applies moves from the honest members'
-    own mean, part by part, by at most the attacker's weight times the part's radius, plus the honest members'
-    weighted excess over the radius, over the honest weight (CenteredClip's fixed point). The plain mean would move
-    over 20 times as far; the honest members end bit-identical and nobody's contribution is dropped."""
+    With the default aggregator (centered_clip) every reducer's average is CenteredClip's fixed point, chunk by
+    chunk: it moves from the mean of the honest members' contributions as the group counts them (each cut to the
+    chunk's norm cap, which the lie can only raise) by at most the attacker's weight times the chunk's radius, plus
+    the honest members' weighted excess over the radius, over the honest weight. The plain mean would move over 20
+    times as far; the honest members end bit-identical and nobody's contribution is dropped."""
     rounds = 3
     _, maddr = swarm.bootstrap(recipe=ROOT / "tests" / "recipes" / "four.yaml")  # every round waits for all four
     names = ["honest0", "honest1", "honest2", "attacker"]
@@ -97,40 +100,58 @@ def test_a_scaled_pseudo_gradient_moves_the_average_a_bounded_way(swarm):
         assert len(honest) == 3, f"round {round_no}: every honest peer averaged"
         metas, tensors = zip(*honest)
         assert all(torch.equal(t["global_after"], tensors[0]["global_after"]) for t in tensors)
-        if attacker_id not in metas[0]["members"]:
+        members = metas[0]["members"]
+        if attacker_id not in members:
             continue  # (a round it missed: nothing to measure)
         attacked += 1
-        lie_meta, lie = entries["attacker"]
+        _, lie = entries["attacker"]
+        moved, bound = _clip_bound(members, metas, tensors, attacker_id, lie["pseudo_gradient"])
         # The weights as every reducer counts them (capped at 1.5x the lower median of the group's).
-        *weights, lie_weight = capped_weights([m["weight"] for m in metas] + [lie_meta["weight"]])
+        capped = capped_weights(metas[0]["weights"])
+        weights = [capped[members.index(m["peer_id"])] for m in metas]
+        lie_weight = capped[members.index(attacker_id)]
         honest_mean = sum(t["pseudo_gradient"] * w for t, w in zip(tensors, weights)) / sum(weights)
-        spread = max(float((t["pseudo_gradient"] - honest_mean).norm()) for t in tensors)
-        pairs = sum(float((a["pseudo_gradient"] - b["pseudo_gradient"]).norm()) ** 2
-                    for i, a in enumerate(tensors) for b in tensors[i + 1:])
-        norms = sum(float(t["pseudo_gradient"].norm()) ** 2 for t in tensors)
-        # At CenteredClip's fixed point v, W_h (honest mean - v) = sum_h w_i excess_i - w_a clip_tau(lie - v), part
-        # by part: the lie pulls by at most its weight times the part's radius tau, and an honest member that the
-        # pulled centre leaves more than tau away is clipped too and pulls further, by its excess over tau. Each
-        # part's tau is the one its reducer computed (centered_clip_radius of the four parts as sent; the lie is
-        # first cut to the group's norm cap, so it can land nearer the medoid than an honest member, and a bound
-        # from the honest distances alone, used before, was exceeded once: moved 0.632 against 0.587).
-        pulled = excess = 0.0
-        for start, end in partition(tensors[0]["average"].numel(), metas[0]["shares"]):
-            parts = [t["pseudo_gradient"][start:end] for t in tensors] + [SCALE * lie["pseudo_gradient"][start:end]]
-            tau = centered_clip_radius(parts, [m["weight"] for m in metas] + [lie_meta["weight"]])[2]
-            centre = tensors[0]["average"][start:end]
-            pulled += (lie_weight * tau) ** 2
-            excess += sum(w * max(float((x - centre).norm()) - tau, 0.0) for x, w in zip(parts, weights)) ** 2
-        bound = (math.sqrt(pulled) + math.sqrt(excess)) / sum(weights)
         with_lie = (honest_mean * sum(weights) + SCALE * lie["pseudo_gradient"] * lie_weight) \
             / (sum(weights) + lie_weight)
-        moved = float((tensors[0]["average"] - honest_mean).norm())
-        assert moved <= 1.01 * bound, f"round {round_no}: moved {moved:.4g}, bound {bound:.4g} (honest spread " \
-            f"{spread:.4g}, squared distances {pairs:.4g}, squared norms {norms:.4g})"
+        assert moved <= 1.01 * bound, f"round {round_no}: moved {moved:.4g} from the honest members' cut mean, " \
+            f"bound {bound:.4g}"
         lies.append(float((with_lie - honest_mean).norm()) / max(bound, 1e-12))
     assert attacked >= 2, "the attacker took part in too few rounds to show anything"
     # (A round in which the attacker had trained little lies little: its pseudo-gradient and weight are small.)
     assert max(lies) > 20, f"the lie was never big enough to matter: {lies}"
+
+
+def _clip_bound(members, metas, tensors, attacker_id: str, lie: torch.Tensor) -> tuple[float, float]:
+    """How far the honest members' average moved, chunk by chunk, from the weighted mean of their contributions as
+    its reducer counted them (cut to the chunk's norm cap), and CenteredClip's bound on that: at the fixed point v,
+    W_h (cut honest mean - v) = sum_h w_h excess_h - w_a clip_tau(lie - v), so the lie pulls by at most its weight
+    times the chunk's radius tau, and an honest member the pulled centre leaves more than tau away is clipped too
+    and pulls further, by its excess over tau (both summed over chunks in quadrature). Every reducer aggregates each
+    chunk of its part alone, with its own radius and cap, which this works out again from what each member sent
+    (the attacker sends its pseudo-gradient x SCALE and reduces its own part with it as it is) and checks against
+    the average the members applied: bounds from a whole part's radius, or the uncut honest mean, were exceeded."""
+    by_id = {m["peer_id"]: t["pseudo_gradient"] for m, t in zip(metas, tensors)}
+    weights = metas[0]["weights"]
+    average = tensors[0]["average"]
+    honest = [i for i, member in enumerate(members) if member != attacker_id]
+    attacker = members.index(attacker_id)
+    moved = pulled = excess = honest_weight = 0.0
+    for j, (start, end) in enumerate(partition(average.numel(), metas[0]["shares"])):
+        sent = [lie if (i == attacker and j == attacker) else SCALE * lie if i == attacker else by_id[member]
+                for i, member in enumerate(members)]
+        order = [j] + [i for i in range(len(members)) if i != j]  # (its own contribution first, as a reducer adds)
+        for a, b in chunk_bounds(start, end):
+            recomputed, _, tau, cap = centered_clip_radius([sent[i][a:b] for i in order], [weights[i] for i in order])
+            centre = average[a:b]
+            assert float((recomputed - centre).norm()) <= 1e-3 * tau, "the reducer's average is not CenteredClip's"
+            capped = capped_weights(weights)
+            cut = {i: sent[i][a:b] * shrink(float(sent[i][a:b].norm()), cap) for i in honest}
+            honest_weight = sum(capped[i] for i in honest)
+            cut_mean = sum(cut[i] * capped[i] for i in honest) / honest_weight
+            moved += float((cut_mean - centre).norm()) ** 2
+            pulled += (capped[attacker] * tau) ** 2
+            excess += sum(capped[i] * max(float((cut[i] - centre).norm()) - tau, 0.0) for i in honest) ** 2
+    return math.sqrt(moved), (math.sqrt(pulled) + math.sqrt(excess)) / honest_weight
 
 
 def test_a_lying_reducer_is_caught_and_no_honest_peer_applies_its_part(swarm):

@@ -59,5 +59,5 @@ def write_trace(directory: str | Path, peer_id: str, averaged, global_before: to
     (directory / f"{name}.json").write_text(json.dumps({
         "peer_id": peer_id, "round": contribution.round_no, "weight": contribution.weight,
         "members": list(group.members), "shares": list(group.shares), "clients": list(group.clients),
-        "group_id": group.group_id, "mix": group.mix, "swarm_size": group.swarm_size,
+        "weights": list(group.weights), "group_id": group.group_id, "mix": group.mix, "swarm_size": group.swarm_size,
         "total_weight": result.total_weight, "loss": loss, "val_loss": val_loss, "digest": digest}))
