@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import os
+import queue
 import signal
 import threading
 from typing import Awaitable, Callable, Optional, TypeVar
 
 T = TypeVar("T")
+logger = logging.getLogger("swarm")
 
 
 class LoopThread:
@@ -109,14 +112,31 @@ class LoopThread:
 
 
 def install_stop_handlers(on_stop: Callable[[int], None]) -> None:
-    """Call `on_stop(signum)` on SIGINT and SIGTERM in this process. hivemind forks its DHT process from ours and
-    the fork inherits these handlers: there SIGTERM must still kill, because it is how hivemind ends a DHT that
-    did not stop in time (with the handler inherited as is, the parent waited for the fork forever)."""
+    """Call `on_stop(signum)` on SIGINT and SIGTERM in this process, on a thread of its own ("swarm-stop"): the
+    signal handler itself only queues the signal. A handler runs on the main thread between two of its bytecodes,
+    wherever it was, so anything more there could wait on a lock the main thread already holds: setting a
+    threading.Event from inside its own wait() (a plain lock), or writing the event log from inside its own write
+    (a reentrant call into a buffered file raises). SimpleQueue.put is made to be called from a signal handler.
+
+    hivemind forks its DHT process from ours and the fork inherits these handlers (not the thread): there SIGTERM
+    must still kill, because it is how hivemind ends a DHT that did not stop in time (with the handler inherited as
+    is, the parent waited for the fork forever)."""
     owner = os.getpid()
+    signals: queue.SimpleQueue[int] = queue.SimpleQueue()
+
+    def relay() -> None:
+        while True:
+            signum = signals.get()
+            try:
+                on_stop(signum)
+            except Exception:  # noqa: BLE001 - a later signal must still be heard (a second one exits at once)
+                logger.exception("handling signal %d failed", signum)
+
+    threading.Thread(target=relay, name="swarm-stop", daemon=True).start()
 
     def handler(signum: int, frame) -> None:
         if os.getpid() == owner:
-            on_stop(signum)
+            signals.put(signum)
         elif signum == signal.SIGTERM:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)

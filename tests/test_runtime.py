@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
+import signal
+import subprocess
+import sys
 import threading
 import weakref
+from pathlib import Path
 
 from conftest import wait_until
 from swarm.runtime import LoopThread
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_a_submitted_and_forgotten_coroutine_survives_garbage_collection():
@@ -122,3 +129,36 @@ def test_a_stop_between_the_check_and_the_submission_still_cancels_it(monkeypatc
     finally:
         monkeypatch.undo()
         loop.close()
+
+
+STOP_HANDLER_SCRIPT = """
+import os, signal, threading
+from swarm.runtime import install_stop_handlers
+lock, handled = threading.Lock(), threading.Event()
+
+def on_stop(signum):
+    with lock:  # what setting an Event takes (its own lock, held by the main thread for a few bytecodes in wait())
+        print(threading.current_thread().name, signum, flush=True)
+    handled.set()
+
+install_stop_handlers(on_stop)
+with lock:
+    os.kill(os.getpid(), signal.SIGTERM)
+    for _ in range(100000):  # (the handler runs at one of these bytecodes, on the main thread)
+        pass
+print("handled", handled.wait(10), flush=True)
+"""
+
+
+def test_a_stop_signal_is_handled_off_the_main_thread_whatever_it_holds():
+    """The signal handler only queues the signal; `on_stop` runs on the swarm-stop thread, so it may wait on a lock
+    the main thread held when the signal came. Run inside the handler, it waited on the main thread itself forever
+    (this process hung): a peer could deadlock a stop by setting its stop Event while inside that Event's wait(),
+    or raise into whatever the main thread did by writing the event log inside the log's own write."""
+    try:
+        done = subprocess.run([sys.executable, "-c", STOP_HANDLER_SCRIPT], capture_output=True, text=True,
+                              timeout=30, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    except subprocess.TimeoutExpired:
+        raise AssertionError("the stop handler deadlocked on a lock the main thread held") from None
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[:2] == [f"swarm-stop {int(signal.SIGTERM)}", "handled True"], done.stdout

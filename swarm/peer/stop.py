@@ -37,13 +37,13 @@ class Stop:
             logger.warning("second signal (%d): stopping at once", signum)
             os._exit(128 + signum)
             return  # (only reached where os._exit is replaced, as in a test)
+        # (On the "swarm-stop" thread, not in the signal handler: see install_stop_handlers. The watchdog first, so
+        # that nothing after it, waiting on what the main thread holds, can keep us past the deadline.)
         self.deadline = time.monotonic() + self.seconds
-        self.event.set()
-        # The watchdog first: this handler runs on the main thread between two of its bytecodes, wherever it was,
-        # so whatever comes after could in principle wait on something the main thread holds.
         self.watchdog = threading.Timer(self.seconds + 0.5, self._now)
         self.watchdog.daemon = True
         self.watchdog.start()
+        self.event.set()
         logger.info("stopping within %.0f s (signal %d); Ctrl-C again to stop at once", self.seconds, signum)
         self.events.emit("stopping", signal=signum)
         if self.loop is not None:
