@@ -163,7 +163,7 @@ def _join(args: argparse.Namespace) -> int:
                             peer.diloco.digest())
                 return 0
         except concurrent.futures.CancelledError:
-            if not peer.stop.event.is_set():
+            if not peer.stop.event.wait(1.0):  # (the stop thread sets it just after it cancelled our work)
                 raise
             logger.info("stopped during start-up")
             return 0

@@ -29,7 +29,7 @@ class EventLog:
     flushed at once, so a reader sees an event as soon as it happened."""
 
     def __init__(self, path: Optional[str | Path] = None):
-        self._lock = threading.RLock()  # (a stop signal's handler emits on the main thread, which may be emitting)
+        self._lock = threading.RLock()  # (reentrant: a thread that emits while emitting waits on nothing)
         self._file = None
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -32,9 +32,9 @@ class LoopThread:
         # and forgotten (a heartbeat), awaiting a future that nothing else holds, is otherwise garbage-collected
         # mid-way ("Task was destroyed but it is pending"), and the heartbeat silently stops.
         self._pending: set[concurrent.futures.Future] = set()
-        # Set by cancel_submitted(interrupt=True): interruptible work is refused from then. No lock guards it: the
-        # stop signal's handler runs on the main thread, which may be inside submit() (it sends pipeline hops), and a
-        # lock there deadlocked the handler. See submit for why the order of the two checks is enough.
+        # Set by cancel_submitted(interrupt=True): interruptible work is refused from then. No lock guards it (a
+        # stop signal's handling once ran on the main thread, inside submit() at times, and a lock there deadlocked
+        # it); see submit for why the order of the two checks is enough, whichever thread stops.
         self.interrupted = False
         self._running = threading.Event()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
@@ -111,32 +111,48 @@ class LoopThread:
             self.loop.close()
 
 
+class _Relay:
+    """The process's one stop thread and the queue its signal handler feeds (see install_stop_handlers)."""
+
+    def __init__(self):
+        self.owner = os.getpid()
+        self.signals: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self.on_stop: Optional[Callable[[int], None]] = None
+        threading.Thread(target=self._run, name="swarm-stop", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            signum = self.signals.get()
+            try:
+                if self.on_stop is not None:
+                    self.on_stop(signum)
+            except Exception:  # noqa: BLE001 - a later signal must still be heard (a second one exits at once)
+                logger.exception("handling signal %d failed", signum)
+
+
+_relay: Optional[_Relay] = None
+
+
 def install_stop_handlers(on_stop: Callable[[int], None]) -> None:
-    """Call `on_stop(signum)` on SIGINT and SIGTERM in this process, on a thread of its own ("swarm-stop"): the
-    signal handler itself only queues the signal. A handler runs on the main thread between two of its bytecodes,
+    """Call `on_stop(signum)` on SIGINT and SIGTERM in this process, on a thread of its own ("swarm-stop", one per
+    process: a peer that joins again after moving stages installs its new stop in the same one): the signal
+    handler itself only queues the signal. A handler runs on the main thread between two of its bytecodes,
     wherever it was, so anything more there could wait on a lock the main thread already holds: setting a
     threading.Event from inside its own wait() (a plain lock), or writing the event log from inside its own write
     (a reentrant call into a buffered file raises). SimpleQueue.put is made to be called from a signal handler.
 
-    hivemind forks its DHT process from ours and the fork inherits these handlers (not the thread): there SIGTERM
-    must still kill, because it is how hivemind ends a DHT that did not stop in time (with the handler inherited as
-    is, the parent waited for the fork forever)."""
-    owner = os.getpid()
-    signals: queue.SimpleQueue[int] = queue.SimpleQueue()
-
-    def relay() -> None:
-        while True:
-            signum = signals.get()
-            try:
-                on_stop(signum)
-            except Exception:  # noqa: BLE001 - a later signal must still be heard (a second one exits at once)
-                logger.exception("handling signal %d failed", signum)
-
-    threading.Thread(target=relay, name="swarm-stop", daemon=True).start()
+    A process forked from ours inherits the handlers but not the thread: there SIGTERM must still kill (hivemind
+    once forked its DHT process from ours and ended it with SIGTERM; with the handler inherited as is, the parent
+    waited for the fork forever)."""
+    global _relay
+    if _relay is None or _relay.owner != os.getpid():
+        _relay = _Relay()
+    relay = _relay
+    relay.on_stop = on_stop
 
     def handler(signum: int, frame) -> None:
-        if os.getpid() == owner:
-            signals.put(signum)
+        if os.getpid() == relay.owner:
+            relay.signals.put(signum)
         elif signum == signal.SIGTERM:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)

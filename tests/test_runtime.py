@@ -13,6 +13,8 @@ import weakref
 from pathlib import Path
 
 from conftest import wait_until
+from swarm.events import EventLog
+from swarm.peer.stop import Stop
 from swarm.runtime import LoopThread
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -162,3 +164,33 @@ def test_a_stop_signal_is_handled_off_the_main_thread_whatever_it_holds():
         raise AssertionError("the stop handler deadlocked on a lock the main thread held") from None
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split("\n")[:2] == [f"swarm-stop {int(signal.SIGTERM)}", "handled True"], done.stdout
+
+
+def test_the_stop_cancels_before_the_main_thread_can_see_it():
+    """The stop thread cancels the loop's work before it sets the stop Event: once the main thread sees the Event
+    it starts its shutdown's own network work (the offline record, settling), which a cancel coming after would
+    cut. The stop's event write is held here until the main thread has submitted that work (or 1 s): with the
+    Event set first, as it was, the work was cancelled (a review's race script: 3 runs of 8)."""
+    submitted = threading.Event()
+
+    class HeldLog(EventLog):
+        def emit(self, event: str, **fields) -> None:
+            if event == "stopping":
+                submitted.wait(1.0)
+
+    loop = LoopThread()
+    stop = Stop(HeldLog(), seconds=60.0)
+    stop.loop = loop
+    relay = threading.Thread(target=stop.signalled, args=(signal.SIGTERM,), name="swarm-stop")
+    try:
+        relay.start()
+        assert stop.event.wait(5), "the stop set its Event"
+        shutdown_work = loop.submit(asyncio.sleep(1.0, "offline record sent"))  # (not interruptible)
+        submitted.set()
+        relay.join(5)
+        assert shutdown_work.result(5) == "offline record sent"
+    finally:
+        relay.join(5)
+        if stop.watchdog is not None:
+            stop.watchdog.cancel()  # (it would end this test process a minute from now)
+        loop.close()

@@ -37,17 +37,19 @@ class Stop:
             logger.warning("second signal (%d): stopping at once", signum)
             os._exit(128 + signum)
             return  # (only reached where os._exit is replaced, as in a test)
-        # (On the "swarm-stop" thread, not in the signal handler: see install_stop_handlers. The watchdog first, so
-        # that nothing after it, waiting on what the main thread holds, can keep us past the deadline.)
+        # On the "swarm-stop" thread, not in the signal handler (see install_stop_handlers), while the main thread
+        # goes on. The watchdog first, so that nothing after it can keep us past the deadline; the Event last: once
+        # the main thread sees it, it starts its shutdown's own network work (the offline record, settling), which
+        # a cancel after the Event would cut, and it closes the event log, which `stopping` must be in by then.
         self.deadline = time.monotonic() + self.seconds
         self.watchdog = threading.Timer(self.seconds + 0.5, self._now)
         self.watchdog.daemon = True
         self.watchdog.start()
-        self.event.set()
         logger.info("stopping within %.0f s (signal %d); Ctrl-C again to stop at once", self.seconds, signum)
         self.events.emit("stopping", signal=signum)
         if self.loop is not None:
             self.loop.cancel_submitted(interrupt=True)
+        self.event.set()
 
     def _now(self) -> None:
         logger.error("did not stop within %.0f s of the signal: exiting without the final checkpoint", self.seconds)
