@@ -153,7 +153,7 @@ def _join(args: argparse.Namespace) -> int:
         except ValueError as e:
             logger.error("%s", e)
             return 2
-        peer.install_signal_handlers()
+        peer.stop.install()
         try:
             peer.start()
             rounds = peer.run()
@@ -163,7 +163,7 @@ def _join(args: argparse.Namespace) -> int:
                             peer.diloco.digest())
                 return 0
         except concurrent.futures.CancelledError:
-            if not peer.stop.event.wait(1.0):  # (the stop thread sets it just after it cancelled our work)
+            if not peer.stop.event.is_set():
                 raise
             logger.info("stopped during start-up")
             return 0

@@ -166,28 +166,38 @@ def test_a_stop_signal_is_handled_off_the_main_thread_whatever_it_holds():
     assert done.stdout.split("\n")[:2] == [f"swarm-stop {int(signal.SIGTERM)}", "handled True"], done.stdout
 
 
-def test_the_stop_cancels_before_the_main_thread_can_see_it():
-    """The stop thread cancels the loop's work before it sets the stop Event: once the main thread sees the Event
-    it starts its shutdown's own network work (the offline record, settling), which a cancel coming after would
-    cut. The stop's event write is held here until the main thread has submitted that work (or 1 s): with the
-    Event set first, as it was, the work was cancelled (a review's race script: 3 runs of 8)."""
-    submitted = threading.Event()
+def test_the_stop_is_seen_before_its_cancellations_and_the_shutdown_waits_for_them():
+    """The stop thread sets the stop Event before it cancels the loop's work, so the training loop sees the stop
+    before it sees its work cancelled (a cancelled shard fetch ends the batches' generator for good: with the
+    cancellations first, the loop read it again and died of a StopIteration, a review's script 20 runs of 40). The
+    shutdown's own network work (the offline record, settling) comes after `wait_handled`, so the cancellations
+    cannot cut it (with the Event first and no wait: a review's script, 3 runs of 8). The stop's event write is
+    held here until the main thread has submitted that work, or 0.2 s (well inside the second `wait_handled` waits
+    at most: as long as it, the two timed out together and the test failed on a sound stop)."""
+    submitted, seen = threading.Event(), []
 
     class HeldLog(EventLog):
         def emit(self, event: str, **fields) -> None:
             if event == "stopping":
-                submitted.wait(1.0)
+                submitted.wait(0.2)
 
-    loop = LoopThread()
+    class Loop(LoopThread):
+        def cancel_submitted(self, interrupt: bool = False) -> int:
+            seen.append(stop.event.is_set())
+            return super().cancel_submitted(interrupt)
+
+    loop = Loop()
     stop = Stop(HeldLog(), seconds=60.0)
     stop.loop = loop
     relay = threading.Thread(target=stop.signalled, args=(signal.SIGTERM,), name="swarm-stop")
     try:
         relay.start()
         assert stop.event.wait(5), "the stop set its Event"
-        shutdown_work = loop.submit(asyncio.sleep(1.0, "offline record sent"))  # (not interruptible)
+        stop.wait_handled()
+        shutdown_work = loop.submit(asyncio.sleep(0.5, "offline record sent"))  # (not interruptible)
         submitted.set()
         relay.join(5)
+        assert seen == [True], "the Event was set before the cancellations"
         assert shutdown_work.result(5) == "offline record sent"
     finally:
         relay.join(5)

@@ -52,7 +52,7 @@ class Announcer:
     def refresh_now(self, loop: LoopThread) -> None:
         """Publish our record and re-read the view before returning (used at state changes)."""
         try:
-            loop.run(self.refresh(), timeout=10)
+            loop.run(self.refresh(), timeout=10, interruptible=True)  # (longer than a stop allows)
         except Exception as e:  # noqa: BLE001 - the heartbeat retries; a missed refresh is not fatal
             logger.debug("announcement refresh failed: %r", e)
 

@@ -418,10 +418,8 @@ class Peer:
         self.events.emit("checkpoint", round=self.diloco.round, path=str(path))
 
     # ---- shutdown ------------------------------------------------------------------------------------------
-    def install_signal_handlers(self) -> None:
-        self.stop.install()
-
     def shutdown(self) -> None:
+        self.stop.wait_handled()  # (before our own network work: a stop's cancellations must not cut it)
         self.progress.close()
         if self.rounds is not None:
             self.rounds.set_state("offline")

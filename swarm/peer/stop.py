@@ -28,6 +28,7 @@ class Stop:
         self.deadline: Optional[float] = None  # monotonic time a stop signal must have ended us by
         self.loop = None
         self.watchdog: Optional[threading.Timer] = None  # armed by the first signal
+        self.handled = threading.Event()  # set once the first signal's cancellations are done
 
     def install(self) -> None:
         install_stop_handlers(self.signalled)
@@ -38,18 +39,29 @@ class Stop:
             os._exit(128 + signum)
             return  # (only reached where os._exit is replaced, as in a test)
         # On the "swarm-stop" thread, not in the signal handler (see install_stop_handlers), while the main thread
-        # goes on. The watchdog first, so that nothing after it can keep us past the deadline; the Event last: once
-        # the main thread sees it, it starts its shutdown's own network work (the offline record, settling), which
-        # a cancel after the Event would cut, and it closes the event log, which `stopping` must be in by then.
+        # goes on. The watchdog first, so that nothing after it can keep us past the deadline. The Event before the
+        # cancellations: the training loop must see the stop before it sees its work cancelled (a cancelled shard
+        # fetch ends the batches' generator for good, and the loop, not knowing it was stopping, read it again: a
+        # StopIteration). `handled` after them: the shutdown waits for it (wait_handled) before its own network
+        # work (the offline record, settling), which a cancellation still to come would cut.
         self.deadline = time.monotonic() + self.seconds
         self.watchdog = threading.Timer(self.seconds + 0.5, self._now)
         self.watchdog.daemon = True
         self.watchdog.start()
-        logger.info("stopping within %.0f s (signal %d); Ctrl-C again to stop at once", self.seconds, signum)
-        self.events.emit("stopping", signal=signum)
-        if self.loop is not None:
-            self.loop.cancel_submitted(interrupt=True)
         self.event.set()
+        try:
+            logger.info("stopping within %.0f s (signal %d); Ctrl-C again to stop at once", self.seconds, signum)
+            self.events.emit("stopping", signal=signum)
+            if self.loop is not None:
+                self.loop.cancel_submitted(interrupt=True)
+        finally:
+            self.handled.set()
+
+    def wait_handled(self) -> None:
+        """After a stop signal: until the stop has cancelled what it cancels (a second at most), so that what the
+        caller submits next is not cancelled and its `stopping` event is written."""
+        if self.event.is_set():
+            self.handled.wait(1.0)
 
     def _now(self) -> None:
         logger.error("did not stop within %.0f s of the signal: exiting without the final checkpoint", self.seconds)
