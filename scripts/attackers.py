@@ -112,8 +112,8 @@ def sybil_key() -> RSAPrivateKey:
 
 class Attacker:
     def __init__(self, initial_peers: list[str], scenario: str, cache_dir: str, events: EventLog, sybils: int = 0,
-                 streams: int = 500):
-        self.scenario, self.events, self.streams = scenario, events, streams
+                 streams: int = 500, vouchers: int = 2):
+        self.scenario, self.events, self.streams, self.vouchers = scenario, events, streams, vouchers
         self.loop = LoopThread()
         # (streams held open go over direct TLS connections, as a peer's would)
         self.node = SwarmNode(initial_peers, NetworkOptions(direct_streams=scenario in KNOCKING))
@@ -319,7 +319,7 @@ class Attacker:
                 await self.intrude()
                 await asyncio.sleep(1.0)
                 continue
-            reference = view.reference(await self.swarm(), self.node.now(), quorum=2)
+            reference = view.reference(await self.swarm(), self.node.now(), quorum=self.vouchers)
             if reference.holders and self.scenario == "forged-reference" and reference.round + 1 != forged_round:
                 # A state of our making one round ahead of the swarm's: random params (drawn from the swarm's digest,
                 # so that colluding attackers forge the same one), no momentum.
@@ -356,11 +356,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sybils", type=int, default=1000, help="keys (and records) of the sybils scenario")
     parser.add_argument("--streams", type=int, default=500, help="streams of the idle-streams and oversized-frames "
                                                                  "scenarios, spread over the honest peers")
+    parser.add_argument("--vouchers", type=int, default=2, help="forged-reference and dribbling-holder: lie about "
+                                                                "the state at least this many peers announce")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s attacker: %(message)s", stream=sys.stdout)
     torch.set_num_threads(1)
     events = EventLog(args.events_file)
-    attacker = Attacker(args.initial_peers, args.scenario, args.cache_dir, events, args.sybils, args.streams)
+    attacker = Attacker(args.initial_peers, args.scenario, args.cache_dir, events, args.sybils, args.streams,
+                        args.vouchers)
     logger.info("attacking as %s: %s", attacker.node.peer_id, args.scenario)
     events.emit("ready", peer_id=attacker.node.peer_id, scenario=args.scenario)
     try:

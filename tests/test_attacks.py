@@ -26,7 +26,8 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def start_attacker(swarm, maddr: str, scenario: str, cache_dir: Path, name: str = "") -> tuple[subprocess.Popen, Path]:
+def start_attacker(swarm, maddr: str, scenario: str, cache_dir: Path, name: str = "",
+                   *options: str) -> tuple[subprocess.Popen, Path]:
     """The attacker, once it is ready to attack (it prepares the run's data first, and with it the tokenizer
     cache the honest peers then share)."""
     events = swarm.workdir / f"attacker-{scenario}{name}.events.jsonl"
@@ -34,7 +35,7 @@ def start_attacker(swarm, maddr: str, scenario: str, cache_dir: Path, name: str 
     with open(log_path, "w") as log:
         process = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "attackers.py"), "--initial-peers", maddr,
                                     "--scenario", scenario, "--cache-dir", str(cache_dir), "--events-file",
-                                    str(events), "--seconds", "600"], stdout=log, stderr=subprocess.STDOUT,
+                                    str(events), "--seconds", "600", *options], stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     deadline = time.monotonic() + 180
     while not any(e["event"] == "ready" for e in read_events(events)):
@@ -53,9 +54,13 @@ def test_a_forged_reference_moves_no_honest_peer(swarm, cache_dir):
     the honest swarm trains on to bit-identical params."""
     rounds = 8
     _, maddr = swarm.bootstrap()
-    # The attackers are ready first, and lie from the moment two honest peers vouch for a state (alone with one
-    # honest peer they would be followed: a swarm of two follows its other peer).
-    attackers = [start_attacker(swarm, maddr, "forged-reference", cache_dir, name=str(i)) for i in range(2)]
+    # The attackers are ready first, and lie from the moment all three honest peers vouch for a state. (From the
+    # moment two did, while the third was still joining, each of those two saw one other honest peer against two
+    # attackers, the attackers outnumbered it, and it followed them, as README's Known limits say: a clean-clone
+    # run once saw all three taken so. Alone with one honest peer they would be followed too: a swarm of two
+    # follows its other peer.)
+    attackers = [start_attacker(swarm, maddr, "forged-reference", cache_dir, str(i), "--vouchers", "3")
+                 for i in range(2)]
     try:
         honest = [swarm.peer(maddr, "--until-round", str(rounds), name=f"honest{i}") for i in range(3)]
         for peer in honest:
