@@ -114,18 +114,17 @@ class LoopThread:
 class _Relay:
     """The process's one stop thread and the queue its signal handler feeds (see install_stop_handlers)."""
 
-    def __init__(self):
+    def __init__(self, on_stop: Callable[[int], None]):
         self.owner = os.getpid()
         self.signals: queue.SimpleQueue[int] = queue.SimpleQueue()
-        self.on_stop: Optional[Callable[[int], None]] = None
+        self.on_stop = on_stop  # (the newest install's)
         threading.Thread(target=self._run, name="swarm-stop", daemon=True).start()
 
     def _run(self) -> None:
         while True:
             signum = self.signals.get()
             try:
-                if self.on_stop is not None:
-                    self.on_stop(signum)
+                self.on_stop(signum)
             except Exception:  # noqa: BLE001 - a later signal must still be heard (a second one exits at once)
                 logger.exception("handling signal %d failed", signum)
 
@@ -146,7 +145,7 @@ def install_stop_handlers(on_stop: Callable[[int], None]) -> None:
     waited for the fork forever)."""
     global _relay
     if _relay is None or _relay.owner != os.getpid():
-        _relay = _Relay()
+        _relay = _Relay(on_stop)
     relay = _relay
     relay.on_stop = on_stop
 

@@ -137,10 +137,12 @@ def _clip_bound(members, metas, tensors, attacker_id: str, lie: torch.Tensor) ->
     the average the members applied: bounds from a whole part's radius, or the uncut honest mean, were exceeded."""
     by_id = {m["peer_id"]: t["pseudo_gradient"] for m, t in zip(metas, tensors)}
     weights = metas[0]["weights"]
+    capped = capped_weights(weights)
     average = tensors[0]["average"]
     honest = [i for i, member in enumerate(members) if member != attacker_id]
+    honest_weight = sum(capped[i] for i in honest)
     attacker = members.index(attacker_id)
-    moved = pulled = excess = honest_weight = 0.0
+    moved = pulled = excess = 0.0
     for j, (start, end) in enumerate(partition(average.numel(), metas[0]["shares"])):
         sent = [lie if (i == attacker and j == attacker) else SCALE * lie if i == attacker else by_id[member]
                 for i, member in enumerate(members)]
@@ -149,9 +151,7 @@ def _clip_bound(members, metas, tensors, attacker_id: str, lie: torch.Tensor) ->
             recomputed, _, tau, cap = centered_clip_radius([sent[i][a:b] for i in order], [weights[i] for i in order])
             centre = average[a:b]
             assert float((recomputed - centre).norm()) <= 1e-3 * tau, "the reducer's average is not CenteredClip's"
-            capped = capped_weights(weights)
             cut = {i: sent[i][a:b] * shrink(float(sent[i][a:b].norm()), cap) for i in honest}
-            honest_weight = sum(capped[i] for i in honest)
             cut_mean = sum(cut[i] * capped[i] for i in honest) / honest_weight
             moved += float((cut_mean - centre).norm()) ** 2
             pulled += (capped[attacker] * tau) ** 2
