@@ -56,9 +56,9 @@ from swarm.dht.validation import owned_subkey, peer_id_of, subkey_owner_key
 from swarm.events import EventLog
 from swarm.data.prepare import prepare_run_data
 from swarm.peer.diloco import DiLoCo
-from swarm.peer.model import build_model
-from swarm.peer.state_serve import StateServer
-from swarm.peer.state_wire import protocol
+from swarm.model.build import build_model
+from swarm.peer.state.serve import StateServer
+from swarm.peer.state.wire import protocol
 from swarm.runtime import LoopThread
 
 logger = logging.getLogger("attacker")

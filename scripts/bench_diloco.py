@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Does DiLoCo learn as well as data-parallel training? Simulates, in one process and with the same code a real
-peer runs (swarm/peer/simulation.py), at the same total tokens and the same inner batch per worker:
+peer runs (swarm/simulation.py), at the same total tokens and the same inner batch per worker:
 
   (a) data-parallel: gradients averaged every step (M workers = one batch of M x B sequences)
   (b) DiLoCo M workers, H inner steps per round, fp32 pseudo-gradients
@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 from swarm.config import RecipeError, parse_recipe  # noqa: E402
 from swarm.data.prepare import CorpusError, prepare_run_data  # noqa: E402
-from swarm.peer.simulation import simulate_data_parallel, simulate_diloco, simulate_groups  # noqa: E402
+from swarm.simulation import simulate_data_parallel, simulate_diloco, simulate_groups  # noqa: E402
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Does DiLoCo-SWARM (block ranges in pipelines of peers, DiLoCo per range) learn as well as full-model DiLoCo on
-the same tokens? Simulates, in one process, with the code a peer runs (swarm/peer/simulation.py, stages.py):
+the same tokens? Simulates, in one process, with the code a peer runs (swarm/simulation.py, stages.py):
 
   (a) full-model DiLoCo, M = 4 peers, H inner steps per round
   (b) 2 stages x 2 peers: each first-stage peer reads a shard, every microbatch goes on to a second-stage peer
@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 from swarm.config import RecipeError, parse_recipe  # noqa: E402
 from swarm.data.prepare import CorpusError, prepare_run_data  # noqa: E402
-from swarm.peer.simulation import simulate_diloco, simulate_pipeline  # noqa: E402
+from swarm.simulation import simulate_diloco, simulate_pipeline  # noqa: E402
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 """Memory a peer needs to build the stage it hosts: in a fresh process per case, the peak RSS above the imports
 while it builds stage K of S of a Llama, (a) as peers did until 2026-11-26 (the whole model built and seeded, then
 the other stages' weights freed) and (b) as they do now (the model on the meta device, the stage allocated and
-initialised alone: swarm.peer.stages.materialize). Prints a table, then a JSON line.
+initialised alone: swarm.model.stages.materialize). Prints a table, then a JSON line.
 
     python scripts/bench_stage_memory.py                       # hidden 1024, 16 blocks: a 0.9 GB model in fp32
     python scripts/bench_stage_memory.py --layers 32 --stages 8
@@ -25,8 +25,8 @@ def hwm_kb():
     return int(next(line.split()[1] for line in text.splitlines() if line.startswith("VmHWM:")))
 
 from swarm.config import ModelRecipe
-from swarm.peer.model import build_model
-from swarm.peer.stages import Stage, even_bounds, materialize
+from swarm.model.build import build_model
+from swarm.model.stages import Stage, even_bounds, materialize
 args = json.loads(sys.argv[1])
 recipe = ModelRecipe(hidden_size=args["hidden"], intermediate_size=args["intermediate"], num_layers=args["layers"],
                      num_heads=args["heads"], max_seq_len=256, seed=0)

@@ -69,7 +69,7 @@ def holder(args: argparse.Namespace) -> None:
     import threading
 
     from swarm.dht.node import NetworkOptions, SwarmNode
-    from swarm.peer.state_serve import serve_state
+    from swarm.peer.state.serve import serve_state
     from swarm.runtime import LoopThread
 
     diloco = _state(args.size_mb, args.behind, args.codec)
@@ -83,7 +83,7 @@ def holder(args: argparse.Namespace) -> None:
 
 def joiner(args: argparse.Namespace) -> None:
     from swarm.dht.node import NetworkOptions, SwarmNode
-    from swarm.peer.state_sync import sync_state
+    from swarm.peer.state.sync import sync_state
     from swarm.runtime import LoopThread
 
     from swarm.config import OuterRecipe

@@ -14,7 +14,6 @@ from typing import Optional
 from prometheus_client import CollectorRegistry, ProcessCollector
 
 from swarm import __version__
-from swarm.checks import resolve_stages
 from swarm.config import DataRecipe, Recipe, RecipeError, load_recipe
 from swarm.settings import BootstrapSettings
 from swarm.dht.admission import InviteError, allowlist_invites
@@ -23,6 +22,7 @@ from swarm.dht.node import NetworkOptions, NodeError, SwarmNode
 from swarm.dht.recipes import publish_recipe
 from swarm.dht.records import RECIPE_RULE
 from swarm.events import EventLog
+from swarm.model.memory import resolve_stages
 from swarm.monitoring.http import MonitoringServer
 from swarm.monitoring.metrics import ProcessTreeMemory, SwarmGauges
 from swarm.monitoring.status_page import REFRESH_SECONDS, StatusBoard

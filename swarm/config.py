@@ -131,7 +131,7 @@ class AveragingRecipe(_Section):
 
 
 class PipelineRecipe(_Section):
-    """How many pipeline stages the model is cut into (swarm/peer/stages.py); each peer hosts one stage, and the
+    """How many pipeline stages the model is cut into (swarm/model/stages.py); each peer hosts one stage, and the
     peers of a stage average it among themselves (DiLoCo per stage). 1: every peer hosts the whole model."""
 
     stages: Union[Literal["auto"], int] = Field(
@@ -147,7 +147,7 @@ class PipelineRecipe(_Section):
     schedule: Literal["stream", "flush"] = Field(
         "stream", description="how a first-stage peer sends its microbatches: stream (default) keeps them in flight "
                               "across batches, so stages rarely wait for each other, and applies each batch's "
-                              "gradient one step late (swarm/peer/microbatches.py); flush sends the next batch only "
+                              "gradient one step late (swarm/peer/pipeline/microbatches.py); flush sends the next batch only "
                               "once the last one's gradients are all back and applied: exact steps, stages idle more")
 
     rebalance_seconds: float = Field(
@@ -206,7 +206,7 @@ class Recipe(_Section):
     def stage_run_id(self, stage: int) -> str:
         """The run id a stage's peers average, sync and announce under (the run's own for a one-stage run)."""
         if self.pipeline.stages == "auto":
-            raise RecipeError("pipeline.stages is still auto: resolve it first (swarm.checks.resolve_stages)")
+            raise RecipeError("pipeline.stages is still auto: resolve it first (swarm.model.memory.resolve_stages)")
         return self.run_id if self.pipeline.stages == 1 else f"{self.run_id}.stage{stage}"
 
     def max_contribution_tokens(self) -> int:

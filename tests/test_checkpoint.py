@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from swarm.peer.checkpoint import in_series, list_checkpoints, load_latest, save_checkpoint
+from swarm.peer.state.checkpoint import in_series, list_checkpoints, load_latest, save_checkpoint
 
 
 def test_save_load_and_keep(tmp_path):
@@ -52,7 +52,7 @@ def test_corrupted_checkpoint_falls_back_to_previous(tmp_path, caplog):
 
 WRITER = """
 import sys, torch
-from swarm.peer.checkpoint import save_checkpoint
+from swarm.peer.state.checkpoint import save_checkpoint
 directory = sys.argv[1]
 big = torch.randn(8_000_000)
 save_checkpoint(directory, 1, 1, {"params.w": big}, {})

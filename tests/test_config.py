@@ -110,7 +110,7 @@ def test_data_text_field_keeps_the_digest_of_recipes_that_do_not_set_it():
 
 
 def test_pipeline_stages_keep_whole_model_runs_digest_and_are_checked():
-    """`pipeline.stages` (swarm/peer/staged.py): 1, the default, is left out of the canonical JSON, so whole-model
+    """`pipeline.stages` (swarm/peer/pipeline/part.py): 1, the default, is left out of the canonical JSON, so whole-model
     runs keep their digest; more stages than layers, or stages with overlapping rounds, are refused by name; each
     stage has a run id of its own."""
     recipe = Recipe()
@@ -129,7 +129,7 @@ def test_pipeline_stages_auto_is_a_number_before_anyone_trains(tmp_path):
     (as doctor estimates), 1 when the whole model fits; worked out by the bootstrap before it publishes, so peers
     only see a number, and a published `auto` is refused with one line. stage_memory enters the digest only while
     stages is auto, so runs with a number keep theirs. Bad values are named."""
-    from swarm.checks import resolve_stages, stage_needs
+    from swarm.model.memory import resolve_stages, stage_needs
 
     tiny = {"model": {"hidden_size": 64, "intermediate_size": 172, "num_layers": 2, "num_heads": 4, "max_seq_len": 64},
             "data": {"vocab_size": 512, "seq_len": 32, "batch_size": 8}}

@@ -17,7 +17,8 @@ import pytest
 from swarm.config import load_recipe
 from swarm.settings import PeerSettings
 from swarm.dht.dialback import BURST, MAX_TARGETS, DialBack, DialBackError, DialBackServer, reachable, request_dialback
-from swarm.checks import Check, check_device_memory, estimate_needs
+from swarm.checks import Check, check_device_memory
+from swarm.model.memory import estimate_needs
 from swarm.doctor import check_clock, check_identity, check_reachability, diagnose
 
 TESTS = Path(__file__).parent
@@ -132,7 +133,7 @@ def test_reachability_verdicts_say_what_join_does():
 def test_device_memory_against_the_model():
     """The model's size comes from the recipe on the meta device, and equals the real model's; a GPU with less free
     memory than training it needs is a problem with its fix."""
-    from swarm.peer.model import build_model
+    from swarm.model.build import build_model
 
     recipe = load_recipe(TINY)
     needs = estimate_needs(recipe, "cuda", replay_log_mb=None)
@@ -152,12 +153,11 @@ def test_join_and_doctor_compare_a_gpus_free_memory_with_what_training_needs(mon
     import torch
 
     import swarm.checks
-    import swarm.peer.training
     from swarm.checks import resource_checks
 
     recipe = load_recipe(TINY)
     need = estimate_needs(recipe, "cuda", replay_log_mb=None).device
-    monkeypatch.setattr(swarm.peer.training, "pick_device", lambda requested: torch.device("cuda"))
+    monkeypatch.setattr(swarm.checks, "pick_device", lambda requested: torch.device("cuda"))
     settings = PeerSettings(initial_peers=(_dead_bootstrap(),), device="cuda", cache_dir=str(tmp_path))
     for free, ok in ((143_771 << 20, True), (1 << 20, False)):
         monkeypatch.setattr(swarm.checks, "device_memory", lambda device, free=free: ("NVIDIA H200", free))

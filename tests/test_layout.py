@@ -1,6 +1,6 @@
-"""The package's shape (DESIGN.md, issue 23): no module past 450 lines, no import cycle between modules, and the
-layers' arrows point one way (monitoring, the bootstrap and the data layer never import the peer). Read from the
-source, so a new arrow fails here rather than in review."""
+"""The package's shape (docs/design.md, Layout): no module past 450 lines, no import cycle between modules, the
+layers' arrows point one way (down, LAYERS), and nothing below the peer reaches it, even through another module
+(the bootstrap runs without the peer). Read from the source, so a new arrow fails here rather than in review."""
 
 from __future__ import annotations
 
@@ -9,6 +9,22 @@ from pathlib import Path
 
 SWARM = Path(__file__).resolve().parent.parent / "swarm"
 MAX_LINES = 450
+MAX_PEER_MODULES = 12  # swarm/peer/'s top level; what does one thing lives in a package of its own (state/, pipeline/)
+
+# The floors of the house, bottom first: a module imports only from its own package or from a lower floor (so two
+# packages of one floor never import each other). docs/design.md draws the same picture.
+LAYERS = (
+    ("swarm", "swarm.compression", "swarm.events", "swarm.runtime", "swarm.settings_cli"),
+    ("swarm.config",),
+    ("swarm.dht", "swarm.settings"),
+    ("swarm.averaging", "swarm.data", "swarm.monitoring"),
+    ("swarm.model",),
+    ("swarm.checks", "swarm.demo"),
+    ("swarm.bootstrap", "swarm.doctor"),
+    ("swarm.peer",),
+    ("swarm.cli", "swarm.simulation"),
+    ("swarm.__main__",),
+)
 
 
 def modules() -> dict[str, Path]:
@@ -82,3 +98,49 @@ def test_monitoring_the_bootstrap_and_the_data_layer_do_not_import_the_peer():
              if name.startswith(("swarm.monitoring", "swarm.dht.", "swarm.data.")) or name in ("swarm.bootstrap",
                                                                                          "swarm.dht", "swarm.data")}
     assert not {k: v for k, v in wrong.items() if v}, wrong
+
+
+def unit(module: str) -> str:
+    """The entry of LAYERS a module belongs to: its package (swarm.dht.view -> swarm.dht) or itself."""
+    units = {name for floor in LAYERS for name in floor}
+    while module not in units:
+        if "." not in module:
+            raise AssertionError(f"{module} is on no floor of LAYERS: add it there")
+        module = module.rpartition(".")[0]
+    return module
+
+
+def test_every_import_points_down():
+    floor = {name: level for level, names in enumerate(LAYERS) for name in names}
+    up = []
+    for name, targets in import_graph().items():
+        for target in targets:
+            a, b = unit(name), unit(target)
+            if a != b and floor[b] >= floor[a]:
+                up.append(f"{name} -> {target} (floor {floor[a]} -> {floor[b]})")
+    assert not up, "imports that do not point down: " + "; ".join(sorted(up))
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for target in graph.get(todo.pop(), ()):
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def test_nothing_below_the_peer_reaches_it_even_indirectly():
+    """The bootstrap (and doctor, the checks, the model, monitoring, data, dht, averaging) run without the peer: no
+    chain of imports, function-level ones included, leads from them to swarm.peer."""
+    graph = import_graph()
+    below = [name for name in graph if unit(name) in ("swarm.bootstrap", "swarm.doctor", "swarm.checks", "swarm.model",
+                                                      "swarm.monitoring", "swarm.data", "swarm.dht", "swarm.averaging")]
+    reached = {name: sorted(t for t in reachable(graph, name) if t.startswith("swarm.peer")) for name in below}
+    assert "swarm.bootstrap" in below and not {k: v for k, v in reached.items() if v}, reached
+
+
+def test_the_peer_package_keeps_a_short_top_level():
+    top = sorted(path.stem for path in (SWARM / "peer").glob("*.py") if path.stem != "__init__")
+    assert len(top) <= MAX_PEER_MODULES, f"swarm/peer/ has {len(top)} modules at its top level: {top}"

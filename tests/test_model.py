@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 
 from swarm.compression.error_feedback import ErrorFeedback
 from swarm.config import ModelRecipe, RecipeError
-from swarm.peer.model import block_map, build_model, n_blocks
-from swarm.peer.training import lm_loss
+from swarm.model.build import block_map, build_model, n_blocks
+from swarm.model.build import lm_loss
 
 VOCAB = 300
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64)
@@ -71,7 +71,7 @@ def test_build_model_from_a_config_file_is_identical_on_every_peer(tmp_path, fam
 def test_other_families_take_outer_steps_and_resume_from_a_checkpoint(tmp_path, family):
     # GPT-2 and OPT tie the head to the token embedding: one parameter, stepped and checkpointed once.
     from swarm.config import OuterRecipe
-    from swarm.peer.checkpoint import load_latest, resume, save_checkpoint
+    from swarm.peer.state.checkpoint import load_latest, resume, save_checkpoint
     from swarm.peer.diloco import DiLoCo
 
     config = FAMILIES[family][0]

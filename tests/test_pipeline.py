@@ -1,4 +1,4 @@
-"""Microbatches through a pipeline of peers over real p2p streams (swarm/peer/pipeline.py): a first-stage peer
+"""Microbatches through a pipeline of peers over real p2p streams (swarm/peer/pipeline/): a first-stage peer
 and two peers of the last stage, each in its own node. A hop computes what the same pipeline computes in one
 process; the random wiring feeds both last-stage peers; a peer that dies mid-run costs retries, never a
 microbatch; malformed or oversized requests are refused with a reason and the server keeps serving."""
@@ -21,8 +21,10 @@ import transformers
 from conftest import wait_until
 from swarm.compression import get_codec
 from swarm.dht.frames import recv_frame, send_frame
-from swarm.peer.pipeline import PipelineError, Router, StageServer, StageWorker, stage_protocol
-from swarm.peer.stages import WireStats, make_stages, run_pipeline
+from swarm.peer.pipeline.routing import Router, stage_protocol
+from swarm.peer.pipeline.server import StageServer
+from swarm.peer.pipeline.worker import PipelineError, StageWorker
+from swarm.model.stages import WireStats, make_stages, run_pipeline
 from swarm.runtime import LoopThread
 
 VOCAB, HIDDEN, RUN = 300, 32, "pipeline-test"
@@ -126,7 +128,7 @@ def test_a_stream_of_microbatches_trains_each_batch_once_with_its_weights_one_st
     stage took nowhere is kept and sent again, and settling finishes the batches in flight: every microbatch is
     trained once on each stage."""
     from torch.func import functional_call
-    from swarm.peer.microbatches import MicrobatchStream
+    from swarm.peer.pipeline.microbatches import MicrobatchStream
     loop, worker, router, servers, alive = pipeline
     served = sorted(servers)[1]
     alive.discard(sorted(servers)[0])
@@ -191,7 +193,7 @@ def test_a_flushed_stream_trains_exactly_what_the_whole_batch_trains(pipeline):
     of the rows, and the next batch only once this one is stepped on; the serving stage steps once per batch's rows:
     losses and both stages' params after three steps are those of the whole batch through the pipeline in one
     process, with no batch ever taken ahead."""
-    from swarm.peer.microbatches import MicrobatchStream
+    from swarm.peer.pipeline.microbatches import MicrobatchStream
     loop, worker, router, servers, alive = pipeline
     served = sorted(servers)[1]
     alive.discard(sorted(servers)[0])
@@ -223,7 +225,7 @@ def test_stages_on_a_gpu_hop_stream_and_validate_as_one_process_does(p2p_network
     CPU) and give the wire CPU tensors back: a hop computes what one CPU process computes, a validation microbatch
     gets the pipeline's loss, and a stream of microbatches trains each one once. (On an H200 the first stage's
     embedding was fed CPU token ids and the peer stopped at its first microbatch.)"""
-    from swarm.peer.microbatches import MicrobatchStream
+    from swarm.peer.pipeline.microbatches import MicrobatchStream
     loop, node = p2p_network
     first, last = node(), node()
     server = StageServer(_worker(make_stages(_model(), BOUNDS)[1].to("cuda")), HIDDEN, max_tokens=64,
@@ -273,7 +275,7 @@ def test_a_stop_signal_cancels_the_hops_a_first_stage_waits_on(pipeline):
     microbatches are kept to send again."""
     import asyncio
     import concurrent.futures
-    from swarm.peer.microbatches import MicrobatchStream
+    from swarm.peer.pipeline.microbatches import MicrobatchStream
     loop, worker, router, servers, alive = pipeline
     peer, server = servers[sorted(servers)[1]]
     alive.discard(sorted(servers)[0])
@@ -305,7 +307,7 @@ def test_a_serving_stage_that_stops_answers_what_it_queued_and_takes_no_more(pip
     """A serving stage's handler queues microbatches for its training thread (Handoff). When the thread serves no
     more (a stop signal, its last round, a move), the queued ones are answered with a reason and new ones refused,
     so their senders go to another peer at once instead of waiting out the hop's timeout."""
-    from swarm.peer.pipeline import Handoff
+    from swarm.peer.pipeline.server import Handoff
     loop, worker, router, servers, alive = pipeline
     peer, server = servers[sorted(servers)[1]]
     alive.discard(sorted(servers)[0])

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarm.peer.checkpoint import save_checkpoint
+from swarm.peer.state.checkpoint import save_checkpoint
 
 pytestmark = pytest.mark.slow
 TINY = (Path(__file__).parent / "recipes" / "tiny.yaml").read_text()

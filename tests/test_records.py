@@ -28,9 +28,9 @@ from swarm.dht.validation import (Identity, IdentityError, SwarmValidator, make_
                                   peer_id_of, subkey_owner)
 from swarm.dht.view import block_throughputs, summarize, summarize_stages
 from swarm.monitoring.swarm_status import SwarmExporter, coverage_runs, render_status
-from swarm.peer.block_selection import MOVE_GAIN, choose_block_range, stage_to_move_to
-from swarm.peer.model import build_model
-from swarm.peer.probe import describe_device, measure_tokens_per_s
+from swarm.peer.pipeline.placement import MOVE_GAIN, stage_to_move_to, weakest_stage
+from swarm.model.build import build_model
+from swarm.model.probe import describe_device, measure_tokens_per_s
 
 RUN = "unit-run"
 TINY_RECIPE = Path(__file__).parent / "recipes" / "tiny.yaml"
@@ -283,25 +283,23 @@ def hosting(peer_id: str, start: int, end: int, tokens_per_s: float, state: str 
     return record(peer_id, block_start=start, block_end=end, tokens_per_s=tokens_per_s, state=state)
 
 
-def test_empty_swarm_and_full_capacity():
-    assert choose_block_range([], n_blocks=8, capacity=3) == (0, 3)
-    assert choose_block_range([], n_blocks=8, capacity=8) == (0, 8)
-    view = [hosting("QmA", 0, 8, 100.0)]
-    assert choose_block_range(view, n_blocks=8, capacity=20) == (0, 8), "a peer that fits the model hosts it all"
-    for bad in ((0, 3), (8, 0), (8, -1)):
-        with pytest.raises(ValueError):
-            choose_block_range([], *bad)
+def test_a_joining_stage_peer_takes_the_stage_with_the_fewest_live_peers():
+    assert weakest_stage({0: 2, 1: 0, 2: 1}, peer_hash=7) == 1
+    assert weakest_stage({0: 3}, peer_hash=5) == 0, "the one stage that fits"
+    # Ties go to the tied stage the peer's hash picks, so peers that join together spread over them.
+    assert [weakest_stage({0: 1, 1: 1, 2: 4}, peer_hash=h) for h in range(4)] == [0, 1, 0, 1]
+    assert weakest_stage({2: 0, 0: 0}, peer_hash=1) == 2, "the order of the readings does not matter"
+    with pytest.raises(ValueError):
+        weakest_stage({}, peer_hash=0)
 
 
-def test_picks_the_least_served_range():
+def test_block_throughputs_count_live_hosts_of_each_block():
     view = [hosting("QmA", 0, 3, 100.0), hosting("QmB", 3, 6, 50.0), hosting("QmC", 0, 6, 10.0)]
     assert block_throughputs(view, 6) == [110.0] * 3 + [60.0] * 3
-    assert choose_block_range(view, n_blocks=6, capacity=3) == (3, 6)
-    assert choose_block_range(view, n_blocks=6, capacity=2) == (3, 5), "ties go to the lowest start"
-    # The window holding the weakest block wins, even with more throughput in total (as in Petals).
     view = [hosting("QmA", 1, 3, 100.0), hosting("QmB", 3, 6, 10.0)]
     assert block_throughputs(view, 6) == [0.0, 100.0, 100.0, 10.0, 10.0, 10.0]
-    assert choose_block_range(view, n_blocks=6, capacity=3) == (0, 3)
+    view = [hosting("QmA", 0, 2, 5.0), hosting("QmB", 2, 4, 50.0, state="offline")]
+    assert block_throughputs(view, 4) == [5.0, 5.0, 0.0, 0.0], "an offline peer hosts nothing"
 
 
 def test_a_stage_peer_moves_to_a_stage_with_two_fewer_peers_or_to_the_throughput_bottleneck():
@@ -331,23 +329,14 @@ def test_a_stage_peer_moves_to_a_stage_with_two_fewer_peers_or_to_the_throughput
     assert stage_to_move_to([3, 2, 2], [600.0, 150.0, 60.0], 0, 200.0, [1.0] * 3, [0, 1, 2]) == (2, "throughput")
 
 
-def test_all_equal_ties_and_offline_peers():
-    view = [hosting("QmA", 0, 4, 5.0), hosting("QmB", 0, 4, 5.0)]
-    assert choose_block_range(view, n_blocks=4, capacity=2) == (0, 2)
-    view = [hosting("QmA", 0, 2, 5.0), hosting("QmB", 2, 4, 50.0, state="offline")]
-    assert choose_block_range(view, n_blocks=4, capacity=2) == (2, 4), "an offline peer hosts nothing"
-
-
-def test_block_selection_is_deterministic_for_any_view_order():
+def test_block_throughputs_are_deterministic_for_any_view_order():
     # Float sums depend on order ((0.1 + 0.2) + 0.3 != (0.3 + 0.2) + 0.1): peers are summed in peer-id order.
     view = [hosting(f"Qm{i}", 0, 3, tps) for i, tps in enumerate((0.1, 0.2, 0.3))] + [hosting("QmZ", 3, 6, 0.6)]
     expected_blocks = block_throughputs(view, 6)
-    expected = choose_block_range(view, 6, 3)
     rng = random.Random(0)
     for _ in range(20):
         shuffled = rng.sample(view, len(view))
         assert block_throughputs(shuffled, 6) == expected_blocks
-        assert choose_block_range(shuffled, 6, 3) == expected
 
 
 # ---- summary and status ---------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from swarm.dht.validation import Identity
-from swarm.peer.checkpoint import load_latest
+from swarm.peer.state.checkpoint import load_latest
 from swarm.peer.stream import peer_id_hash
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from swarm.config import load_recipe
 from swarm.data.prepare import prepare_run_data
-from swarm.peer.simulation import simulate_diloco, simulate_groups, simulate_pipeline
+from swarm.simulation import simulate_diloco, simulate_groups, simulate_pipeline
 
 RECIPE = Path(__file__).parent / "recipes" / "fixed_steps.yaml"
 

@@ -1,4 +1,4 @@
-"""Pipeline stages (swarm/peer/stages.py): chained stages compute what the whole model computes, forward and
+"""Pipeline stages (swarm/model/stages.py): chained stages compute what the whole model computes, forward and
 backward, for every family that can be cut; the others are refused with one line; activations and their gradients
 cross the boundaries through a codec, and the bytes are counted."""
 
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import transformers
 
 from swarm.compression import get_codec
-from swarm.peer.stages import Stage, StageError, WireStats, even_bounds, make_stages, materialize, run_pipeline
+from swarm.model.stages import Stage, StageError, WireStats, even_bounds, make_stages, materialize, run_pipeline
 
 VOCAB = 300
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, intermediate_size=64,
@@ -145,8 +145,8 @@ def test_max_memory_decides_which_stages_a_peer_may_host():
     from swarm.checks import check_max_memory
     from swarm.config import RecipeError, load_recipe
     from swarm.settings import PeerSettings
-    from swarm.peer.model import build_model
-    from swarm.peer.staged import Part
+    from swarm.model.build import build_model
+    from swarm.peer.pipeline.part import Part
 
     recipe = load_recipe(Path(__file__).parent / "recipes" / "stages.yaml")
     whole = recipe.model_copy(update={"pipeline": recipe.pipeline.model_copy(update={"stages": 1})})

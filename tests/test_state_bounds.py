@@ -14,10 +14,10 @@ import torch
 from swarm.dht.frames import FRAME_HEADER, recv_frame, send_frame
 from swarm.config import OuterRecipe
 from swarm.dht import frames
-from swarm.peer import state_wire
+from swarm.peer.state import wire as state_wire
 from swarm.peer.diloco import DiLoCo
-from swarm.peer.state_serve import StateServer
-from swarm.peer.state_wire import MIN_BYTES_PER_S, sync_deadline
+from swarm.peer.state.serve import StateServer
+from swarm.peer.state.wire import MIN_BYTES_PER_S, sync_deadline
 from conftest import dribble
 from test_state_sync import RANGE, _diloco, _download, _same_state, _trained, network  # noqa: F401 - fixture
 

@@ -13,11 +13,11 @@ from swarm.compression import decode, get_codec
 from swarm.config import OuterRecipe
 from swarm.dht.node import NetworkOptions, SwarmNode
 from swarm.peer.diloco import DiLoCo, OuterStep
-from swarm.peer.state_download import download_state
-from swarm.peer.state_replay import replay_steps
-from swarm.peer.state_serve import Snapshot, StateServer
-from swarm.peer.state_sync import StateSyncError, sync_state
-from swarm.peer.state_wire import protocol
+from swarm.peer.state.download import download_state
+from swarm.peer.state.replay import replay_steps
+from swarm.peer.state.serve import Snapshot, StateServer
+from swarm.peer.state.sync import StateSyncError, sync_state
+from swarm.peer.state.wire import protocol
 from swarm.runtime import LoopThread
 
 RUN = "state-test"

@@ -14,7 +14,6 @@ from swarm.dht.node import SwarmNode
 from swarm.dht.records import TRAINING_STATES, PeerRecord, parse_peer_records, peers_key
 from swarm.dht.view import HEARTBEAT_SECONDS, Reference
 from swarm.monitoring.metrics import PeerMetrics
-from swarm.peer.block_selection import choose_block_range
 from swarm.runtime import LoopThread
 
 logger = logging.getLogger(__name__)
@@ -43,11 +42,6 @@ class Announcer:
             self.metrics.invalid_records.inc(rejected)
         self.view = records
         return records
-
-    async def choose_blocks(self, capacity: int) -> tuple[int, int]:
-        """The block range [start, end) to host: where the swarm (without us) has the least throughput."""
-        await self.read_view()
-        return choose_block_range(self.others(), self.n_blocks, capacity)
 
     def refresh_now(self, loop: LoopThread) -> None:
         """Publish our record and re-read the view before returning (used at state changes)."""

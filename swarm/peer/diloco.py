@@ -6,6 +6,7 @@ group's average of them and resets the local model to the new global params. The
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -15,7 +16,6 @@ import torch
 
 from swarm.compression import decode
 from swarm.config import OuterRecipe
-from swarm.peer.model import state_digest
 
 
 @dataclass(frozen=True)
@@ -257,3 +257,19 @@ class DiLoCo:
             self._digest = None
             self.replay_log.clear()
         self.reset_local()
+
+
+def state_digest(params: list[torch.Tensor], momenta: list[Optional[torch.Tensor]], round_no: int) -> str:
+    """sha256 (first 16 hex digits) of the outer round, the raw bytes of `params`, then those of their outer
+    momentum buffers (None, no buffer yet, counts as zeros: torch's SGD treats the two the same): equal iff the two
+    states are of the same round and bit-identical, and so take the same next outer step."""
+    digest = hashlib.sha256(int(round_no).to_bytes(8, "little"))
+    for tensor in params:
+        digest.update(_raw(tensor))
+    for param, momentum in zip(params, momenta, strict=True):
+        digest.update(bytes(param.numel() * param.element_size()) if momentum is None else _raw(momentum))
+    return digest.hexdigest()[:16]
+
+
+def _raw(tensor: torch.Tensor) -> bytes:
+    return tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()

@@ -27,22 +27,22 @@ from swarm.dht.records import PeerRecord
 from swarm.doctor import join_checked
 from swarm.events import EventLog
 from swarm.monitoring.metrics import PeerMetrics
+from swarm.model.device import pick_device
+from swarm.model.probe import describe_device, measure_tokens_per_s
 from swarm.monitoring.progress import ProgressLine
-from swarm.peer import checkpoint as ckpt
+from swarm.peer.state import checkpoint as ckpt
 from swarm.peer.announcer import Announcer
 from swarm.peer.averager import Averager, LinkEstimate
-from swarm.peer.catch_up import CatchUp
+from swarm.peer.state.catch_up import CatchUp
 from swarm.peer.diloco import DiLoCo
-from swarm.peer.probe import describe_device, measure_tokens_per_s
 from swarm.peer.rounds import Averaged, Contribution, Outcome, Rounds
-from swarm.peer.state_sync import serve_state
+from swarm.peer.state.sync import serve_state
 from swarm.peer.shared_data import load_data
-from swarm.peer.staged import Part
+from swarm.peer.pipeline.part import Part
 from swarm.peer.stop import Stop
 from swarm.peer.stream import DataStream
 from swarm.peer.report import report_round, write_trace
-from swarm.peer.training import (StepClock, learning_rate, make_inner_optimizer, pick_device,
-                                 schedule_tokens, validation_loss)
+from swarm.peer.training import StepClock, learning_rate, make_inner_optimizer, schedule_tokens, validation_loss
 from swarm.runtime import LoopThread
 
 logger = logging.getLogger("swarm.peer")
@@ -137,7 +137,7 @@ class Peer:
                 self.shared.serve(corrupt=self.faults.serves_corrupt_data())
         self.rounds = Rounds(overlap=r.outer.overlap, tokens_per_round=r.tokens_per_round,
                              steps_per_round=r.inner_steps_per_round,
-                             retry_tokens=0 if not (self.part.whole or self.part.first) else  # (staged.py)
+                             retry_tokens=0 if not (self.part.whole or self.part.first) else  # (pipeline/part.py)
                              max(r.tokens_per_round // 4, r.data.batch_size * r.data.seq_len))
         self.announcer = Announcer(self.node, r.run_id, self.n_blocks, self._record, self.metrics)
         self.device_info, self.block_range = describe_device(self.device), self.part.bounds

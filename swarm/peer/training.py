@@ -1,26 +1,16 @@
-"""The inner loop's pieces: device choice, one AdamW step (bf16 autocast on CUDA), the warm-up + cosine
+"""The inner loop's pieces: one AdamW step (bf16 autocast on CUDA: swarm.model.device), the warm-up + cosine
 learning-rate schedule over the run's tokens, validation loss, and the clock of training speed and utilisation."""
 
 from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from swarm.config import InnerRecipe
-
-
-def pick_device(requested: str) -> torch.device:
-    """'auto' -> CUDA when available, else CPU; 'cuda' without a GPU is a clear error."""
-    if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda was requested but torch sees no CUDA GPU: use --device cpu or auto")
-    return torch.device(requested)
+from swarm.model.build import lm_loss
 
 
 def learning_rate(inner: InnerRecipe, tokens: int, total_tokens: int) -> float:
@@ -45,18 +35,6 @@ def make_inner_optimizer(model: torch.nn.Module, inner: InnerRecipe) -> torch.op
     return torch.optim.AdamW([{"params": decay, "weight_decay": inner.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}],
                              lr=inner.lr, betas=(inner.beta1, inner.beta2))
-
-
-def _autocast(device: torch.device):
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
-
-
-def lm_loss(model: torch.nn.Module, batch: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Mean next-token cross-entropy of a (batch, seq_len + 1) token tensor."""
-    batch = batch.to(device, non_blocking=True)
-    with _autocast(device):
-        logits = model(input_ids=batch[:, :-1]).logits
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
 
 
 def inner_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor,

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 from torch.func import functional_call
 
-from swarm.peer.pipeline import PipelineError, StageWorker
+from swarm.peer.pipeline.worker import PipelineError, StageWorker
 
 # (activations, targets, the microbatch's share of its batch) -> a future of (their gradient, the microbatch's loss)
 Send = Callable[[torch.Tensor, torch.Tensor, float], concurrent.futures.Future]

@@ -1,27 +1,21 @@
-"""Which contiguous blocks a joining peer hosts: the range where the swarm is weakest, as Petals'
-`block_selection.py` does. A pure function of the swarm view, so every peer with the same view computes the same.
+"""Where a stage peer goes, as pure functions of what it reads of the stages (Petals' `block_selection.py` is the
+model): the stage a joining peer hosts (`weakest_stage`) and the stage an unpinned peer moves to when the stages
+are out of balance (`stage_to_move_to`). Every peer with the same readings computes the same answer.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
-
-from swarm.dht.records import PeerRecord
-from swarm.dht.view import block_throughputs
+from typing import Mapping, Optional, Sequence
 
 
-def choose_block_range(view: Sequence[PeerRecord], n_blocks: int, capacity: int) -> tuple[int, int]:
-    """The range [start, start + min(capacity, n_blocks)) whose hosted throughput is lowest.
-
-    Windows compare by their blocks' throughputs sorted ascending (the weakest block first, then the next), and
-    ties go to the lowest start, so an empty swarm gives [0, capacity). `view` should exclude the caller's own
-    record. Raises ValueError if `n_blocks` or `capacity` is not positive."""
-    if n_blocks <= 0 or capacity <= 0:
-        raise ValueError(f"n_blocks ({n_blocks}) and capacity ({capacity}) must be positive")
-    length = min(capacity, n_blocks)
-    throughputs = block_throughputs(view, n_blocks)
-    start = min(range(n_blocks - length + 1), key=lambda i: (sorted(throughputs[i:i + length]), i))
-    return start, start + length
+def weakest_stage(live_peers: Mapping[int, int], peer_hash: int) -> int:
+    """Of the stages a joining peer can hold (the keys of `live_peers`, each with its live peers now), the one with
+    the fewest live peers; ties go to the tied stage `peer_hash` (a hash of the peer's id) picks, so peers that
+    join together spread over the tied stages. Raises ValueError for no candidate."""
+    if not live_peers:
+        raise ValueError("no stage to choose from")
+    fewest = sorted(k for k, n in live_peers.items() if n == min(live_peers.values()))
+    return fewest[peer_hash % len(fewest)]
 
 
 # A move must make the pipelines at least this much faster (their pace is their slowest stage's): moving costs the

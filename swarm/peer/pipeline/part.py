@@ -1,9 +1,9 @@
 """Which part of the model a peer trains, and how its inner steps run. A run of one stage (`pipeline.stages: 1`,
 the default) trains the whole model on the peer's own batches, as always. In a run of S stages the peer hosts one
-stage (swarm/peer/stages.py), chosen with `--stage K` or where the fewest live peers are, and every round-related
+stage (swarm/model/stages.py), chosen with `--stage K` or where the fewest live peers are, and every round-related
 service (announcements, groups, state, replay) runs under that stage's run id, so the peers of a stage are a
 DiLoCo swarm of their own. A first-stage peer reads batches and sends each through the pipeline (a Router to the
-next stage's peers, swarm/peer/pipeline.py); the others serve microbatches from the stage before, which their
+next stage's peers, swarm/peer/pipeline/); the others serve microbatches from the stage before, which their
 training thread runs (so a microbatch never races an outer step).
 """
 
@@ -21,17 +21,19 @@ from typing import Optional
 
 import torch
 
-from swarm.checks import fmt_bytes, part_params, stage_needs
 from swarm.config import ModelRecipe, Recipe, RecipeError
 from swarm.settings import PeerSettings
 from swarm.dht import view
 from swarm.dht.node import SwarmNode
 from swarm.dht.records import ONLINE_STATES, TRAINING_STATES, parse_peer_records, peers_key
-from swarm.peer.microbatches import MicrobatchStream
-from swarm.peer.model import build_model, n_blocks as count_blocks
-from swarm.peer.pipeline import Handoff, PipelineError, Router, StageServer, StageWorker, stage_protocol
-from swarm.peer.block_selection import stage_to_move_to
-from swarm.peer.stages import Stage, even_bounds, materialize
+from swarm.model.build import build_model, n_blocks as count_blocks
+from swarm.model.memory import fmt_bytes, part_params, stage_needs
+from swarm.model.stages import Stage, even_bounds, materialize
+from swarm.peer.pipeline.microbatches import MicrobatchStream
+from swarm.peer.pipeline.placement import stage_to_move_to, weakest_stage
+from swarm.peer.pipeline.routing import Router, stage_protocol
+from swarm.peer.pipeline.server import Handoff, StageServer
+from swarm.peer.pipeline.worker import PipelineError, StageWorker
 from swarm.peer.stream import peer_id_hash
 from swarm.peer.training import inner_step
 from swarm.runtime import LoopThread
@@ -138,9 +140,8 @@ class Part:
         for k in candidates:
             records, _ = parse_peer_records(self.loop.run(node.get(peers_key(self.recipe.stage_run_id(k))), 30))
             counts[k] = len(view.live(records, node.now()))
-        fewest = [k for k, n in counts.items() if n == min(counts.values())]
         logger.info("pipeline: live peers per stage we can hold %s", counts)
-        return fewest[peer_id_hash(node.peer_id) % len(fewest)]
+        return weakest_stage(counts, peer_id_hash(node.peer_id))
 
     def start(self) -> None:
         """Serve our stage to the one before (unless first), and follow the next stage's peers (unless last)."""
@@ -282,7 +283,7 @@ class Part:
     def step(self, batches: Iterator[torch.Tensor], device: torch.device, optimizer: torch.optim.Optimizer,
              lr: float, grad_clip: float, settle: bool = False) -> tuple[Optional[float], int, int]:
         """One inner step: (its loss, or None if no microbatch was trained; tokens trained; batches it took from our
-        data stream). A first stage streams its batches' microbatches (swarm/peer/microbatches.py) and returns
+        data stream). A first stage streams its batches' microbatches (swarm/peer/pipeline/microbatches.py) and returns
         each batch as it is stepped on; with `settle`, it finishes the batches in flight instead, taking none, and
         returns them together (before its weights are averaged)."""
         if self.whole:

@@ -16,7 +16,7 @@ import torch
 from swarm.dht.frames import recv_frame
 from swarm.dht.node import SwarmNode
 from swarm.peer.diloco import DiLoCo, OuterStep
-from swarm.peer.state_wire import (MAX_REPLAY_STEPS, STALL_SECONDS, failure_reason, receive_bytes, request_stream,
+from swarm.peer.state.wire import (MAX_REPLAY_STEPS, STALL_SECONDS, failure_reason, receive_bytes, request_stream,
                                    spread)
 
 logger = logging.getLogger(__name__)

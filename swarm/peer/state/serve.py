@@ -19,7 +19,7 @@ from swarm.averaging.faults import FaultPlan
 from swarm.dht.frames import answer_seconds, recv_frame, send_frame
 from swarm.dht.node import SwarmNode
 from swarm.peer.diloco import DiLoCo, OuterStep
-from swarm.peer.state_wire import MAX_REPLAY_STEPS, STALL_SECONDS, protocol, send_bytes
+from swarm.peer.state.wire import MAX_REPLAY_STEPS, STALL_SECONDS, protocol, send_bytes
 
 logger = logging.getLogger(__name__)
 SNAPSHOT_SECONDS = 300.0  # a served snapshot is kept this long after its last request, for resuming joiners

@@ -10,10 +10,10 @@ from typing import Optional
 
 from swarm.dht.node import SwarmNode
 from swarm.peer.diloco import DiLoCo
-from swarm.peer.state_download import RANGE_BYTES, Downloaded, download_state
-from swarm.peer.state_replay import Replayed, replay_steps
-from swarm.peer.state_serve import serve_state
-from swarm.peer.state_wire import STALL_SECONDS, StateSyncError, sync_deadline
+from swarm.peer.state.download import RANGE_BYTES, Downloaded, download_state
+from swarm.peer.state.replay import Replayed, replay_steps
+from swarm.peer.state.serve import serve_state
+from swarm.peer.state.wire import STALL_SECONDS, StateSyncError, sync_deadline
 
 __all__ = ["Downloaded", "Replayed", "StateSyncError", "Synced", "serve_state", "sync_deadline", "sync_state"]
 

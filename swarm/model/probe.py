@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from swarm.peer.training import lm_loss
+from swarm.model.build import lm_loss
 
 MAX_NAME = 128
 

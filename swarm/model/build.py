@@ -11,12 +11,13 @@ import contextlib
 import hashlib
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PretrainedConfig
 
 from swarm.config import ModelRecipe, RecipeError
+from swarm.model.device import autocast
 
 
 def model_config(recipe: ModelRecipe, vocab_size: int) -> PretrainedConfig:
@@ -46,7 +47,7 @@ def model_config(recipe: ModelRecipe, vocab_size: int) -> PretrainedConfig:
 def build_model(recipe: ModelRecipe, vocab_size: int, meta: bool = False) -> torch.nn.Module:
     """A freshly initialised model on the CPU in fp32; identical on every peer for the same recipe. With `meta`, on
     the meta device instead: shapes only, nothing allocated (a pipeline stage then allocates and initialises its own
-    part alone, swarm.peer.stages.materialize)."""
+    part alone, swarm.model.stages.materialize)."""
     config = model_config(recipe, vocab_size)
     with torch.random.fork_rng(devices=[]), torch.device("meta") if meta else contextlib.nullcontext():
         torch.manual_seed(recipe.seed)
@@ -144,17 +145,9 @@ def n_blocks(model: torch.nn.Module) -> int:
     return len(blocks(model))
 
 
-def state_digest(params: list[torch.Tensor], momenta: list[Optional[torch.Tensor]], round_no: int) -> str:
-    """sha256 (first 16 hex digits) of the outer round, the raw bytes of `params`, then those of their outer
-    momentum buffers (None, no buffer yet, counts as zeros: torch's SGD treats the two the same): equal iff the two
-    states are of the same round and bit-identical, and so take the same next outer step."""
-    digest = hashlib.sha256(int(round_no).to_bytes(8, "little"))
-    for tensor in params:
-        digest.update(_raw(tensor))
-    for param, momentum in zip(params, momenta, strict=True):
-        digest.update(bytes(param.numel() * param.element_size()) if momentum is None else _raw(momentum))
-    return digest.hexdigest()[:16]
-
-
-def _raw(tensor: torch.Tensor) -> bytes:
-    return tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+def lm_loss(model: torch.nn.Module, batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Mean next-token cross-entropy of a (batch, seq_len + 1) token tensor."""
+    batch = batch.to(device, non_blocking=True)
+    with autocast(device):
+        logits = model(input_ids=batch[:, :-1]).logits
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))

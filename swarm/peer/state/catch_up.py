@@ -1,6 +1,6 @@
 """Reaching the swarm's state: after start-up (when the swarm holds a newer round, or other params at ours) and
 whenever the swarm's round passes ours. The state is replayed from ours where a live peer still logs the rounds
-since, else downloaded (swarm/peer/state_sync.py); a failed try is retried after the round machine's back-off.
+since, else downloaded (swarm/peer/state/sync.py); a failed try is retried after the round machine's back-off.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import concurrent.futures
 import logging
 from typing import Callable
 
-from swarm.peer.state_sync import StateSyncError, sync_deadline, sync_state
+from swarm.peer.state.sync import StateSyncError, sync_deadline, sync_state
 
 logger = logging.getLogger("swarm.peer")
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from swarm.compression import Codec, decode
 from swarm import config
 from swarm.config import RecipeError
-from swarm.peer.model import block_map, module_seed
+from swarm.model.build import block_map, module_seed
 
 __all__ = ["Stage", "StageError", "WireStats", "even_bounds", "make_stages", "materialize", "run_pipeline"]
 
@@ -100,7 +100,7 @@ class Stage(torch.nn.Module):
 def materialize(model: torch.nn.Module, stage: Stage, seed: int, device: torch.device | str = "cpu") -> None:
     """Allocate `stage`'s params and buffers (of `model`, typically built on the meta device, so that the other
     stages' weights never exist here) and initialise them as the model's family does (`_init_weights`), each module
-    from its own seed (swarm.peer.model.module_seed), on the CPU so every peer gets the same bits, then move them to
+    from its own seed (swarm.model.build.module_seed), on the CPU so every peer gets the same bits, then move them to
     `device`. The stage's init is therefore not the whole model's seeded one (that draws every module in turn from
     one stream, so a stage's share of it needs the whole model built), but the same on every peer for the recipe.
     Raises StageError naming a parameter that the family's init leaves unset."""

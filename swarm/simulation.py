@@ -16,7 +16,7 @@ from swarm.compression import ErrorFeedback, get_codec
 from swarm.config import Recipe
 from swarm.data.prepare import RunData
 from swarm.peer.diloco import DiLoCo
-from swarm.peer.model import build_model, n_blocks
+from swarm.model.build import build_model, n_blocks
 from swarm.peer.training import (inner_step, learning_rate, make_inner_optimizer, schedule_tokens,
                                  validation_loss)
 
@@ -226,20 +226,20 @@ class PipelineResult(SimulationResult):
 def simulate_pipeline(recipe: Recipe, data: RunData, shards: list[int], stages: int, rounds: int,
                       inner_steps: int, wire_codec: str = "fp16", codec_name: Optional[str] = None,
                       seed: int = 0, device: str = "cpu") -> PipelineResult:
-    """DiLoCo-SWARM: `stages` stages of the model (swarm.peer.stages.even_bounds), each hosted by R = len(shards)
+    """DiLoCo-SWARM: `stages` stages of the model (swarm.model.stages.even_bounds), each hosted by R = len(shards)
     replicas (R x stages peers). Each first-stage replica reads its data shard; every microbatch goes on to a
     replica of the next stage drawn at random (SWARM's stochastic wiring, equal throughputs), activations and
     their gradients through `wire_codec`, and each replica takes an AdamW step for every microbatch it took part
     in, clipping its own gradient to grad_clip / sqrt(stages) (a stage sees only its own). With several stages and
     the recipe's pipeline.schedule: stream, a first-stage replica's gradients come one step late, as a peer's
-    stream of microbatches gives them (swarm/peer/microbatches.py): its i-th batch of a round runs on its weights
+    stream of microbatches gives them (swarm/peer/pipeline/microbatches.py): its i-th batch of a round runs on its weights
     before its step i - 1 (the first two on the round's start). After `inner_steps` microbatches per first-stage
     replica, each stage's replicas average their pseudo-gradients (weighted by the tokens each processed, through
     the recipe's codec with error feedback) and that stage takes its outer step.
     Validation uses the stages' global params together. `activation_bytes` counts every boundary crossing."""
     from torch.func import functional_call
 
-    from swarm.peer.stages import WireStats, even_bounds, make_stages, run_pipeline
+    from swarm.model.stages import WireStats, even_bounds, make_stages, run_pipeline
 
     codec, wire = get_codec(codec_name or recipe.averaging.codec), get_codec(wire_codec)
     replicas = len(shards)

@@ -1,0 +1,90 @@
+"""What training a recipe's model needs in memory (estimates, in bytes), whole or cut into pipeline stages, and
+the number of stages a recipe of `pipeline.stages: auto` gets: read by the checks of `doctor` and `join`, the
+bootstrap (which resolves `auto` before it publishes) and a stage peer choosing its stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from swarm.config import Recipe, RecipeError
+from swarm.data.paths import local_files
+from swarm.model.build import build_model, n_blocks
+from swarm.model.stages import Stage, even_bounds
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a peer of a recipe needs, in bytes (estimates)."""
+
+    params: int
+    checkpoint: int  # one checkpoint: global params and outer momentum (+ error feedback), fp32
+    host: int  # the CPU's share: global state, replay log, all-reduce buffers (+ training on a CPU device)
+    device: int  # training on a GPU: weights, gradients, AdamW moments, activations
+
+
+def estimate_needs(recipe: Recipe, device: str, replay_log_mb: Optional[float]) -> Needs:
+    """Counts the model's parameters on the meta device (nothing allocated). Raises RecipeError for a model the
+    recipe cannot build."""
+    n = sum(params for params, _, _ in part_params(recipe))
+    training = training_bytes(recipe, n, recipe.model.num_layers, last=True)
+    replay = 8 * n if replay_log_mb is None else int(replay_log_mb * 1e6)
+    host = 8 * n + replay + 12 * n + (training if device == "cpu" else 0)
+    return Needs(n, 12 * n, host, training if device != "cpu" else 0)
+
+
+def part_params(recipe: Recipe, model=None) -> list[tuple[int, int, bool]]:
+    """(parameters, blocks, whether it holds the head) of each pipeline stage of the recipe's model (one entry for
+    a whole-model run): of `model`, or of one built on the meta device."""
+    if model is None:
+        model = build_model(recipe.model, recipe.data.vocab_size, meta=True)
+    blocks = n_blocks(model)
+    if recipe.pipeline.stages == 1:
+        return [(sum(p.numel() for p in model.parameters()), blocks, True)]
+    return [(sum(p.numel() for p in Stage(model, a, b).parameters()), b - a, b == blocks)
+            for a, b in even_bounds(blocks, recipe.pipeline.stages)]
+
+
+def stage_needs(recipe: Recipe, model=None, parts: Optional[list[tuple[int, int, bool]]] = None) -> list[int]:
+    """The memory to train each pipeline stage (one entry for a whole-model run; `parts`: part_params, if known):
+    training_bytes, plus on the first stage of a pipeline the two copies of its weights its stream of microbatches
+    keeps (swarm/peer/pipeline/microbatches.py: two batches in flight, each on the weights it started with)."""
+    parts = part_params(recipe, model) if parts is None else parts
+    stream = len(parts) > 1 and recipe.pipeline.schedule == "stream"
+    return [training_bytes(recipe, *part) + (8 * part[0] if k == 0 and stream else 0) for k, part in enumerate(parts)]
+
+
+def resolve_stages(recipe: Recipe, data_dir: str | Path) -> Recipe:
+    """`recipe` with `pipeline.stages: auto` made a number: the fewest even stages each of which trains within
+    `pipeline.stage_memory` MB as stage_needs estimates (1, the whole model, when it fits), the model built on the
+    meta device from the recipe (a `config_file` read inside `data_dir`). A recipe with a number is returned as it
+    is. Raises RecipeError, saying what to do, when even one block a stage does not fit."""
+    if recipe.pipeline.stages != "auto":
+        return recipe
+    here = recipe.model_copy(update={"model": local_files(recipe, data_dir)[2]})
+    blocks = n_blocks(build_model(here.model, recipe.data.vocab_size, meta=True))
+    limit = int(recipe.pipeline.stage_memory * 1e6)
+    for stages in range(1, blocks + 1):
+        pipeline = recipe.pipeline.model_copy(update={"stages": stages})
+        needs = stage_needs(here.model_copy(update={"pipeline": pipeline}))
+        if max(needs) <= limit:
+            return recipe.model_copy(update={"pipeline": pipeline})
+    raise RecipeError(f"pipeline.stages: auto: even one block a stage needs about {fmt_bytes(max(needs))} to train, "
+                      f"over pipeline.stage_memory {fmt_bytes(limit)}: raise stage_memory, or train a smaller model")
+
+
+def training_bytes(recipe: Recipe, params: int, layers: int, last: bool) -> int:
+    """Memory to train `params` parameters in `layers` blocks (and the LM head's logits when `last`): fp32 weights
+    and gradients, AdamW's two moments, and one microbatch's activations."""
+    d, m = recipe.data, recipe.model
+    per_block = 34 * m.hidden_size + 5 * m.num_heads * d.seq_len
+    return 16 * params + 4 * d.batch_size * d.seq_len * (layers * per_block + (3 * d.vocab_size if last else 0))
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"

@@ -1,0 +1,121 @@
+"""One pipeline stage's computation (SWARM parallelism: microbatches through pipelines of peers). `StageWorker`
+runs a microbatch through its stage (swarm.model.stages): forward, the downstream hop (or the loss, on the last
+stage), backward, clip, optimizer step, one microbatch at a time (a first stage streams its batches' microbatches
+instead: microbatches.py), each scaled by its share of its batch; a serving stage steps once per batch's worth of
+rows, so the gradient of a batch is the same however it was cut. The hops themselves are routing.py's; serving a
+stage to the stage before is server.py's.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from swarm.model.stages import Stage
+
+
+class PipelineError(RuntimeError):
+    """No peer of the next stage could take a microbatch."""
+
+
+# (activations, targets, the microbatch's share of its batch) -> (their gradient, the microbatch's loss)
+Downstream = Callable[[torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, float]]
+Execute = Callable[[torch.Tensor, torch.Tensor, float], Awaitable[tuple[torch.Tensor, float]]]
+Evaluate = Callable[[torch.Tensor, torch.Tensor], float]  # (activations, targets) -> the rest of the pipeline's loss
+
+
+class StageWorker:
+    """One hosted stage and its inner optimizer. `lr()` gives the learning rate of the next step; gradients are
+    clipped to `grad_clip` (this stage's own norm: it sees no other stage's gradients)."""
+
+    def __init__(self, stage: Stage, optimizer: torch.optim.Optimizer, lr: Callable[[], float], grad_clip: float):
+        self.stage, self.optimizer, self.lr, self.grad_clip = stage, optimizer, lr, grad_clip
+        self.lock = threading.Lock()  # one microbatch at a time; also what an outer step takes to change params
+        self.microbatches = 0
+        self.tokens = 0
+        self.frozen = False  # answer microbatches (gradients of their inputs) without changing our params
+        self.step_rows: Optional[int] = None  # step once this many rows' gradients are in (None: every microbatch)
+        self._rows = 0
+        self.busy = 0.0  # seconds computing (forward, backward, steps), not waiting for the next stage
+        self.first_at: Optional[float] = None  # (time.perf_counter) when it first computed, and last did
+        self.last_at = 0.0
+        self.slowdown = 1.0  # > 1: every computation takes this many times as long (--inject-fault slow@R)
+        # Where the stage computes: what comes off the wire (token ids, activations, gradients, targets) is on the
+        # CPU, so it goes there first, and what goes back on the wire comes back to the CPU.
+        self.device = next(stage.parameters()).device
+
+    def step(self, x: torch.Tensor, targets: torch.Tensor, downstream: Optional[Downstream],
+             scale: float = 1.0) -> tuple[Optional[torch.Tensor], float]:
+        """Run a microbatch: `x` token ids (first stage) or the previous stage's activations, `targets` the next
+        tokens, `scale` its share of its batch (its loss counts that much). The last stage takes the loss; the
+        others pass their output to `downstream`, which returns its gradient and the loss. Returns (the gradient
+        of `x`, None on the first stage; the loss). Raises what `downstream` raises, with nothing applied."""
+        with self.lock:
+            started = time.perf_counter()
+            x = x.to(self.device)
+            inputs = x if self.stage.first else x.detach().requires_grad_(True)
+            out = self.stage(inputs)
+            if self.stage.last:
+                loss_tensor = F.cross_entropy(out.reshape(-1, out.shape[-1]).float(),
+                                              targets.to(self.device).reshape(-1))
+                (loss_tensor * scale).backward()
+                loss = float(loss_tensor.detach())
+            else:
+                self.computed(started)
+                grad, loss = downstream(out.detach(), targets, scale)
+                started = time.perf_counter()
+                self._backward(out, grad)
+            if self.frozen:
+                self.stage.zero_grad(set_to_none=True)
+            else:
+                self._rows += x.shape[0]
+                if self.step_rows is None or self._rows >= self.step_rows:
+                    self._apply()
+                self.microbatches += 1
+                self.tokens += targets.numel()
+            self.computed(started)
+            return (None if self.stage.first else inputs.grad.detach().cpu()), loss
+
+    def evaluate(self, x: torch.Tensor, targets: torch.Tensor, downstream: Optional[Evaluate]) -> float:
+        """A microbatch's loss through this stage and the rest of the pipeline (`downstream`: the next hop's loss),
+        with no gradient and no step: the validation loss of the pipeline as its stages' params stand."""
+        with self.lock, torch.no_grad():
+            was_training = self.stage.training
+            self.stage.eval()
+            try:
+                out = self.stage(x.to(self.device))
+            finally:
+                self.stage.train(was_training)
+        if self.stage.last:
+            return float(F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), targets.to(self.device).reshape(-1)))
+        return downstream(out, targets)
+
+    def computed(self, started: float) -> None:
+        """Count the time since `started` (time.perf_counter) as computing."""
+        now = time.perf_counter()
+        if self.slowdown > 1:  # a weaker device: it is busy that much longer
+            time.sleep((now - started) * (self.slowdown - 1))
+            now = time.perf_counter()
+        self.busy += now - started
+        self.first_at = started if self.first_at is None else self.first_at
+        self.last_at = now
+
+    def _backward(self, out: torch.Tensor, grad: torch.Tensor) -> None:
+        if grad.shape != out.shape or not torch.isfinite(grad).all():
+            self.stage.zero_grad(set_to_none=True)
+            raise PipelineError("the next stage returned a gradient of the wrong shape or not finite")
+        out.backward(grad.to(out.device, out.dtype))
+
+    def _apply(self) -> None:
+        """Clip and step on the gradients gathered since the last step."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr()
+        torch.nn.utils.clip_grad_norm_(self.stage.parameters(), self.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._rows = 0
