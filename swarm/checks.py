@@ -4,6 +4,7 @@ start-up (swarm.doctor)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -65,6 +66,28 @@ def require_recipe(path: str | Path, data_dir: str | Path, swarm_recipe: Recipe)
     if local.digest() != swarm_recipe.digest():
         raise RecipeError(f"local recipe {path} differs from the swarm's in: "
                           f"{', '.join(local.differing_fields(swarm_recipe))}")
+
+
+def check_checkpoint_dir(directory: Optional[str]) -> Check:
+    """Whether checkpoints can be written under --checkpoint-dir at all (a directory there, or one that can be made,
+    writable by us): checked before a peer trains, not when its first checkpoint is due."""
+    if directory is None:
+        return Check("checkpoint dir", True, "none given: this peer writes no checkpoints")
+    path = Path(directory).expanduser().absolute()
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        what = "is a file" if existing == path else f"would be made under {existing}, which is a file"
+        return Check("checkpoint dir", False, f"--checkpoint-dir {directory} {what}, not a directory: give a "
+                                              "directory (a missing one is created)", {"directory": directory},
+                     fatal=True)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not writable" if existing == path else f"cannot be made: {existing} is not writable"
+        return Check("checkpoint dir", False, f"--checkpoint-dir {directory} {what} by this user: give one this "
+                                              "user can write", {"directory": directory}, fatal=True)
+    return Check("checkpoint dir", True, f"{directory} {'is writable' if existing == path else 'can be made'}",
+                 {"directory": directory})
 
 
 def check_disk(directory: Optional[str], checkpoint: int, keep: int) -> Check:

@@ -14,11 +14,9 @@ from swarm import __version__
 from swarm.config import RecipeError
 from swarm.settings import BootstrapSettings, PeerSettings
 from swarm.settings_cli import FlagError, add_flags, settings_from_args
+from swarm.words import counted
 
 logger = logging.getLogger("swarm")
-# join's flags that change nothing doctor checks: how long it trains, what it traces, where its data stream starts.
-DOCTOR_SKIPS = ("num_threads", "max_rounds", "until_round", "data_shard", "trace_dir", "events_file", "inject_fault",
-                "invite")
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -55,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                                         "resolution, TCP, libp2p handshake, version, run), whether the swarm can "
                                         "dial this peer's addresses back, the clock, the identity, ports, disk and "
                                         "memory. Exits 1 if there is a problem. Give the flags you give join.")
-    add_flags(doctor, PeerSettings, exclude=DOCTOR_SKIPS)
+    add_flags(doctor, PeerSettings)  # every join flag: the same command line checks (those it has no check for
+    # change nothing: how long it trains, what it traces, where its data stream starts)
     doctor.add_argument("--json", action="store_true", help="print one JSON document for scripts")
 
     status = sub.add_parser("status", help="print the swarm's peers and totals",
@@ -159,7 +158,7 @@ def _join(args: argparse.Namespace) -> int:
             rounds = peer.run()
             move_to = peer.part.move_to if not peer.stop.event.is_set() else None
             if move_to is None:
-                logger.info("done: %d rounds averaged, round %d, digest %s", rounds, peer.diloco.round,
+                logger.info("done: %s averaged, round %d, digest %s", counted(rounds, "round"), peer.diloco.round,
                             peer.diloco.digest())
                 return 0
         except concurrent.futures.CancelledError:
@@ -212,6 +211,7 @@ def _doctor(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from swarm.dht.node import NetworkOptions, NodeError, SwarmNode
     from swarm.dht.recipes import fetch_recipe
+    from swarm.monitoring.status_page import status_json
     from swarm.monitoring.swarm_status import read_swarm, render_status
     from swarm.runtime import LoopThread
 
@@ -234,8 +234,7 @@ def _status(args: argparse.Namespace) -> int:
             node.shutdown()
         loop.close()
     if args.json:
-        print(json.dumps({"run_id": recipe.run_id, "recipe_digest": recipe.digest(), **summary.to_json()},
-                         indent=1))
+        print(json.dumps(status_json(summary, recipe.run_id, recipe.digest()), indent=1))
     else:
         print(render_status(summary, recipe.run_id, recipe.digest()))
     return 0

@@ -13,9 +13,10 @@ import time
 from typing import Callable, Optional, Sequence
 
 from swarm import __version__
-from swarm.checks import Check, load_resolved, resource_checks
+from swarm.checks import Check, check_checkpoint_dir, load_resolved, resource_checks
 from swarm.config import Recipe, RecipeError
 from swarm.settings import PeerSettings
+from swarm.dht.admission import Admission, AdmissionError
 from swarm.dht.dialback import DialBack, DialBackError, dial_back, reachable, serve_dialback, tcp_target
 from swarm.dht.direct import listen_hosts
 from swarm.dht.lifeline import identity_held_here
@@ -167,6 +168,31 @@ def check_run(local: Recipe, swarm: Recipe, path: str) -> Check:
                  {"differing": differ, "swarm": swarm.digest(), "local": local.digest()}, fatal=True)
 
 
+def check_admission(admission: Optional[Admission], run_id: str, identity_path: Optional[str],
+                    invite: Optional[str]) -> Optional[Check]:
+    """Whether this peer, with the identity and --invite it would join with, may take part in the run: in a private
+    run its invite (or the owner's allowlist) must admit its peer id, as join's admission does; None for an open
+    run joined without --invite (nothing to say)."""
+    if admission is None:
+        if invite:
+            return Check("admission", True, f"run {run_id} is open to everyone: --invite is not needed")
+        return None
+    if identity_path is not None and not os.path.exists(identity_path):
+        return Check("admission", False, f"run {run_id} is private and identity {identity_path} does not exist yet: "
+                                         f"make it and print its peer id (`swarm-peer id --identity-path "
+                                         f"{identity_path}`), then ask the run owner for an invite",
+                     {"private": True}, fatal=True)
+    identity = Identity.load_or_create(identity_path) if identity_path is not None else Identity.ephemeral()
+    try:
+        admission.join_with(identity, invite)
+    except AdmissionError as e:
+        return Check("admission", False, str(e), {"private": True, "peer_id": identity.peer_id}, fatal=True)
+    finally:
+        identity.discard_file()
+    return Check("admission", True, f"run {run_id} is private and admits peer {identity.peer_id}",
+                 {"private": True, "peer_id": identity.peer_id})
+
+
 # ---- the swarm's view of us -------------------------------------------------------------------------------------
 def check_reachability(answer: DialBack | DialBackError, libp2p: Sequence[str], direct: Sequence[str],
                        nat_traversal: bool = False) -> Check:
@@ -230,7 +256,8 @@ def diagnose(settings: PeerSettings) -> list[Check]:
     to be dialled back. Raises RecipeError for an unreadable --recipe file."""
     local = load_resolved(settings.recipe_file, settings.data_dir or settings.cache_dir) if settings.recipe_file \
         else None
-    checks = [check_ports(fixed_ports(settings)), check_identity(settings.network.identity_path)]
+    checks = [check_ports(fixed_ports(settings)), check_identity(settings.network.identity_path),
+              check_checkpoint_dir(settings.checkpoints.dir)]
     swarm_recipe, dataset, node, loop = None, None, None, LoopThread()
     try:
         probes = [loop.run(check_bootstrap(m), timeout=4 * PROBE_SECONDS) for m in settings.initial_peers]
@@ -250,6 +277,10 @@ def diagnose(settings: PeerSettings) -> list[Check]:
                 swarm_recipe, dataset = loop.run(fetch_run(node, RECIPE_SECONDS), timeout=2 * RECIPE_SECONDS)
             except (RecipeError, TimeoutError) as e:
                 checks.append(Check("run", False, str(e), fatal=True))
+            else:
+                admitted = check_admission(node.admission, swarm_recipe.run_id, settings.network.identity_path,
+                                           settings.invite)
+                checks += [admitted] if admitted is not None else []
     finally:
         if node is not None:
             node.shutdown()
@@ -258,8 +289,7 @@ def diagnose(settings: PeerSettings) -> list[Check]:
         checks.append(check_run(local, swarm_recipe, settings.recipe_file))
     if swarm_recipe or local:
         return checks + resource_checks(swarm_recipe or local, settings, shared=dataset is not None)
-    return checks + [Check("resources", False, "not estimated without the swarm's recipe: pass --recipe FILE to "
-                                               "check disk and memory against it")]
+    return checks  # (disk and memory need a recipe; the problem that kept us from the swarm's is the one to fix)
 
 
 def join_checked(settings: PeerSettings, loop: LoopThread, events: EventLog) -> tuple[SwarmNode, PeerSettings]:
@@ -278,6 +308,9 @@ def join_checked(settings: PeerSettings, loop: LoopThread, events: EventLog) -> 
             logger.warning("%s: %s", check.name, check.message)
         return check
 
+    checkpoints = check_checkpoint_dir(settings.checkpoints.dir)  # before training, not when the first is due
+    if not checkpoints.ok:
+        raise NodeError(checkpoints.message)
     ports, deadline = check_ports(fixed_ports(settings)), time.monotonic() + HOLDER_EXIT_SECONDS
     while not ports.ok and time.monotonic() < deadline:  # a crashed peer's p2pd may be letting go of them
         time.sleep(0.2)
@@ -287,7 +320,7 @@ def join_checked(settings: PeerSettings, loop: LoopThread, events: EventLog) -> 
     probes = [loop.run(check_bootstrap(m), timeout=4 * PROBE_SECONDS) for m in settings.initial_peers]
     if not any(p.ok for p in probes):
         raise NodeError(f"could not start the DHT node or reach the swarm: {probes[0].message}")
-    for check in (ports, *probes):
+    for check in (checkpoints, ports, *probes):
         report(check)
     node = _start_node(settings)
     client = settings.network.client_mode
