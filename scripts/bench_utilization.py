@@ -35,9 +35,9 @@ import yaml
 
 UTILIZATION = re.compile(r"compute utilisation ([\d.]+)%")
 MADDR = re.compile(r"--initial-peers (\S+)")
-ROUND_TOKENS = re.compile(r"round \d+: averaged with .* sent, (\d+) tokens\)")
-ALLREDUCE_SECONDS = re.compile(r"round \d+: averaged with .* in ([\d.]+) s \(")
-MATCHMAKING = re.compile(r"round \d+: averaged with .* matchmaking ([\d.]+) s")
+ROUND_TOKENS = re.compile(r"round \d+: averaged (?:with|alone).* sent, (\d+) tokens\)")
+ALLREDUCE_SECONDS = re.compile(r"round \d+: averaged (?:with|alone).* in ([\d.]+) s \(")
+MATCHMAKING = re.compile(r"round \d+: averaged (?:with|alone).* matchmaking ([\d.]+) s")
 BUSY = re.compile(r"pipeline: stage (\d+) busy ([\d.]+)% of .* s \(.*\), ([\d.]+)% of the .*; (\d+) bytes of "
                   r"activations")
 

@@ -147,8 +147,9 @@ class PipelineRecipe(_Section):
     schedule: Literal["stream", "flush"] = Field(
         "stream", description="how a first-stage peer sends its microbatches: stream (default) keeps them in flight "
                               "across batches, so stages rarely wait for each other, and applies each batch's "
-                              "gradient one step late (swarm/peer/pipeline/microbatches.py); flush sends the next batch only "
-                              "once the last one's gradients are all back and applied: exact steps, stages idle more")
+                              "gradient one step late (swarm/peer/pipeline/microbatches.py); flush sends the next "
+                              "batch only once the last one's gradients are all back and applied: exact steps, "
+                              "stages idle more")
 
     rebalance_seconds: float = Field(
         15.0, gt=0, le=86400, allow_inf_nan=False,

@@ -117,6 +117,8 @@ class DirectStreams:
         self.opened = {"direct": 0, "fallback": 0}  # streams we opened, by how
         self._routes: dict[str, Route] = {}
         self._unreachable: dict[str, float] = {}  # peer id -> monotonic time until which we do not try it
+        self._served: set[str] = set()  # peers a direct stream reached since they last failed one (see open)
+        self._told: set[str] = set()  # peers whose fallback to libp2p the log has mentioned once
         self._servers: list[asyncio.base_events.Server] = []
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._handshakes = 0
@@ -209,13 +211,22 @@ class DirectStreams:
                 route = await asyncio.wait_for(self._route(peer_id, ask_hello), HELLO_SECONDS)
             opened = await self._connect(route, protocol)
         except Exception as e:  # noqa: BLE001 - any failure here only means: use libp2p
-            logger.info("no direct stream to %s (%s); using libp2p for %.0f s", peer_id[-8:], e or type(e).__name__,
-                        RETRY_SECONDS)
+            # The normal case for a peer behind NAT, one without the port forwarded, or a bootstrap: said once, at
+            # DEBUG. A peer that served direct streams and stopped is news (its port closed, it restarted).
+            if peer_id in self._served:
+                logger.info("direct streams to %s stopped working (%s); using libp2p for %.0f s", peer_id[-8:],
+                            e or type(e).__name__, RETRY_SECONDS)
+            elif peer_id not in self._told:
+                logger.debug("%s takes streams over libp2p, not direct ones (%s)", peer_id[-8:],
+                             e or type(e).__name__)
+            self._served.discard(peer_id)
+            self._told.add(peer_id)
             self._routes.pop(peer_id, None)
             self._unreachable[peer_id] = time.monotonic() + RETRY_SECONDS
             self.opened["fallback"] += 1
             return None
         self._routes[peer_id] = route
+        self._served.add(peer_id)
         self.opened["direct"] += 1
         return opened
 

@@ -18,6 +18,7 @@ from swarm.averaging.allreduce import AllReduceError
 from swarm.averaging.matchmaking import Candidate, form_group
 from swarm.events import EventLog
 from swarm.peer.rounds import Averaged, Contribution, NotAveraged, Outcome, Rounds
+from swarm.words import counted
 
 logger = logging.getLogger("swarm.peer")
 DEFAULT_BANDWIDTH = 12.5e6  # bytes/s (100 Mbit/s) until the first all-reduce measures the real link
@@ -55,6 +56,7 @@ class Averager:
         self.matchmaking = matchmaking
         self.events = events if events is not None else EventLog()
         self.stopping = stopping  # set by a stop signal: no new attempt starts after it
+        self._waiting_said = ""  # what the last "no group" line said, so a peer waiting alone says it once
 
     def reduce(self, contribution: Contribution, attempt: int) -> Outcome:
         """Matchmaking and all-reduce of `contribution`, starting at `attempt`; redone at once (a new attempt)
@@ -81,9 +83,10 @@ class Averager:
                 # Peers that put us in their group hear at once that we are not coming.
                 self.loop.run(self.allreduce.decide(round_no, attempt, None), timeout=10, interruptible=True)
                 self.metrics.averaging_failures.labels(reason="no_group").inc()
-                logger.info("round %d: no group formed (attempt %d); training on", round_no, attempt)
+                self._say_no_group(round_no, attempt, others_seen)
                 self.events.emit("no_group", round=round_no, attempt=attempt)
                 return NotAveraged(contribution, attempt, alone=not others_seen)
+            self._waiting_said = ""
             try:
                 return Averaged(contribution, attempt, self.run(group, contribution), group, started)
             except (AllReduceError, TimeoutError) as e:
@@ -98,6 +101,21 @@ class Averager:
                                                   getattr(e, "rejected", set()), retries):
                     return NotAveraged(contribution, attempt)
                 attempt += 1  # a member failed mid-round, or views differed: redo the round at once
+
+    def _say_no_group(self, round_no: int, attempt: int, others_seen: int) -> None:
+        """Why no group formed, in one line: too few peers for averaging.min_group_size is said once (DEBUG while it
+        lasts), so a peer waiting for a partner says what it waits for instead of repeating every attempt."""
+        need = self.recipe.averaging.min_group_size
+        if others_seen + 1 < need:
+            why = (f"waiting for {counted(need - 1 - others_seen, 'more peer')}: this run averages in groups of at "
+                   f"least {need} (averaging.min_group_size) and matchmaking saw "
+                   f"{counted(others_seen, 'other peer')}")
+            level = logging.DEBUG if why == self._waiting_said else logging.INFO
+            self._waiting_said = why
+        else:
+            why = f"no group formed with the {counted(others_seen, 'other peer')} matchmaking saw (attempt {attempt})"
+            level, self._waiting_said = logging.INFO, ""
+        logger.log(level, "round %d: %s; training on", round_no, why)
 
     def match(self, contribution: Contribution, attempt: int) -> tuple[Optional[Any], int]:
         """(the group we average with, or None; how many other peers matchmaking saw).

@@ -30,8 +30,9 @@ def report_round(averaged, round_seconds: float, *, metrics, events, uses_ring: 
     metrics.val_loss.set(float("nan") if val_loss is None else val_loss)  # a stage's peer evaluates nothing
     metrics.round_seconds.set(round_seconds)
     matchmaking = time.monotonic() - averaged.started - result.seconds
-    logger.info("round %d: averaged with %d peers%s in %.2f s (%.1f MB sent, %d tokens), matchmaking %.1f s; "
-                "val loss %s, train loss %.4f, digest %s", round_no, result.group_size,
+    logger.info("round %d: averaged %s%s in %.2f s (%.1f MB sent, %d tokens), matchmaking %.1f s; "
+                "val loss %s, train loss %.4f, digest %s", round_no,
+                "alone" if result.group_size == 1 else f"with {result.group_size} peers",
                 f" (one of the groups of {group.swarm_size} peers, params mixed)" if group.mix else
                 f" (one of the groups of {group.swarm_size} peers)" if group.swarm_size > result.group_size
                 else " along a ring" if uses_ring else "", result.seconds, result.bytes_sent / 1e6,

@@ -20,6 +20,7 @@ from swarm.checks import resource_checks
 from swarm.events import EventLog
 from swarm.monitoring.metrics import PeerMetrics
 from swarm.runtime import LoopThread
+from swarm.words import counted
 
 logger = logging.getLogger(__name__)
 WAIT_SECONDS = NO_HOLDER_SECONDS + 60  # the fetcher gives up on a file by itself before this
@@ -74,8 +75,9 @@ class SharedData:
         self.dataset = data = open_dataset(manifest, self.store, r.data.batch_size, self.fetch_shard)
         self.metrics.data_files_total.set(len(manifest.files))
         self.metrics.data_files_held.set_function(lambda: float(self.held()))
-        logger.info("data: the run's dataset %s (%d files, %.1f MB), %d shard files here", self.id[:12],
-                    len(manifest.files), manifest.total_bytes / 1e6, data.train.held())
+        logger.info("data: the run's dataset %s (%s, %.1f MB), %s here", self.id[:12],
+                    counted(len(manifest.files), "file"), manifest.total_bytes / 1e6,
+                    counted(data.train.held(), "shard file"))
         if data.model_config is None:
             return data, r.model
         # join's checks could not read the model config before it came with the dataset: now they can.
@@ -109,8 +111,8 @@ class SharedData:
                 logger.warning("data: %s", e)
                 return
             seconds, fetched = time.monotonic() - started, self.fetcher.bytes_from
-            logger.info("data: every file of the run's dataset is here (%.1f MB fetched in %.1f s, from %d "
-                        "peer(s))", sum(fetched.values()) / 1e6, seconds, len(fetched))
+            logger.info("data: every file of the run's dataset is here (%.1f MB fetched in %.1f s, from %s)",
+                        sum(fetched.values()) / 1e6, seconds, counted(len(fetched), "peer"))
             self.events.emit("data_complete", seconds=round(seconds, 3), bytes_from=dict(fetched),
                              refused=sorted(self.fetcher.refused))
 

@@ -3,7 +3,7 @@ the default) trains the whole model on the peer's own batches, as always. In a r
 stage (swarm/model/stages.py), chosen with `--stage K` or where the fewest live peers are, and every round-related
 service (announcements, groups, state, replay) runs under that stage's run id, so the peers of a stage are a
 DiLoCo swarm of their own. A first-stage peer reads batches and sends each through the pipeline (a Router to the
-next stage's peers, swarm/peer/pipeline/); the others serve microbatches from the stage before, which their
+next stage's peers, routing.py); the others serve microbatches from the stage before, which their
 training thread runs (so a microbatch never races an outer step).
 """
 
@@ -219,12 +219,12 @@ class Part:
         return not self.whole and not self.first and self._upstream_round == round_no + 1
 
     def _weaker(self, hosts: list[list]) -> tuple[Optional[int], str, float]:
-        """The stage we should move to (block_selection.stage_to_move_to: a stage with two fewer live peers than
-        ours, or the pipelines' throughput bottleneck), why (for the log), and how long it must stay so first. Only an unpinned
-        peer moves, for throughput only once it has hosted its stage for the recipe's pipeline.settle_seconds (its
-        capacity, and the others', measured: a peer that just moved does not move on at once), and its stage's peers
-        take turns: pipeline.rebalance_seconds for the first in the order of their id's hash, one more period for
-        each after it, so that one moves and the others see the stages change."""
+        """The stage we should move to (placement.stage_to_move_to: a stage with two fewer live peers than ours,
+        or the pipelines' throughput bottleneck), why (for the log), and how long it must stay so first. Only an
+        unpinned peer moves, for throughput only once it has hosted its stage for the recipe's
+        pipeline.settle_seconds (its capacity, and the others', measured: a peer that just moved does not move on at
+        once), and its stage's peers take turns: pipeline.rebalance_seconds for the first in the order of their id's
+        hash, one more period for each after it, so that one moves and the others see the stages change."""
         if self.pinned or self.settings.network.client_mode:
             return None, "", 0.0
         me = self.node.peer_id

@@ -125,8 +125,8 @@ class Handoff:
         self.closed = False  # (set on the loop)
 
     async def hand_over(self, x: torch.Tensor, targets: torch.Tensor, scale: Optional[float]):
-        """A served microbatch, run by the training thread (swarm/peer/pipeline/part.py); a validation one (forward only, its loss)
-        with `scale` None."""
+        """A served microbatch, run by the training thread (part.py); a validation one (forward only, its loss) with
+        `scale` None."""
         if self.closed:
             raise PipelineError("the stage peer is stopping")
         done = self.loop.create_future()

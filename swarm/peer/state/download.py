@@ -25,6 +25,7 @@ from swarm.peer.diloco import DiLoCo
 from swarm.peer.diloco import state_digest
 from swarm.peer.state.wire import (STALL_SECONDS, MovedOn, StateSyncError, failure_reason, receive_bytes,
                                    request_stream, spread)
+from swarm.words import counted
 
 logger = logging.getLogger(__name__)
 RANGE_BYTES = 8 << 20  # bytes per request
@@ -57,7 +58,8 @@ async def download_state(node: SwarmNode, holders: list[str], run_id: str, diloc
                and 0 < x["size"] <= max_bytes}
     if not fitting:
         served = sorted({x["digest"] for x in headers.values() if x is not None and x["digest"] != digest})
-        raise StateSyncError(f"none of {len(holders)} peers serves state with digest {digest}"
+        asked = f"none of {counted(len(holders), 'peer')}" if len(holders) != 1 else "the one peer asked"
+        raise StateSyncError(f"{asked} serves state with digest {digest}"
                              + (f" (they serve {', '.join(served)})" if served else ""), moved_on=bool(served))
     # Holders of the same state serialise the same bytes: follow the header (sha256, round, and tokens seen, which
     # no digest covers) most of them announce, and if its bytes do not match the digest, the next, so one honest

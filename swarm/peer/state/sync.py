@@ -14,6 +14,7 @@ from swarm.peer.state.download import RANGE_BYTES, Downloaded, download_state
 from swarm.peer.state.replay import Replayed, replay_steps
 from swarm.peer.state.serve import serve_state
 from swarm.peer.state.wire import STALL_SECONDS, StateSyncError, sync_deadline
+from swarm.words import counted
 
 __all__ = ["Downloaded", "Replayed", "StateSyncError", "Synced", "serve_state", "sync_deadline", "sync_state"]
 
@@ -34,11 +35,13 @@ class Synced:
     def describe(self, diloco: DiLoCo) -> str:
         if self.downloaded is not None:
             d, size = self.downloaded, self.downloaded.header["size"]
-            how = (f"downloaded the state of round {d.header['round']} from {len(d.bytes_by_holder)} peer(s): "
-                   f"{size / 1e6:.1f} MB in {d.seconds:.1f} s, {size / 1e6 / max(d.seconds, 1e-9):.1f} MB/s")
+            how = (f"downloaded the state of round {d.header['round']} from "
+                   f"{counted(len(d.bytes_by_holder), 'peer')}: {size / 1e6:.1f} MB in {d.seconds:.1f} s, "
+                   f"{size / 1e6 / max(d.seconds, 1e-9):.1f} MB/s")
         else:
             r = self.replayed
-            how = f"replayed {r.steps} outer step(s) from {len(r.bytes_by_holder)} peer(s): {r.bytes / 1e6:.1f} MB"
+            how = (f"replayed {counted(r.steps, 'outer step')} from {counted(len(r.bytes_by_holder), 'peer')}: "
+                   f"{r.bytes / 1e6:.1f} MB")
         return f"synced state of round {diloco.round}, digest {diloco.digest()} ({how}) in {self.seconds:.1f} s"
 
 
