@@ -15,6 +15,10 @@ from typing import Any, Literal, Optional, Union
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from swarm import combinations
+from swarm.combinations import AGGREGATORS, RING_MODES
+
+
 class RecipeError(ValueError):
     """A recipe that cannot be used; the message names the field and what to do."""
 
@@ -91,10 +95,10 @@ class AveragingRecipe(_Section):
     target_group_size: int = Field(16, ge=1, le=4096)
     matchmaking_timeout: float = Field(15.0, gt=0, le=3600, description="seconds to wait for the group")
     allreduce_timeout: float = Field(60.0, gt=0, le=86400, description="ceiling of each all-reduce phase's timeout")
-    ring: Literal["auto", "always", "never"] = Field(
+    ring: Literal[RING_MODES] = Field(
         "auto", description="lossless groups of 3+ average along a ring when their links are even (auto), whenever "
                             "they can (always), or always in a butterfly (never)")
-    aggregator: Literal["mean", "trimmed_mean", "centered_clip"] = Field(
+    aggregator: Literal[AGGREGATORS] = Field(
         "centered_clip", description="how a reducer combines the group's contributions: the weighted mean, or a "
                                      "robust aggregate that bounds what one member can move it by (centered_clip, "
                                      "trimmed_mean; weights capped at 1.5x the group's median; no ring)")
@@ -117,10 +121,10 @@ class AveragingRecipe(_Section):
         return codec
 
     @model_validator(mode="after")
-    def _ring_needs_the_mean(self) -> "AveragingRecipe":
-        if self.ring == "always" and self.aggregator != "mean":
-            raise ValueError(f"averaging.ring: always needs averaging.aggregator: mean (a ring passes on partial "
-                             f"sums, which {self.aggregator} cannot combine); set one or the other")
+    def _settings_that_go_together(self) -> "AveragingRecipe":
+        why = combinations.problem(self.aggregator, self.ring)  # (the table the all-reduce reads too)
+        if why is not None:
+            raise ValueError(why)
         return self
 
     @model_validator(mode="after")

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from swarm.averaging import verify
-from swarm.averaging.aggregate import (AGGREGATORS, OTHERS_SHARE, WEIGHT_SPREAD, aggregator, capped_weights,
+from swarm.combinations import AGGREGATORS
+from swarm.averaging.aggregate import (OTHERS_SHARE, WEIGHT_SPREAD, aggregator, capped_weights,
                                       centered_clip, centered_clip_radius, mean, trimmed, trimmed_mean)
 from swarm.averaging.verify import NORM_SPREAD
 

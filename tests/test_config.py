@@ -2,10 +2,11 @@
 
 import json
 
+import pydantic
 import pytest
 
 from swarm.compression import CODEC_NAMES
-from swarm.config import Recipe, RecipeError, load_recipe, parse_recipe, recipe_from_json
+from swarm.config import AveragingRecipe, Recipe, RecipeError, load_recipe, parse_recipe, recipe_from_json
 from swarm.data.paths import local_files, local_path
 
 
@@ -174,3 +175,34 @@ def test_rebalancing_waits_keep_the_digest_at_their_defaults_and_are_checked():
     for bad in ({"rebalance_seconds": 0}, {"rebalance_seconds": float("inf")}, {"settle_seconds": -1}):
         with pytest.raises(RecipeError, match=r"field 'pipeline\.(rebalance|settle)_seconds'"):
             parse_recipe({"pipeline": {"stages": 2, **bad}})
+
+
+def test_what_goes_together_is_one_table_that_the_recipe_and_the_all_reduce_read():
+    """swarm/combinations.py: the recipe refuses exactly the averaging settings it names, and the all-reduce checks
+    reducers and rides a ring exactly where it says (docs/design.md prints the same table)."""
+    from swarm import combinations
+    from swarm.averaging.allreduce import GroupAllReduce
+    from swarm.averaging.deadlines import AdaptiveDeadlines
+    from swarm.compression import get_codec
+
+    for aggregator in combinations.AGGREGATORS:
+        for ring in combinations.RING_MODES:
+            why = combinations.problem(aggregator, ring)
+            try:
+                AveragingRecipe(aggregator=aggregator, ring=ring)
+                refused = None
+            except pydantic.ValidationError as e:
+                refused = str(e)
+            assert (refused is None) == (why is None) and (why is None or why in refused), (aggregator, ring)
+    rows = {(codec, aggregator): (ring, checked) for codec, aggregator, ring, checked in combinations.table(CODEC_NAMES)}
+    assert len(rows) == len(CODEC_NAMES) * len(combinations.AGGREGATORS)
+    node = type("Node", (), {"peer_id": "QmMe"})()
+    for (codec, aggregator), (ring, checked) in rows.items():
+        for verify in (True, False):
+            allreduce = GroupAllReduce.__new__(GroupAllReduce)  # (its decisions only: no node, no streams)
+            allreduce.node, allreduce.codec, allreduce.aggregator_name = node, get_codec(codec), aggregator
+            allreduce.verify_reducers, allreduce.deadlines = verify, AdaptiveDeadlines(5.0, 30.0)
+            assert allreduce.verifiable == (verify and checked != "no"), (codec, aggregator, verify)
+        assert (ring != "never") == combinations.ring_can_carry(codec, aggregator)
+    assert rows[("fp16", "centered_clip")][1] != "no" and rows[("topk", "centered_clip")][1] == "no"
+    assert rows[("none", "mean")][0] != "never" and rows[("none", "centered_clip")][0] == "never"

@@ -14,7 +14,8 @@ MAX_PEER_MODULES = 12  # swarm/peer/'s top level; what does one thing lives in a
 # The floors of the house, bottom first: a module imports only from its own package or from a lower floor (so two
 # packages of one floor never import each other). docs/design.md draws the same picture.
 LAYERS = (
-    ("swarm", "swarm.compression", "swarm.events", "swarm.runtime", "swarm.settings_cli"),
+    ("swarm", "swarm.combinations", "swarm.compression", "swarm.events", "swarm.runtime", "swarm.settings_cli",
+     "swarm.words"),
     ("swarm.config",),
     ("swarm.dht", "swarm.settings"),
     ("swarm.averaging", "swarm.data", "swarm.monitoring"),

@@ -16,7 +16,6 @@ from swarm.averaging.common import chunk_bounds
 from swarm.averaging.partition import partition
 from swarm.averaging.verify import RADIUS_CEILING, RADIUS_FLOOR, lower_median, norm_cap, shrink
 
-AGGREGATORS = ("mean", "trimmed_mean", "centered_clip")
 # A robust aggregate counts no contribution as more than this many times the group's (lower) median weight: a
 # weight is declared by its sender, and one inflated weight would otherwise outvote the rest (at 1.5, one of three
 # members holds at most 3/7 of the weight, one of four 1/3). An honest peer 10x faster than the median counts 1.5x;

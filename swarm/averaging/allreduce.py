@@ -40,8 +40,9 @@ from swarm.averaging.partition import partition
 from swarm.averaging.ring import Ring, ring_schedule, uses_ring
 from swarm.averaging.run import RunContext
 from swarm.averaging.streams import MAX_HEADER_BYTES, GroupConflict, OversizedChunk, StreamClient, read_chunk
-from swarm.averaging.verify import VERIFIABLE_CODECS, nonce_commitment
+from swarm.averaging.verify import nonce_commitment
 from swarm.averaging.verifying import report_bound
+from swarm import combinations
 from swarm.compression import get_codec
 from swarm.dht.node import StreamGate, SwarmNode, recv_frame, send_frame
 
@@ -110,8 +111,7 @@ class GroupAllReduce:
     def verifiable(self) -> bool:
         """Whether this run's reducers are checked (verify.py): CenteredClip, with a codec whose rounding members can
         bound from what they decode."""
-        return self.verify_reducers and self.aggregator_name == "centered_clip" and \
-            self.codec.name in VERIFIABLE_CODECS
+        return combinations.reducers_verified(self.codec.name, self.aggregator_name, self.verify_reducers)
 
     def commitment(self, round_no: int, attempt: int) -> str:
         """Our nonce's commitment for a matchmaking entry of (round, attempt): the nonce is revealed, in the commit
@@ -360,7 +360,7 @@ class GroupAllReduce:
 
     def uses_ring(self, group: Group) -> bool:
         """Whether this group averages along a ring (ring.py): every member computes the same answer."""
-        return self.aggregator_name == "mean" and uses_ring(self.ring, self.codec.name, group)
+        return combinations.ring_can_carry(self.codec.name, self.aggregator_name) and uses_ring(self.ring, group)
 
     def expected_streams(self, group: Group, numel: int, exact_from: Optional[int] = None) \
             -> dict[tuple[str, str], StreamBound]:

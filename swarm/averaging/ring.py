@@ -25,11 +25,11 @@ RING_SPREAD = 1.1  # largest ratio of the members' implied link speeds at which 
 ABORT_GRACE = 2.0  # s a member whose neighbour's stream broke waits for an abort naming whom to blame
 
 
-def uses_ring(mode: str, codec_name: str, group: Group) -> bool:
-    """Whether `group` averages along a ring, under `averaging.ring` = `mode` and the run's codec: every member
-    computes the same answer from the group."""
+def uses_ring(mode: str, group: Group) -> bool:
+    """Whether `group`, of a run whose codec and aggregator a ring can carry (combinations.ring_can_carry),
+    averages along a ring under `averaging.ring` = `mode`: every member computes the same answer from the group."""
     n = len(group.members)
-    if mode == "never" or codec_name != "none" or group.attempt != 0 or n < 3 or any(group.clients):
+    if mode == "never" or group.attempt != 0 or n < 3 or any(group.clients):
         return False
     if mode == "always":
         return True

@@ -52,9 +52,6 @@ NORM_SPREAD = 1.5
 # the reducer's own term hides one of its weight share times sqrt(SKETCH_SLACK) radii anyway.
 CONVERGENCE = 2e-2
 FLOAT_SLACK = 1e-5  # relative: members compute in different orders (and on different hardware)
-# Codecs whose error bound, read off a decoded vector, bounds what decoding changed (top-k's dropped elements decode
-# to zero, so its bound cannot be read off the result).
-VERIFIABLE_CODECS = ("none", "fp16", "bf16", "int8", "int4")
 
 
 @dataclass(frozen=True)

@@ -32,19 +32,8 @@ from swarm.data.corpus import (BUNDLED_CORPUS, Corpus, CorpusError, Document, Sp
 from swarm.data.token_store import BuildStats, TokenStore, build_store, load_store
 from swarm.words import counted
 
-__all__ = [
-    "BUNDLED_CORPUS",
-    "EOS_TOKEN",
-    "Corpus",
-    "CorpusError",
-    "Document",
-    "TokenDataset",
-    "choose_data_shard",
-    "load_corpus",
-    "load_tokenizer",
-    "split_documents",
-    "tokenizer_digest",
-]
+__all__ = ["BUNDLED_CORPUS", "EOS_TOKEN", "Corpus", "CorpusError", "Document", "TokenDataset", "choose_data_shard",
+           "load_corpus", "load_tokenizer", "split_documents", "tokenizer_digest"]
 
 logger = logging.getLogger(__name__)
 
@@ -412,9 +401,9 @@ def prepare_run_data(source: str, tokenizer_spec: str, vocab_size: int, val_frac
     with _progress_bar(train_chars, show_progress) as progress:
         train = TokenDataset(train_docs, tokenizer, seq_len, cache_dir=cache_dir, progress=progress)
     if train.stats is not None:
-        logger.info("data: tokenized %d tokens from %.1f MB of text in %.1f s (%.0f tokens/s) into %s",
-                    train.stats.tokens, train.stats.chars / 1e6, train.stats.seconds, train.stats.tokens_per_s,
-                    counted(train.stats.shards, "token file"))
+        s = train.stats
+        logger.info("data: tokenized %d tokens from %.1f MB of text in %.1f s (%.0f tokens/s) into %s", s.tokens,
+                    s.chars / 1e6, s.seconds, s.tokens_per_s, counted(s.shards, "token file"))
     evaluation = TokenDataset(val_docs, tokenizer, seq_len, cache_dir=cache_dir).eval_batches(batch_size, eval_batches)
     return RunData(train, evaluation, len(tokenizer), split.n_train, split.n_val, len(corpus.skipped), tokenizer)
 
