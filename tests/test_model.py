@@ -128,7 +128,8 @@ def test_two_peers_train_a_gpt2_config_on_one_text_file_for_three_rounds(swarm):
         "inner": {"lr": 0.003, "warmup_tokens": 2048},
         "averaging": {"codec": "none", "min_group_size": 2, "matchmaking_timeout": 10, "allreduce_timeout": 30},
         "tokens_per_round": 8192, "total_tokens": 200000}))
-    bootstrap, maddr = swarm.bootstrap(recipe=recipe)
+    # Each peer reads its own copy of the files (the bootstrap has none to share: --no-share-data).
+    bootstrap, maddr = swarm.bootstrap("--no-share-data", recipe=recipe)
     peers = [swarm.peer(maddr, "--max-rounds", "3", "--data-dir", str(data_dir), "--trace-dir",
                         str(swarm.workdir / f"trace{i}"), "--checkpoint-dir", str(swarm.workdir / f"ckpt{i}"),
                         name=f"peer{i}") for i in range(2)]

@@ -18,7 +18,8 @@ TINY = (Path(__file__).parent / "recipes" / "tiny.yaml").read_text()
 def test_a_recipe_naming_files_outside_the_data_dir_is_refused(swarm, tmp_path):
     recipe = tmp_path / "greedy.yaml"
     recipe.write_text(TINY.replace("data:\n", "data:\n  source: /etc\n"))
-    _, maddr = swarm.bootstrap(recipe=recipe)
+    # A hostile owner's recipe, published as it is (--no-share-data: a bootstrap sharing /etc would refuse to start).
+    _, maddr = swarm.bootstrap("--no-share-data", recipe=recipe)
     peer = swarm.peer(maddr, "--data-dir", str(tmp_path / "data"), name="volunteer")
     assert peer.wait(120) == 2, peer.output()[-3000:]
     lines = [line for line in peer.lines if "ERROR" in line]

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from typing import Callable
+from typing import Callable, Optional
 
 from swarm.peer.state.sync import StateSyncError, sync_deadline, sync_state
 
 logger = logging.getLogger("swarm.peer")
+MOVED_ON_TRIES = 4  # tries of one sync whose holders moved on (each after a fresh read of the view)
 
 
 class CatchUp:
@@ -45,22 +46,28 @@ class CatchUp:
 
     def resync(self, holders: list[str], digest: str, reason: str) -> bool:
         """Bring our state to the swarm's (state digest `digest`, held by `holders`; see sync_state); False
-        (keeping our own state) if no holder could, and then no other try before the round machine allows."""
+        (keeping our own state) if no holder could, and then no other try before the round machine allows.
+
+        Holders that answered with a newer state (the swarm took a round while we read its announcements: in a
+        swarm of short rounds, every time) are asked again at once for the state the view vouches for now, up to
+        MOVED_ON_TRIES times: a joiner that waited a second between tries could stay a round behind for good."""
         self.rounds.set_state("syncing")
         deadline = sync_deadline(8 * self.diloco.numel)  # params and outer momentum, fp32
-        try:
-            synced = self.loop.run(sync_state(self.node, holders, self.run_id, self.diloco, digest), deadline,
-                                   interruptible=True)
-        except (StateSyncError, TimeoutError, concurrent.futures.CancelledError) as e:
-            moved_on = getattr(e, "moved_on", False)
-            if isinstance(e, TimeoutError):
-                e = StateSyncError(f"the state sync took longer than its deadline ({deadline:.0f} s)")
-            elif isinstance(e, concurrent.futures.CancelledError):
-                e = StateSyncError("the state sync was interrupted by the stop")
-            self.rounds.resync_failed(moved_on)
-            logger.warning("%s; continuing with my own state", e)
-            self.events.emit("sync_failed", error=str(e), moved_on=moved_on, reason=reason)
-            return False
+        for tries_left in range(MOVED_ON_TRIES - 1, -1, -1):
+            try:
+                synced = self.loop.run(sync_state(self.node, holders, self.run_id, self.diloco, digest), deadline,
+                                       interruptible=True)
+                break
+            except StateSyncError as e:
+                newer = self._moved_to(digest) if e.moved_on and tries_left else None
+                if newer is None:
+                    return self._failed(e, reason)
+                holders, digest = newer
+            except TimeoutError:
+                return self._failed(StateSyncError(f"the state sync took longer than its deadline ({deadline:.0f} s)"),
+                                    reason)
+            except concurrent.futures.CancelledError:
+                return self._failed(StateSyncError("the state sync was interrupted by the stop"), reason)
         how = "replay" if synced.replayed is not None else "download"
         self.metrics.resyncs.labels(how=how).inc()
         self.metrics.resync_bytes.labels(how=how).inc(synced.bytes)
@@ -70,3 +77,21 @@ class CatchUp:
         self.events.emit("synced", round=self.diloco.round, digest=self.diloco.digest(), how=how, reason=reason,
                          replayed=synced.replayed.steps if synced.replayed is not None else 0, bytes=synced.bytes)
         return True
+
+    def _moved_to(self, old_digest: str) -> Optional[tuple[list[str], str]]:
+        """(holders, digest) of the swarm's reference as the view reads it now, if that is another state than
+        `old_digest` and newer than ours (the same rules of whom to follow as any reference: swarm/dht/view.py)."""
+        try:
+            self.loop.run(self.announcer.read_view(), timeout=10, interruptible=True)
+        except (TimeoutError, concurrent.futures.CancelledError, RuntimeError):
+            return None
+        reference = self.announcer.swarm_reference()
+        if reference.holders and reference.digest != old_digest and reference.round >= self.diloco.round:
+            return reference.holders, reference.digest
+        return None
+
+    def _failed(self, e: StateSyncError, reason: str) -> bool:
+        self.rounds.resync_failed(e.moved_on)
+        logger.warning("%s; continuing with my own state", e)
+        self.events.emit("sync_failed", error=str(e), moved_on=e.moved_on, reason=reason)
+        return False
