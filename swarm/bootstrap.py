@@ -22,7 +22,6 @@ from swarm.dht.node import NetworkOptions, NodeError, SwarmNode
 from swarm.dht.recipes import publish_recipe
 from swarm.dht.records import RECIPE_RULE
 from swarm.events import EventLog
-from swarm.model.memory import resolve_stages
 from swarm.monitoring.http import MonitoringServer
 from swarm.monitoring.metrics import ProcessTreeMemory, SwarmGauges
 from swarm.monitoring.status_page import REFRESH_SECONDS, StatusBoard
@@ -40,6 +39,10 @@ ALLOWLIST_DAYS = 30.0  # lifetime of the invites a bootstrap signs for its --all
 def run_bootstrap(settings: BootstrapSettings) -> int:
     recipe = load_recipe(settings.recipe_file) if settings.recipe_file else Recipe()
     if recipe.pipeline.stages == "auto":  # peers only ever see a number of stages
+        # (Imported here, as the dataset below: torch and transformers take seconds to load, which a bootstrap of a
+        # run with a number of stages never needs.)
+        from swarm.model.memory import resolve_stages
+
         recipe = resolve_stages(recipe, settings.data_dir or settings.cache_dir)
         logger.info("pipeline.stages: auto: %d stage%s, each training within %.0f MB", recipe.pipeline.stages,
                     "" if recipe.pipeline.stages == 1 else "s", recipe.pipeline.stage_memory)

@@ -145,3 +145,14 @@ def test_nothing_below_the_peer_reaches_it_even_indirectly():
 def test_the_peer_package_keeps_a_short_top_level():
     top = sorted(path.stem for path in (SWARM / "peer").glob("*.py") if path.stem != "__init__")
     assert len(top) <= MAX_PEER_MODULES, f"swarm/peer/ has {len(top)} modules at its top level: {top}"
+
+
+def test_the_bootstrap_and_the_cli_load_without_transformers():
+    """transformers takes seconds to import: a bootstrap (and `swarm-peer --help`, `status`) must not wait for it,
+    so the model layer is imported where a model is built, not at the top of what the bootstrap imports."""
+    import subprocess
+    import sys
+
+    code = "import sys, swarm.bootstrap, swarm.cli; print(sorted(m for m in ('transformers',) if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
