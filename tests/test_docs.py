@@ -336,7 +336,10 @@ def test_your_own_data_from_zero_to_training_runs_as_documented(swarm, tmp_path)
     workdir = ["--cache-dir", str(home / ".cache" / "swarm")]
     bootstrap_argv = [arg if not arg.endswith(("run.yaml", "swarm-data")) else str(tmp_path / arg) for arg in boot]
     bootstrap, maddr = swarm.bootstrap(*bootstrap_argv[2:], *workdir, recipe=None)
-    peer = swarm.peer(maddr, *[a for a in join[3:] if not a.startswith("/ip4/")], name="volunteer")
+    # One round is enough: the page quotes two round lines of one wording.
+    join_flags = [a for a in join[3:] if not a.startswith("/ip4/")]
+    join_flags[join_flags.index("--max-rounds") + 1] = "1"
+    peer = swarm.peer(maddr, *join_flags, name="volunteer")
     assert peer.wait(300) == 0, peer.output()[-4000:]
     assert_quoted(example("own-data-bootstrap-log"), bootstrap.output())
     assert_quoted(example("own-data-peer-log"), peer.output())
