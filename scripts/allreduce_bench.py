@@ -97,10 +97,11 @@ def worker(args: argparse.Namespace) -> None:
         for attempt in range(ATTEMPTS):
             started = time.monotonic()
             # (weight and nonce commitment in the entry, as peers give them: centered_clip's reducers are verified)
-            me_as = Candidate("same", bandwidth, False, weight=_weight(args.index),
+            push.verified = allreduce.verifiable  # (each round's codec decides whether its reducers are checked)
+            me_as = Candidate("0" * 16, bandwidth, False, weight=_weight(args.index),
                               commitment=allreduce.commitment(round_no, attempt))
             group, _ = loop.run(form_group(node, "bench", round_no, attempt, me_as, set(), args.peers, args.peers,
-                                           timeout=120.0, push=push))
+                                           timeout=120.0, push=push, verified=allreduce.verifiable))
             matched = time.monotonic()
             if group is None:
                 print(json.dumps({"index": args.index, "round": round_no, "attempt": attempt, "error": "no group"}),

@@ -51,6 +51,7 @@ from swarm.dht.admission import Admission, Invite
 from swarm.dht.frames import FRAME_HEADER, recv_frame, send_frame
 from swarm.dht.node import NetworkOptions, SwarmNode
 from swarm.dht.recipes import fetch_recipe
+from swarm import combinations
 from swarm.dht.records import RECIPE_KEY, PeerRecord, group_key, parse_peer_records, parse_recipes, peers_key
 from swarm.dht.validation import owned_subkey, peer_id_of, subkey_owner_key
 from swarm.events import EventLog
@@ -161,8 +162,11 @@ class Attacker:
         if not reference.holders:
             return
         await self.announce(reference.round, reference.digest)
-        entry = {"digest": reference.digest, "bandwidth": 1e9, "client": False, "excluded": [],
-                 "phase_timeout": None}
+        # A well-formed entry (every field, as an honest peer writes it): what refuses it is admission alone.
+        a = self.recipe.averaging
+        verified = combinations.reducers_verified(a.codec, a.aggregator, a.verify_reducers)
+        entry = {"digest": reference.digest, "bandwidth": 1e9, "client": False, "excluded": [], "phase_timeout": None,
+                 "weight": float(self.recipe.tokens_per_round), "commitment": "0" * 32 if verified else ""}
         for round_no in (reference.round, reference.round + 1):
             for attempt in range(3):
                 await self.node.store(group_key(self.recipe.run_id, round_no, attempt), entry, ttl=60.0,

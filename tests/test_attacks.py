@@ -216,7 +216,8 @@ def test_a_plain_value_under_a_rounds_key_does_not_stop_its_group_forming():
         ids = {node.peer_id for node in nodes}
 
         async def match(node):
-            return await form_group(node, "wipe-run", 1, 0, Candidate("digest", 1.0, False), ids - {node.peer_id},
+            return await form_group(node, "wipe-run", 1, 0, Candidate("d" * 16, 1.0, False, weight=1.0),
+                                    ids - {node.peer_id},
                                     2, 4, 20.0)
 
         async def both():

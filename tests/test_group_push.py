@@ -34,7 +34,7 @@ def pair():
 
 def _final(members: list[str]) -> dict:
     return {"members": members, "shares": [0.5, 0.5], "clients": [False, False], "phase_timeout": None,
-            "mix": False, "swarm_size": 2}
+            "mix": False, "swarm_size": 2, "weights": [1.0, 1.0], "commitments": []}
 
 
 def _roles(nodes, pushes, round_no: int, attempt: int):
@@ -58,7 +58,7 @@ def test_a_pushed_group_reaches_the_member_at_once(pair):
 
     waited = loop.run(scenario(), timeout=30)
     assert waited < 10, "a push ends the member's wait (the timeout was 20 s)"
-    assert member_push.finals(7, 0, set()) == {leader: (members, [0.5, 0.5], None, [False, False], False, 2, [], [])}
+    assert member_push.finals(7, 0, set()) == {leader: (members, [0.5, 0.5], None, [False, False], False, 2, [1.0, 1.0], [])}
     assert member_push.finals(7, 0, {leader}) == {}, "an excluded leader's group is not taken"
     assert member_push.finals(7, 1, set()) == {}, "another attempt's group is another key"
 

@@ -7,10 +7,13 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.averaging.group_push import leader_of
-from swarm.averaging.matchmaking import Candidate, form_group, group_terms
+from swarm.averaging.partition import optimal_shares
+from swarm.averaging.matchmaking import BANDWIDTH_SPREAD, Candidate, form_group, group_terms, parse_candidate
 from swarm.dht.records import final_key, group_key
 from swarm.dht.validation import Identity
 
@@ -37,9 +40,12 @@ class FakeNode:
         return dict(self.board.entries.get(key, {}))
 
 
+DIGEST = "d" * 16  # a state digest: 16 hex characters (an entry with anything else is malformed)
+
+
 def _match(node: FakeNode, expected: set[str], still_in=None):
     """Round 1, attempt 0, groups of 2 to 4."""
-    return form_group(node, "run", 1, 0, Candidate("digest", 1.0, client=False), expected, 2, 4, TIMEOUT,
+    return form_group(node, "run", 1, 0, Candidate(DIGEST, 1.0, client=False, weight=1.0), expected, 2, 4, TIMEOUT,
                       still_in=still_in)
 
 
@@ -124,10 +130,12 @@ def test_a_leader_s_group_is_followed_only_with_the_terms_its_members_entries_gi
     honest = [n for n in nodes if n is not leader]
 
     async def main():
-        entry = {"digest": "digest", "bandwidth": 1.0, "client": False, "excluded": [], "phase_timeout": None}
+        entry = {"digest": DIGEST, "bandwidth": 1.0, "client": False, "excluded": [], "phase_timeout": None,
+                 "weight": 1.0, "commitment": ""}
         await leader.store(group_key("run", 1, 0), entry, ttl=60, subkey=leader.owned_subkey)
         greedy = {"members": ids, "shares": [1.0 if m == leader.peer_id else 0.0 for m in ids],
-                  "clients": [False] * 3, "phase_timeout": None, "mix": False, "swarm_size": 3}
+                  "clients": [False] * 3, "phase_timeout": None, "mix": False, "swarm_size": 3,
+                  "weights": [1.0] * 3, "commitments": []}
         await leader.store(final_key("run", 1, 0), greedy, ttl=60, subkey=leader.owned_subkey)
         return await asyncio.gather(*(_match(n, set(ids) - {n.peer_id}) for n in honest))
 
@@ -135,5 +143,93 @@ def test_a_leader_s_group_is_followed_only_with_the_terms_its_members_entries_gi
     results = asyncio.run(main())
     assert all(group is None for group, _ in results), results
     assert time.monotonic() - started < TIMEOUT / 2, "they waited out the deadline"
-    fair = group_terms(ids, {m: Candidate("digest", 1.0, False) for m in ids})
+    fair = group_terms(ids, {m: Candidate(DIGEST, 1.0, False, weight=1.0) for m in ids})
     assert max(fair["shares"]) < 0.5 and not fair["mix"], "what the leader should have published"
+
+
+# ---- the entry's schema: no field can be left out ------------------------------------------------------------
+COMMITMENT = "c" * 32
+ENTRY = {"digest": DIGEST, "bandwidth": 1e6, "client": False, "excluded": [], "phase_timeout": None, "weight": 8192.0,
+         "commitment": COMMITMENT}
+
+
+@pytest.mark.parametrize("field", sorted(ENTRY))
+def test_an_entry_without_any_one_field_is_malformed(field):
+    """A missing field is malformed, never a default: an entry without its weight or nonce commitment used to be
+    accepted, and the group it joined then carried no weights and no commitments, so nobody's reducer was checked."""
+    assert parse_candidate(ENTRY, verified=True) is not None
+    assert parse_candidate({k: v for k, v in ENTRY.items() if k != field}, verified=True) is None
+
+
+@pytest.mark.parametrize("field, value", [
+    ("digest", "not-a-digest"), ("digest", 7), ("bandwidth", -1.0), ("bandwidth", float("nan")), ("bandwidth", True),
+    ("bandwidth", 1e15), ("client", 1), ("excluded", "peer"), ("excluded", [3]), ("excluded", ["p"] * 1025),
+    ("phase_timeout", 0.0), ("phase_timeout", float("inf")), ("weight", None), ("weight", -1.0), ("weight", 1e18),
+    ("weight", float("nan")), ("commitment", ""), ("commitment", "C" * 32), ("commitment", "c" * 64)])
+def test_an_entry_with_a_field_of_the_wrong_type_or_out_of_bounds_is_malformed(field, value):
+    assert parse_candidate({**ENTRY, field: value}, verified=True) is None
+
+
+def test_a_commitment_is_required_exactly_where_the_run_checks_its_reducers():
+    assert parse_candidate({**ENTRY, "commitment": ""}, verified=False) is not None
+    assert parse_candidate(ENTRY, verified=False) is None, "a commitment in a run that checks nothing is not ours"
+
+
+def _match_verified(node: FakeNode, expected: set[str], commitment: str = COMMITMENT):
+    return form_group(node, "run", 1, 0, Candidate(DIGEST, 1e6, False, weight=8192.0, commitment=commitment),
+                      expected, 2, 4, TIMEOUT, verified=True)
+
+
+def test_in_a_verified_run_an_entry_without_a_commitment_joins_no_group():
+    """Three peers of a run that checks its reducers form a group carrying all three commitments; a fourth whose
+    entry has none (or whose code left it out) is no candidate, and the others do not wait for it."""
+    board = Board()
+    nodes = [FakeNode(board) for _ in range(4)]
+    honest, silent = nodes[:3], nodes[3]
+    ids = {n.peer_id for n in honest}
+
+    async def main():
+        silent_entry = {**ENTRY, "commitment": ""}
+        await silent.store(group_key("run", 1, 0), silent_entry, ttl=60, subkey=silent.owned_subkey)
+        return await asyncio.gather(*(_match_verified(n, ids - {n.peer_id}) for n in honest))
+
+    results = asyncio.run(main())
+    for group, _ in results:
+        assert group is not None and set(group.members) == ids, group
+        assert group.commitments == (COMMITMENT,) * 3 and len(group.weights) == 3
+
+
+def test_a_leader_counting_more_candidates_than_the_entries_hold_is_not_followed():
+    """The swarm size the leader publishes sets how many tokens each member adds to its schedule (x swarm size /
+    group size) and the quorum its reference needs: a leader claiming 2^20 made every member's inner learning rate
+    sit at its floor for the rest of the run. Members check it against the entries they read."""
+    board = Board()
+    nodes = [FakeNode(board) for _ in range(3)]
+    ids = sorted(n.peer_id for n in nodes)
+    leader = next(n for n in nodes if n.peer_id == leader_of(ids, 1, 0))
+    honest = [n for n in nodes if n is not leader]
+
+    async def main():
+        entry = {**ENTRY, "commitment": "", "bandwidth": 1.0, "weight": 1.0}  # (its terms honest: only the count lies)
+        await leader.store(group_key("run", 1, 0), entry, ttl=60, subkey=leader.owned_subkey)
+        inflated = {"members": ids, **group_terms(ids, {m: Candidate(DIGEST, 1.0, False, weight=1.0) for m in ids}),
+                    "swarm_size": 1 << 20}
+        await leader.store(final_key("run", 1, 0), inflated, ttl=60, subkey=leader.owned_subkey)
+        return await asyncio.gather(*(_match(n, set(ids) - {n.peer_id}) for n in honest))
+
+    results = asyncio.run(main())
+    assert all(group is None for group, _ in results), results
+
+
+def test_a_declared_link_counts_as_at_most_a_bounded_multiple_of_the_median():
+    """Shares follow the members' measured bandwidths, but each counts as at most BANDWIDTH_SPREAD times their lower
+    median: an absurd declared link weighs no more than one that much faster (whose reducer, in a verified run, is
+    checked like any other; the optimum gives a much faster member most of the vector, as it does an honest one)."""
+    ids = ["a", "b", "c", "d"]
+    honest = {m: Candidate(DIGEST, 1e6, False, weight=1.0) for m in ids}
+    spread = {"a": 25e5, "b": 50e5, "c": 100e5, "d": 200e5}  # mixed 25-200 Mbit/s links: not cut
+    shares = group_terms(ids, {m: Candidate(DIGEST, b, False, weight=1.0) for m, b in spread.items()})["shares"]
+    assert shares == pytest.approx(optimal_shares(list(spread.values()), [True] * 4), abs=1e-12)
+    liar = group_terms(ids, {**honest, "d": Candidate(DIGEST, 1e11, False, weight=1.0)})["shares"]
+    capped = group_terms(ids, {**honest, "d": Candidate(DIGEST, BANDWIDTH_SPREAD * 1e6, False, weight=1.0)})["shares"]
+    assert liar == capped

@@ -278,9 +278,10 @@ class FakeAllReduce:
         self.failures = list(failures)  # AllReduceErrors to raise, one per run, before succeeding
         self.runs, self.decided = [], []
         self.deadlines = SimpleNamespace(measured=lambda: None)
+        self.verifiable = False  # (this run's reducers are not checked)
 
     def commitment(self, round_no, attempt):
-        return ""  # (this run's reducers are not checked)
+        return ""
 
     async def run(self, group, vector, weight, exact_from):
         self.runs.append((group.attempt, group.members, vector.numel(), exact_from))
@@ -304,7 +305,7 @@ def averager(loop, rounds, announcer, allreduce, groups):
     calls = []
 
     async def matchmaking(node, run_id, round_no, attempt, me_as, expected, min_size, target, timeout, *,
-                          excluded, not_waiting_for, still_in, push):
+                          excluded, not_waiting_for, still_in, push, verified):
         calls.append({"attempt": attempt, "excluded": set(excluded), "not_waiting_for": set(not_waiting_for),
                       "expected": set(expected)})
         members = groups.pop(0) if groups else None

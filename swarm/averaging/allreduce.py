@@ -315,6 +315,14 @@ class GroupAllReduce:
         naming the members suspected of causing it, so the caller can retry at once without them. Elements from
         `exact_from` on travel uncompressed (global params and momentum of a mixing group: a lossy codec would
         move the params themselves); every member must pass the same layout."""
+        if self.verifiable and len(group.members) >= combinations.MIN_VERIFIED_GROUP and \
+                not (group.weights and group.commitments):
+            # Matchmaking forms no such group (every entry must declare both): a missing field never switches the
+            # reducer check off.
+            await self.decide(group.round, group.attempt, None)
+            raise AllReduceError("unverified", f"round {group.round}: a group of {len(group.members)} without every "
+                                 "member's weight and nonce commitment, in a run that checks its reducers; nothing "
+                                 "applied", set())
         self._groups[group.group_id] = Expected(group, self.expected_streams(group, vector.numel(), exact_from))
         self._running[(group.round, group.attempt)] = group.group_id
         await self.decide(group.round, group.attempt, group.group_id)

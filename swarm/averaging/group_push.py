@@ -37,10 +37,19 @@ def _rank(peer: str, round_no: int, attempt: int) -> bytes:
 Final = tuple[list[str], list[float], Optional[float], list[bool], bool, int, list[float], list[str]]
 
 
-def parse_final(writer: str, value: object, excluded: set[str], round_no: int, attempt: int) -> Optional[Final]:
+COMMITMENT_CHARS = 32  # a nonce commitment: sha256 in hex, cut to 128 bits (verify.nonce_commitment)
+FINAL_FIELDS = frozenset({"members", "shares", "phase_timeout", "clients", "mix", "swarm_size", "weights",
+                          "commitments"})
+
+
+def parse_final(writer: str, value: object, excluded: set[str], round_no: int, attempt: int,
+                verified: bool = False) -> Optional[Final]:
     """A group of this round and attempt as its leader `writer` published (or pushed) it, or None if it is
-    malformed, not the writer's to publish (see leader_of), or names an excluded peer."""
-    if writer in excluded or not isinstance(value, dict):
+    malformed (one schema: every field present, of its type and bounds; every member's weight, and in a run that
+    checks its reducers (`verified`) every member's nonce commitment), not the writer's to publish (see
+    leader_of), or names an excluded peer. Its terms are then recomputed by each member from the members' own
+    entries (matchmaking.group_terms)."""
+    if writer in excluded or not isinstance(value, dict) or not FINAL_FIELDS <= value.keys():
         return None
     members, shares = value.get("members"), value.get("shares")
     # Only a leader may publish: it must be the group's leader_of; shares must be a distribution.
@@ -52,8 +61,7 @@ def parse_final(writer: str, value: object, excluded: set[str], round_no: int, a
             and abs(sum(shares) - 1) < 1e-6 and not excluded & set(members)
             and (value.get("phase_timeout") is None or is_seconds(value.get("phase_timeout")))):
         return None
-    timeout, clients = value.get("phase_timeout"), value.get("clients", [False] * len(members))
-    mix, swarm_size = value.get("mix", False), value.get("swarm_size", len(members))
+    timeout, clients, mix, swarm_size = value["phase_timeout"], value["clients"], value["mix"], value["swarm_size"]
     if not isinstance(clients, list) or len(clients) != len(members) or \
             not all(isinstance(c, bool) for c in clients) or \
             any(c and share > 0 for c, share in zip(clients, shares)) or all(clients):
@@ -61,12 +69,11 @@ def parse_final(writer: str, value: object, excluded: set[str], round_no: int, a
     if not isinstance(mix, bool) or isinstance(swarm_size, bool) or not isinstance(swarm_size, int) or \
             not len(members) <= swarm_size <= 1 << 20:
         return None
-    weights, commitments = value.get("weights", []), value.get("commitments", [])
-    if not isinstance(weights, list) or len(weights) not in (0, len(members)) or \
-            not all(is_weight(w) for w in weights):
+    weights, commitments = value["weights"], value["commitments"]
+    if not isinstance(weights, list) or len(weights) != len(members) or not all(is_weight(w) for w in weights):
         return None
-    if not isinstance(commitments, list) or len(commitments) not in (0, len(members)) or \
-            not all(isinstance(c, str) and 0 < len(c) <= 64 for c in commitments):
+    if not isinstance(commitments, list) or len(commitments) != (len(members) if verified else 0) or \
+            not all(is_hex(c, COMMITMENT_CHARS) for c in commitments):
         return None
     return (members, [float(s) for s in shares], None if timeout is None else float(timeout), clients, mix,
             swarm_size, [float(w) for w in weights], list(commitments))
@@ -76,6 +83,11 @@ def is_weight(value: object) -> bool:
     """A contribution's declared weight (tokens): a finite number >= 0 (reducers refuse one over the run's bound)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and \
         0 <= value < 1e18
+
+
+def is_hex(value: object, length: int) -> bool:
+    """A lowercase hex string of exactly `length` characters (a state digest, a nonce commitment)."""
+    return isinstance(value, str) and len(value) == length and all(c in "0123456789abcdef" for c in value)
 
 
 def is_seconds(value: object) -> bool:
@@ -88,8 +100,9 @@ class GroupPush:
     and the groups pushed to us. The sender is the stream's authenticated remote, and a pushed group is checked as
     one read from the DHT (only its leader_of may publish it), so a push can do nothing a DHT entry cannot."""
 
-    def __init__(self, node: SwarmNode, run_id: str):
-        self.node, self.protocol = node, f"swarm.{run_id}.group"
+    def __init__(self, node: SwarmNode, run_id: str, verified: bool = False):
+        """`verified`: the run checks its reducers, so a group carries every member's nonce commitment."""
+        self.node, self.protocol, self.verified = node, f"swarm.{run_id}.group", verified
         self._finals: dict[tuple[int, int], dict[str, Final]] = {}
         self._arrived: dict[tuple[int, int], asyncio.Event] = {}
         self._background: set[asyncio.Task] = set()  # held until done: asyncio holds tasks only weakly
@@ -122,7 +135,7 @@ class GroupPush:
         key = (body.get("round"), body.get("attempt"))
         if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 40 for v in key):
             raise ValueError(f"group push from {remote} names round/attempt {key!r}")
-        final = parse_final(remote, body.get("final"), set(), *key)
+        final = parse_final(remote, body.get("final"), set(), *key, self.verified)
         if final is None:
             raise ValueError(f"group push from {remote} is not a group it may publish")
         self._event(key).set()

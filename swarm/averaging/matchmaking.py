@@ -30,7 +30,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Optional, Sequence
 
-from swarm.averaging.group_push import Final, GroupPush, is_seconds, is_weight, leader_of, parse_final
+from swarm.averaging.group_push import (COMMITMENT_CHARS, Final, GroupPush, is_hex, is_seconds, is_weight, leader_of,
+                                       parse_final)
 from swarm.averaging.partition import optimal_shares
 from swarm.dht.node import SwarmNode
 from swarm.dht.records import final_key, group_key
@@ -50,9 +51,10 @@ class Candidate:
     client: bool  # cannot accept inbound connections: it contributes but reduces nothing
     excluded: tuple[str, ...] = ()  # peers this one caught sending bad data in this round
     phase_timeout: Optional[float] = None  # the all-reduce deadline its recent rounds measured (None: none yet)
-    # The weight (tokens) its contribution declares, to every reducer alike (None: not declared here; an older peer)
+    # The weight (tokens) its contribution declares, to every reducer alike (every entry read declares one; None
+    # only in a Candidate made by hand)
     weight: Optional[float] = None
-    commitment: str = ""  # sha256 of the nonce it reveals once it holds the average (verify.py); "" for none
+    commitment: str = ""  # sha256 of the nonce it reveals once it holds the average (verify.py); "" where unchecked
 
 
 @dataclass(frozen=True)
@@ -67,8 +69,10 @@ class Group:
     mix: bool = False  # members hold different global params: average params and outer momentum too
     swarm_size: int = 0  # candidates the leader split into groups (its estimate of the peers in this round)
     # Per member, from their own entries: the weight its contribution declares (reducers take this one, so a member
-    # cannot weigh differently at different reducers), and its nonce commitment. Empty where not every member gave
-    # one (then reducers take the weight a part's header declares, and nobody's reduction is verified).
+    # cannot weigh differently at different reducers), and, in a run that checks its reducers, its nonce
+    # commitment. Matchmaking always fills both (an entry without them is malformed); empty only in a group made by
+    # hand (tests, benchmarks), where reducers take the weight a part's header declares and, in a run that checks
+    # its reducers, a group of three or more is refused (GroupAllReduce.run).
     weights: tuple[float, ...] = ()
     commitments: tuple[str, ...] = ()
 
@@ -174,25 +178,36 @@ def _give_every_group_a_reducer(groups: list[list[str]], candidates: dict[str, C
         donor[donor.index(server)], group[0] = group[0], server
 
 
-def _parse_candidate(value: object) -> Optional[Candidate]:
-    if not isinstance(value, dict) or not isinstance(value.get("digest"), str):
+DIGEST_CHARS = 16  # a state digest (swarm.peer.diloco.state_digest): sha256 in hex, cut to 64 bits
+ENTRY_FIELDS = frozenset({"digest", "bandwidth", "client", "excluded", "phase_timeout", "weight", "commitment"})
+MAX_BANDWIDTH = 1e11  # bytes/s (800 Gbit/s): a larger declared link is a lie, not a faster peer
+BANDWIDTH_SPREAD = 16.0  # a member's bandwidth counts as at most this many times the group's lower median for shares
+
+
+def parse_candidate(value: object, verified: bool) -> Optional[Candidate]:
+    """A matchmaking entry as one schema: every field present, of its type and within its bounds (a missing field
+    is malformed, never a default: an entry without its weight or nonce commitment would otherwise switch off the
+    reducer check for the whole group), or None. `verified`: the run checks its reducers, so the commitment is a
+    hex sha256 prefix; otherwise it is empty."""
+    if not isinstance(value, dict) or not ENTRY_FIELDS <= value.keys():
         return None
-    bandwidth, client = value.get("bandwidth", 0.0), value.get("client", False)
-    excluded, timeout = value.get("excluded", []), value.get("phase_timeout")
-    if not isinstance(bandwidth, (int, float)) or not math.isfinite(bandwidth) or bandwidth < 0:
+    digest, bandwidth, client = value["digest"], value["bandwidth"], value["client"]
+    excluded, timeout, weight, commitment = value["excluded"], value["phase_timeout"], value["weight"], \
+        value["commitment"]
+    if not (is_hex(digest, DIGEST_CHARS) and isinstance(client, bool) and is_weight(weight)):
         return None
-    if not isinstance(excluded, list) or len(excluded) > 1024 or not all(isinstance(p, str) for p in excluded):
+    if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float)) or not 0 <= bandwidth <= MAX_BANDWIDTH:
         return None
-    if timeout is not None and (not is_seconds(timeout)):
+    if not isinstance(excluded, list) or len(excluded) > 1024 or \
+            not all(isinstance(p, str) and len(p) <= 128 for p in excluded):
         return None
-    weight, commitment = value.get("weight"), value.get("commitment", "")
-    if weight is not None and not is_weight(weight):
+    if timeout is not None and not is_seconds(timeout):
         return None
-    if not isinstance(commitment, str) or len(commitment) > 64:
+    if not (is_hex(commitment, COMMITMENT_CHARS) if verified else commitment == ""):
         return None
-    return Candidate(value["digest"], float(bandwidth), bool(client), tuple(excluded),
-                     None if timeout is None else float(timeout), None if weight is None else float(weight),
-                     commitment)
+    return Candidate(digest, float(bandwidth), client, tuple(excluded), None if timeout is None else float(timeout),
+                     float(weight), commitment)
+
 
 
 def signed_entries(raw: dict) -> dict[str, object]:
@@ -206,9 +221,9 @@ def signed_entries(raw: dict) -> dict[str, object]:
     return entries
 
 
-async def _read_candidates(node: SwarmNode, key: str, excluded: set[str]) -> dict[str, Candidate]:
+async def _read_candidates(node: SwarmNode, key: str, excluded: set[str], verified: bool) -> dict[str, Candidate]:
     raw = signed_entries(await node.get(key))
-    parsed = {peer: _parse_candidate(value) for peer, value in raw.items() if peer not in excluded}
+    parsed = {peer: parse_candidate(value, verified) for peer, value in raw.items() if peer not in excluded}
     return {peer: c for peer, c in parsed.items() if c is not None}
 
 
@@ -216,7 +231,7 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
                      expected: set[str], min_size: int, target_size: int, timeout: float,
                      excluded: Iterable[str] = (), not_waiting_for: Iterable[str] = (),
                      still_in: Optional[Callable[[], Optional[set[str]]]] = None,
-                     push: Optional[GroupPush] = None) -> tuple[Optional[Group], int]:
+                     push: Optional[GroupPush] = None, verified: bool = False) -> tuple[Optional[Group], int]:
     """Find this attempt's group: (group, others seen), with group None if no group of at least `min_size`
     formed within about `timeout` s. A peer that saw nobody else may retry under the same attempt number.
 
@@ -229,7 +244,9 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
     that left it (they averaged it elsewhere, or their heartbeat stopped) are no longer waited for. It returns None
     once the swarm moved on without us; we then give up at once (the caller re-syncs) instead of waiting out the
     deadline for peers that will never come. With `push`, a leader also pushes its group to the members, and
-    we take a group pushed to us by our leader as if read from the DHT."""
+    we take a group pushed to us by our leader as if read from the DHT. `verified`: the run checks its reducers
+    (combinations.reducers_verified), so every entry carries a nonce commitment and a group of three or more that
+    does not carry them all is not formed."""
     me = node.peer_id
     excluded = set(excluded) - {me}
     expected = set(expected) - excluded - set(not_waiting_for)
@@ -244,7 +261,7 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
 
     poll = FIRST_POLL_SECONDS
     while True:
-        candidates = {**await _read_candidates(node, key, excluded), me: me_as}
+        candidates = {**await _read_candidates(node, key, excluded, verified), me: me_as}
         if expected <= set(candidates) and len(candidates) >= min_size:
             break
         if still_in is not None:
@@ -258,7 +275,7 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
         if time.monotonic() >= deadline:
             # Stragglers: let entries written at this moment reach every reader before deciding.
             await asyncio.sleep(SETTLE_SECONDS)
-            candidates = {**await _read_candidates(node, key, excluded), me: me_as}
+            candidates = {**await _read_candidates(node, key, excluded, verified), me: me_as}
             break
         await asyncio.sleep(poll)
         poll = min(poll * 1.5, POLL_SECONDS)
@@ -273,7 +290,7 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
     leader = leader_of(members, round_no, attempt)
     if leader == me:
         try:
-            final = {"members": members, **group_terms(members, candidates),
+            final = {"members": members, **group_terms(members, candidates, verified),
                      "swarm_size": sum(len(group) for group in groups)}
         except ValueError as e:
             logger.warning("round %d: %s", round_no, e)
@@ -288,8 +305,8 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
     poll = FIRST_POLL_SECONDS
     while time.monotonic() < final_deadline:
         pushed = push.finals(round_no, attempt, excluded) if push is not None else {}
-        finals = pushed if leader in pushed else {**await _read_finals(node, run_id, round_no, attempt, excluded),
-                                                  **pushed}
+        finals = pushed if leader in pushed else \
+            {**await _read_finals(node, run_id, round_no, attempt, excluded, verified), **pushed}
         mine = {writer: final for writer, final in finals.items() if me in final[0]}
         if finals and not mine and leader not in finals:
             # Other groups' leaders published and ours did not: views that agree publish within moments of each
@@ -302,7 +319,7 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
             if leader not in mine or leader_of(mine, round_no, attempt) != leader:
                 # Our views differ: another leader may be writing at this moment, so wait and re-read.
                 await asyncio.sleep(SETTLE_SECONDS)
-                finals = await _read_finals(node, run_id, round_no, attempt, excluded)
+                finals = await _read_finals(node, run_id, round_no, attempt, excluded, verified)
                 mine = {writer: final for writer, final in finals.items() if me in final[0]}
             if not mine:
                 logger.info("round %d: leader %s formed a group without me", round_no, leader[-8:])
@@ -312,14 +329,22 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
             if len(chosen) < min_size:
                 return None, seen
             if set(chosen) - set(candidates):  # members we have not read yet (they wrote as we read)
-                candidates = {**await _read_candidates(node, key, excluded), **candidates}
-            expected = _terms_or_none(chosen, candidates)
+                candidates = {**await _read_candidates(node, key, excluded, verified), **candidates}
+            expected = _terms_or_none(chosen, candidates, verified)
             if expected is None or not _same_terms(expected, shares, phase_timeout, clients, mix, weights,
-                                                   commitments):
+                                                   commitments) or swarm_size > len(candidates):
                 # A member may have written its entry again since we read it (a peer that found nobody retries
-                # the attempt with what it trained meanwhile): read once more before judging the leader.
-                candidates = {**candidates, **await _read_candidates(node, key, excluded), me: me_as}
-                expected = _terms_or_none(chosen, candidates)
+                # the attempt with what it trained meanwhile), or written one we had not read when the leader did:
+                # read once more before judging the leader.
+                candidates = {**candidates, **await _read_candidates(node, key, excluded, verified), me: me_as}
+                expected = _terms_or_none(chosen, candidates, verified)
+            # The swarm size the leader counted sets how many tokens every member adds to its schedule and the
+            # quorum its reference needs: no more candidates than this attempt's entries hold.
+            if swarm_size > len(candidates):
+                logger.warning("round %d: leader %s counted %d candidates where the entries hold %d; not averaging "
+                               "with it", round_no, leader_of(mine, round_no, attempt)[-8:], swarm_size,
+                               len(candidates))
+                return None, seen
             if expected is None or not _same_terms(expected, shares, phase_timeout, clients, mix, weights,
                                                    commitments):
                 # The leader chose them, not its members' entries: it may be giving itself (or a slow peer) the
@@ -339,25 +364,31 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
     return None, seen
 
 
-def _terms_or_none(members: Sequence[str], candidates: dict[str, Candidate]) -> Optional[dict]:
+def _terms_or_none(members: Sequence[str], candidates: dict[str, Candidate], verified: bool) -> Optional[dict]:
     try:
-        return group_terms(members, candidates)
+        return group_terms(members, candidates, verified)
     except (KeyError, ValueError):
         return None
 
 
-def group_terms(members: Sequence[str], candidates: dict[str, Candidate]) -> dict:
+def group_terms(members: Sequence[str], candidates: dict[str, Candidate], verified: bool = False) -> dict:
     """What a group's leader publishes besides its members, from the members' own entries alone (so every member
-    can check it): the reduction shares from their measured bandwidths, who is a client, the deadline, whether
-    params mix. Raises KeyError for a member without an entry, ValueError if nobody can reduce."""
+    can check it): the reduction shares from their measured bandwidths (each counted as at most BANDWIDTH_SPREAD
+    times the members' lower median, so one declared link cannot take the whole reduction), who is a client, the
+    deadline, whether params mix, every member's weight and, where the run checks reducers, nonce commitment.
+    Raises KeyError for a member without an entry, ValueError if nobody can reduce or a member declared no
+    weight (or, `verified`, no commitment)."""
     entries = [candidates[m] for m in members]
-    declared = all(c.weight is not None for c in entries)
-    committed = all(c.commitment for c in entries)
-    return {"shares": optimal_shares([c.bandwidth or 1.0 for c in entries], [not c.client for c in entries]),
+    if any(c.weight is None for c in entries) or (verified and not all(c.commitment for c in entries)):
+        raise ValueError("a member's entry declares no weight or nonce commitment")
+    bandwidths = sorted(c.bandwidth or 1.0 for c in entries)
+    ceiling = BANDWIDTH_SPREAD * bandwidths[(len(bandwidths) - 1) // 2]
+    return {"shares": optimal_shares([min(c.bandwidth or 1.0, ceiling) for c in entries],
+                                     [not c.client for c in entries]),
             "clients": [c.client for c in entries], "phase_timeout": group_timeout(entries),
             "mix": len({c.digest for c in entries}) > 1,
-            "weights": [c.weight for c in entries] if declared else [],
-            "commitments": [c.commitment for c in entries] if committed else []}
+            "weights": [c.weight for c in entries],
+            "commitments": [c.commitment for c in entries] if verified else []}
 
 
 def _same_terms(expected: dict, shares: list[float], phase_timeout: Optional[float], clients: list[bool],
@@ -368,11 +399,11 @@ def _same_terms(expected: dict, shares: list[float], phase_timeout: Optional[flo
 
 
 async def _read_finals(node: SwarmNode, run_id: str, round_no: int, attempt: int,
-                       excluded: set[str]) -> dict[str, Final]:
+                       excluded: set[str], verified: bool) -> dict[str, Final]:
     raw = signed_entries(await node.get(final_key(run_id, round_no, attempt)))
     finals = {}
     for writer, value in raw.items():
-        final = parse_final(writer, value, excluded, round_no, attempt)
+        final = parse_final(writer, value, excluded, round_no, attempt, verified)
         if final is not None:
             finals[writer] = final
     return finals

@@ -137,7 +137,8 @@ class Averager:
                 self.node, self.recipe.run_id, round_no, attempt, me_as, self.in_round(round_no), r.min_group_size,
                 r.target_group_size, r.matchmaking_timeout, excluded=rejected, not_waiting_for=unresponsive,
                 still_in=lambda: None if self.moved_on(round_no) else self.in_round(round_no),
-                push=self.group_push), timeout=3 * r.matchmaking_timeout + 30, interruptible=True)
+                push=self.group_push, verified=self.allreduce.verifiable),
+                timeout=3 * r.matchmaking_timeout + 30, interruptible=True)
         except TimeoutError:
             return None, 1
 

@@ -125,7 +125,7 @@ class Peer:
             on_bad_peer=self._on_bad_peer, faults=self.faults, ring=r.averaging.ring,
             max_weight=r.max_contribution_tokens(), aggregator_name=r.averaging.aggregator,
             verify_reducers=r.averaging.verify_reducers)
-        group_push = GroupPush(self.node, r.run_id)  # groups our leaders push to us, and ours to members
+        group_push = GroupPush(self.node, r.run_id, self.allreduce.verifiable)  # groups our leaders push to us
         if s.network.client_mode:
             logger.info("client mode: accepting no inbound streams; contributing to averages without reducing, "
                         "serving no state")
