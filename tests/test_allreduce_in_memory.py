@@ -128,7 +128,8 @@ WEIGHTS = (1.0, 2.0, 4.0)
 def _average(codec: str = "none", ring: str = "never", clients=(), fault: Optional[str] = None,
              weights=WEIGHTS, numel: int = 210_000, exact_from=None,
              max_weight: float = float("inf"), aggregator: str = "mean",
-             vectors: Optional[list] = None, declared: Optional[tuple] = None) -> tuple[list, list, list[tuple[str, str]]]:
+             vectors: Optional[list] = None, declared: Optional[tuple] = None,
+             verify: bool = True) -> tuple[list, list, list[tuple[str, str]]]:
     """Every member of one group of PEERS averages its seeded vector (or its one of `vectors`); returns the
     vectors, each member's result (or AllReduceError), and the (peer, reason) bad-peer reports. PEERS[2] runs
     `fault` (FaultPlan). With `declared` (the weights the members' matchmaking entries declare), the group names
@@ -141,7 +142,7 @@ def _average(codec: str = "none", ring: str = "never", clients=(), fault: Option
         allreduces = [GroupAllReduce(_Node(peer, handlers), "t", codec, numel, AdaptiveDeadlines(5.0, 30.0),
                                      on_bad_peer=lambda peer, reason: reports.append((peer, reason)),
                                      faults=FaultPlan(fault if i == 2 else None), ring=ring,
-                                     max_weight=max_weight, aggregator_name=aggregator)
+                                     max_weight=max_weight, aggregator_name=aggregator, verify_reducers=verify)
                       for i, peer in enumerate(PEERS)]
         clients_of = clients or (False,) * len(PEERS)
         for allreduce, client in zip(allreduces, clients_of):
@@ -232,12 +233,12 @@ def test_a_robust_aggregator_bounds_a_scaled_contribution_where_the_mean_takes_i
     errors = {}
     for aggregator in ("mean", "centered_clip"):
         _, results, reports = _average(codec=codec, aggregator=aggregator, vectors=attacked, numel=numel,
-                                       weights=weights)
+                                       weights=weights, verify=False)  # (the aggregate alone, reducers trusted)
         assert not reports and all(not isinstance(r, Exception) for r in results), results
         assert all(torch.equal(r.average, results[0].average) for r in results), "members end bit-identical"
         errors[aggregator] = float((results[0].average - target).norm() / target.norm())
     assert errors["mean"] > 100 and errors["centered_clip"] < 0.6, errors
-    _, clean, _ = _average(aggregator="centered_clip", vectors=honest, numel=numel, weights=weights)
+    _, clean, _ = _average(aggregator="centered_clip", vectors=honest, numel=numel, weights=weights, verify=False)
     _, plain, _ = _average(aggregator="mean", vectors=honest, numel=numel, weights=weights)
     assert all(torch.equal(c.average, p.average) for c, p in zip(clean, plain)), "no attacker: the mean, exactly"
 
@@ -249,7 +250,8 @@ def test_verified_reducers_give_the_same_average_as_unverified_ones(codec, clien
     vectors, checked, reports = _average(codec=codec, clients=clients, aggregator="centered_clip", declared=WEIGHTS,
                                          exact_from=150_000)
     assert not reports and all(not isinstance(r, Exception) for r in checked), checked
-    _, unchecked, _ = _average(codec=codec, clients=clients, aggregator="centered_clip", exact_from=150_000)
+    _, unchecked, _ = _average(codec=codec, clients=clients, aggregator="centered_clip", exact_from=150_000,
+                               verify=False)
     assert all(torch.equal(c.average, u.average) for c, u in zip(checked, unchecked))
 
 
@@ -264,10 +266,15 @@ def test_a_lying_reducer_is_refused_by_every_honest_member_and_accused():
     for result in results[:2]:
         assert isinstance(result, AllReduceError) and result.reason == "unverified", result
         assert result.rejected == {"peerC"}, (result, result.rejected)
-    # The same lie where nobody checks (no commitments): every member applies it.
-    _, unchecked, _ = _average(codec="int8", aggregator="centered_clip", weights=weights, fault="lying-reducer@0")
+    # The same lie where nobody checks (averaging.verify_reducers: false): every member applies it.
+    _, unchecked, _ = _average(codec="int8", aggregator="centered_clip", weights=weights, fault="lying-reducer@0",
+                               verify=False)
     assert not any(isinstance(r, Exception) for r in unchecked)
     assert float(unchecked[0].average.abs().max()) > 100 * float(_exact(vectors).abs().max())
+    # Where the run checks its reducers, a group that does not carry every member's commitment is not averaged at
+    # all (a missing field used to switch the check off for the whole group, and the lie went through).
+    _, omitted, _ = _average(codec="int8", aggregator="centered_clip", weights=weights, fault="lying-reducer@0")
+    assert all(isinstance(r, AllReduceError) and r.reason == "unverified" for r in omitted), omitted
 
 
 def test_a_member_declaring_another_weight_to_a_reducer_than_to_the_group_is_refused():
@@ -277,3 +284,14 @@ def test_a_member_declaring_another_weight_to_a_reducer_than_to_the_group_is_ref
     assert set(reports) == {("peerC", "bad_weight")}, reports
     for result in results[:2]:
         assert isinstance(result, AllReduceError) and result.rejected == {"peerC"}, result
+
+
+def test_a_reducer_naming_every_member_bans_nobody_but_itself():
+    """peerC, as a reducer, says every other member sent it bad data. Its word is not a verdict: the round fails
+    (its part was averaged without them: nothing applied), but the honest members ban nobody for it (they used to
+    leave each other out for the rest of the round, and each one's next attempt was a pair with the accuser). peerC's
+    own exclusions name them, so its next matchmaking entry parts it from them."""
+    _, results, reports = _average(fault="reject-all@0")
+    assert all(isinstance(r, AllReduceError) and r.reason == "bad_data" for r in results), results
+    assert [r.rejected for r in results[:2]] == [set(), set()], "an honest member bans nobody on the accuser's word"
+    assert results[2].rejected == {"peerA", "peerB"}, "the accuser keeps its own word: its exclusions part it from them"

@@ -125,6 +125,8 @@ class Butterfly(Verifying, Run):
                 self.stats["received"] += len(payload)
                 self.faults.maybe_die("reduce", self.group.round)  # dies while reducing, parts in hand
                 part, sender_weight = self.validated(sender, contribution, payload, b - a, self.codec_at(a))
+                if self.bad == "reject-all":
+                    part = None  # (a false accusation of every member: its word against theirs)
                 if part is None:
                     alive.remove(sender)
                     rejected.append(sender)
@@ -191,10 +193,12 @@ class Butterfly(Verifying, Run):
 
     def check_accounts(self) -> float:
         """If any chunk was averaged without some member, no part is applied anywhere. Every member sees the same
-        reducers' accounts, so all agree on whom to leave out of the retry: peers whose data a reducer rejected
-        (banned for this round) and peers that did not deliver."""
+        reducers' accounts, so all agree that the round failed and who did not deliver (not waited for in the
+        retry). Whom a reducer says it rejected is its word against theirs: it parts the two (its own exclusions,
+        in its next entry, say so), and the others ban nobody on it. What we saw ourselves is ours: members we
+        rejected as a reducer, and reducers whose averages did not decode (every member decodes the same bytes)."""
         members = set(self.members)
-        rejected, weights = set(self.bad_reducers), set()
+        rejected, disputed, weights = set(self.bad_reducers), set(), set()
         for sender, metas in self.accounts.items():
             for meta in metas:
                 try:
@@ -205,15 +209,19 @@ class Butterfly(Verifying, Run):
                     self.context.on_bad_peer(sender, "bad_header")
                     self.unresponsive.add(sender)
                     continue
-                rejected |= set(averaged.rejected) & members
+                named = set(averaged.rejected) & members
+                if sender == self.me:
+                    rejected |= named
+                else:
+                    disputed |= named
                 self.unresponsive |= members - set(averaged.contributors) - set(averaged.rejected)
                 weights.add(averaged.total_weight)
-        if rejected or self.unresponsive:
+        if rejected or disputed or self.unresponsive:
             if self.unresponsive - {self.me}:
                 self.context.deadlines.record_timeout(self.phase_timeout)
             raise AllReduceError(
-                "bad_data" if rejected else "partial",
+                "bad_data" if rejected or disputed else "partial",
                 f"round {self.group.round}: parts were averaged without "
-                f"{', '.join(p[-8:] for p in sorted(rejected | self.unresponsive))}; nothing applied",
+                f"{', '.join(p[-8:] for p in sorted(rejected | disputed | self.unresponsive))}; nothing applied",
                 self.unresponsive - {self.me}, rejected - {self.me})
         return self.agreed_weight(weights, "reducers")

@@ -15,11 +15,12 @@ from typing import Optional
 logger = logging.getLogger(__name__)
 KILL_PHASES = ("matchmaking", "send", "reduce", "commit", "ring", "serve")  # ring: while sending along a ring only;
 # serve: while answering another peer's state request
-BAD_DATA = ("garbage", "nan", "short", "ring-garbage", "scaled", "flipped", "inflated", "lying-reducer")
+BAD_DATA = ("garbage", "nan", "short", "ring-garbage", "scaled", "flipped", "inflated", "lying-reducer", "reject-all")
 # ring-garbage: garbage along a ring only; scaled (x SCALE) and flipped (x -1): a well-formed contribution of lying
 # values, averages left honest; inflated: scaled, and declaring the most weight the swarm accepts (four rounds'
 # tokens); lying-reducer: honest contributions, but the part it reduces averaged x SCALE, with the most convincing
-# verification reports it can make (every member's term as it is, its own made up to cancel the rest)
+# verification reports it can make (every member's term as it is, its own made up to cancel the rest); reject-all:
+# as a reducer, it names every other member as having sent bad data (its part averaged over itself alone)
 LYING_VALUES = ("scaled", "flipped", "inflated")
 ACCUSING = ("accuse-all",)  # in every matchmaking entry, name every other peer of the round as one to keep apart from
 SCALE = 1000.0
