@@ -45,9 +45,9 @@ def test_progress_extrapolates_training_peers_from_their_last_announcement():
 
 def test_extrapolation_is_bounded_and_never_negative():
     stale = record("a", "training", 0, 1000, 100.0, updated=0.0)  # 100 s old (a stopped heartbeat)
-    future = record("b", "training", 0, 1000, 100.0, updated=200.0)  # a clock ahead of ours
+    ahead = record("b", "training", 0, 1000, 100.0, updated=NOW + 2.0)  # a clock a little ahead of ours
     assert view.swarm_progress([stale], 0, 0, NOW) == 1000 + int(100.0 * EXTRAPOLATE_SECONDS)
-    assert view.swarm_progress([future], 0, 0, NOW) == 1000
+    assert view.swarm_progress([ahead], 0, 0, NOW) == 1000
     assert view.swarm_progress([stale], 0, 0, 0.0) == 1000
 
 
@@ -59,7 +59,8 @@ def test_with_overlap_tokens_handed_in_count_toward_their_round_and_later_ones_t
                record("b", "training", 4, 2000, updated=NOW),
                record("c", "training", 3, 50000, updated=NOW)]
     assert view.swarm_progress(records, 4, 10, NOW) == 10 + 1000 + 2000
-    assert view.swarm_progress(records, 3, 10, NOW) == 10 + 7000 + 50000
+    # (c counts for at most PACE_SPREAD times the others' lower median, a's 7000)
+    assert view.swarm_progress(records, 3, 10, NOW) == 10 + 7000 + int(view.PACE_SPREAD * 7000)
 
 
 def test_a_round_is_due_once_another_live_peer_handed_it_in():
@@ -203,3 +204,18 @@ def test_the_quorum_is_a_majority_of_the_last_group_and_two_unless_one_peer_is_a
                                                                       record("old", round_no=4, digest="d",
                                                                              updated=NOW - FRESH_SECONDS - 1)]
     assert view.vouchers(records, NOW) == 3, "distinct live peers that announce a state"
+
+
+def test_a_record_from_the_future_is_no_peer_and_one_peer_s_pace_is_bounded_by_the_others():
+    """One signed record with a huge token count and an `updated` time far ahead used to make every round due after
+    one inner step, and stayed live for its whole lifetime without a heartbeat. A record dated more than
+    FUTURE_SECONDS ahead is neither live nor counted; a count within the clock's slack is bounded: among two or more
+    others, no peer counts for more than PACE_SPREAD times their lower median (a pair cannot out-vote it)."""
+    liar = record("liar", "training", 3, 10 ** 9, 10.0 ** 9, updated=NOW + 3600)
+    honest = [record(p, "training", 3, 1000, 0.0, updated=NOW) for p in "ab"]
+    assert ids(view.live([liar, *honest], NOW)) == {"a", "b"}
+    assert view.swarm_progress([liar, *honest], 3, 500, NOW) == 500 + 2000, "the future record counts for nothing"
+    loud = record("liar", "training", 3, 10 ** 9, 0.0, updated=NOW + 1.0)  # within the clock slack: bounded
+    assert view.swarm_progress([loud, *honest], 3, 500, NOW) == 500 + 2000 + int(view.PACE_SPREAD * 1000)
+    assert view.swarm_progress([loud, honest[0]], 3, 500, NOW) == 500 + 1000 + int(view.PACE_SPREAD * 1000)
+    assert view.swarm_progress([loud], 3, 500, NOW) == 500 + 10 ** 9, "a pair (us and it): as it says"

@@ -4,6 +4,8 @@ announcer, the status command, the bootstrap's exporter and the progress line al
 
 from __future__ import annotations
 
+import math
+
 import statistics
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
@@ -14,6 +16,8 @@ from swarm.dht.records import ONLINE_STATES, PEER_STATES, ROUND_STATES, TRAINING
 HEARTBEAT_SECONDS = 1.0  # how often a peer re-announces itself: progress is read from the view, so it must stay fresh
 EXTRAPOLATE_SECONDS = 3 * HEARTBEAT_SECONDS  # how far ahead of its last announcement a peer's progress is estimated
 FRESH_SECONDS = 5 * HEARTBEAT_SECONDS  # a record older than this is from a peer whose heartbeat stopped
+FUTURE_SECONDS = FRESH_SECONDS  # a record dated further ahead than this is refused (doctor warns of clocks off 2.5 s)
+PACE_SPREAD = 4.0  # in a round's progress, no peer counts more than this many times the peers' lower median
 
 Records = Sequence[PeerRecord]
 
@@ -40,9 +44,11 @@ def online(records: Records) -> list[PeerRecord]:
 
 def live(records: Records, now: float, states: tuple[str, ...] = TRAINING_STATES) -> list[PeerRecord]:
     """Records in one of `states` whose heartbeat is fresh at `now` (a crashed peer's record lingers until it
-    expires; a few missed heartbeats are enough to stop counting on it)."""
+    expires; a few missed heartbeats are enough to stop counting on it). A record dated more than FUTURE_SECONDS
+    ahead of `now` is no peer's: signed once with a future time, it would stay "fresh" for its whole lifetime
+    without a heartbeat."""
     fresh_after = now - FRESH_SECONDS
-    return [p for p in records if p.updated >= fresh_after and p.state in states]
+    return [p for p in records if fresh_after <= p.updated <= now + FUTURE_SECONDS and p.state in states]
 
 
 def at_round(records: Records, round_no: int) -> list[PeerRecord]:
@@ -80,20 +86,27 @@ def swarm_progress(records: Records, round_no: int, my_tokens: int, now: float) 
 
     Announcements are up to a heartbeat or two old: read as they are, a swarm of fast peers reaches the round's
     tokens in one peer's view seconds before another's, and the first peer then waits that long in matchmaking
-    for the last."""
-    total = 0.0
+    for the last.
+
+    A count is what its peer says: no other peer counts for more than PACE_SPREAD times the lower median of the
+    others' counts (where there are two or more others), so one record claiming the whole round's tokens cannot make
+    every round due after one inner step (a pair, us and it, cannot out-vote a liar); records dated in the future
+    (see live) count for nothing."""
+    counts = []
     for p in records:
-        if p.state not in TRAINING_STATES:
+        if p.state not in TRAINING_STATES or p.updated > now + FUTURE_SECONDS:
             continue
         if p.in_flight_tokens is not None and p.round == round_no:
-            total += p.in_flight_tokens
+            counts.append(float(p.in_flight_tokens))
             continue
         if p.counting_round != round_no:
             continue
-        total += p.tokens_in_round
+        count = float(p.tokens_in_round)
         if p.state == "training":  # an averaging peer's tokens are all handed in: nothing to extrapolate
-            total += p.tokens_per_s * min(max(now - p.updated, 0.0), EXTRAPOLATE_SECONDS)
-    return my_tokens + int(total)
+            count += p.tokens_per_s * min(max(now - p.updated, 0.0), EXTRAPOLATE_SECONDS)
+        counts.append(count)
+    ceiling = PACE_SPREAD * sorted(counts)[(len(counts) - 1) // 2] if len(counts) >= 2 else math.inf
+    return my_tokens + int(sum(min(count, ceiling) for count in counts))
 
 
 def handed_in(records: Records, round_no: int, now: float) -> bool:
