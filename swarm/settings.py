@@ -146,7 +146,8 @@ class PeerSettings(_Section):
                     "it averages in (or holds, for serve), send bad data (garbage, "
                     "nan, short; ring-garbage: garbage along rings only; scaled: its pseudo-gradient x1000, flipped: "
                     "x-1, inflated: x1000 declaring the most weight the swarm accepts, as a lying member would; "
-                    "lying-reducer: its part averaged x1000, hidden as well as it can) from that round on, name every "
+                    "lying-reducer: its part averaged x1000, hidden as well as it can; reject-all: as a reducer, it "
+                    "names every other member as having sent bad data) from that round on, name every "
                     "other peer as caught lying (accuse-all), or break its own "
                     "training once (diverge: NaN params; explode: an absurd pseudo-gradient), or compute 4x "
                     "slower from that round on (slow: a weaker device, for rebalancing drills)")
