@@ -133,7 +133,7 @@ def simulate_groups(recipe: Recipe, data: RunData, shards: list[int], rounds: in
     outer momentum, a group averages its pseudo-gradients (through the codec, with error feedback), and a group
     whose members hold different params averages params and momentum too (lossless) before the outer step.
     `val_losses` are the mean over the groups' params after each round; `global_params` are worker 0's."""
-    from swarm.averaging.matchmaking import Candidate, plan_groups
+    from swarm.averaging.grouping import Candidate, plan_groups
 
     codec = get_codec(codec_name or recipe.averaging.codec)
     workers = [build_model(recipe.model, data.vocab_size).to(device) for _ in shards]

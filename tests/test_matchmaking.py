@@ -233,3 +233,28 @@ def test_a_declared_link_counts_as_at_most_a_bounded_multiple_of_the_median():
     liar = group_terms(ids, {**honest, "d": Candidate(DIGEST, 1e11, False, weight=1.0)})["shares"]
     capped = group_terms(ids, {**honest, "d": Candidate(DIGEST, BANDWIDTH_SPREAD * 1e6, False, weight=1.0)})["shares"]
     assert liar == capped
+
+
+def test_a_stranger_declaring_a_state_of_its_own_forces_no_mixing():
+    """Issue 37, class 3: one entry with a foreign state digest made a group of four mix params and momentum, and
+    every honest member applied the stranger's state. Now a digest that no other candidate declares is no lineage:
+    the honest members form their group without it and mix nothing; and when the stranger leads, the group it
+    publishes with itself in is not followed."""
+    board = Board()
+    nodes = [FakeNode(board) for _ in range(4)]
+    ids = sorted(n.peer_id for n in nodes)
+    stranger = next(n for n in nodes if n.peer_id == leader_of(ids, 1, 0))  # it leads the four, if they form
+    honest = [n for n in nodes if n is not stranger]
+    honest_ids = {n.peer_id for n in honest}
+
+    async def main():
+        entry = {**ENTRY, "commitment": "", "bandwidth": 1.0, "weight": 1.0, "digest": "f" * 16}
+        await stranger.store(group_key("run", 1, 0), entry, ttl=60, subkey=stranger.owned_subkey)
+        everyone = {m: Candidate(DIGEST if m in honest_ids else "f" * 16, 1.0, False, weight=1.0) for m in ids}
+        mixing = {"members": ids, **group_terms(ids, everyone), "swarm_size": 4}
+        assert mixing["mix"]
+        await stranger.store(final_key("run", 1, 0), mixing, ttl=60, subkey=stranger.owned_subkey)
+        return await asyncio.gather(*(_match(n, set(ids) - {n.peer_id}) for n in honest))
+
+    for group, _ in asyncio.run(main()):
+        assert group is not None and set(group.members) == honest_ids and not group.mix, group

@@ -25,13 +25,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import math
 import time
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Optional, Sequence
 
 from swarm.averaging.group_push import (COMMITMENT_CHARS, Final, GroupPush, is_hex, is_seconds, is_weight, leader_of,
                                        parse_final)
+from swarm.averaging.grouping import Candidate, attempt_salt, group_timeout, lineages, plan_groups, settled
 from swarm.averaging.partition import optimal_shares
 from swarm.dht.node import SwarmNode
 from swarm.dht.records import final_key, group_key
@@ -42,19 +42,6 @@ POLL_SECONDS = 0.1  # between reads of the group's entries, once the first few c
 FIRST_POLL_SECONDS = 0.02  # ...starting here: a group of peers that finished the last round together forms at once
 SETTLE_SECONDS = 0.4
 FINAL_GRACE_SECONDS = 2.0  # how long after other groups' leaders published we still wait for ours
-
-
-@dataclass(frozen=True)
-class Candidate:
-    digest: str
-    bandwidth: float  # bytes/s this peer measured on recent all-reduces (or its probe)
-    client: bool  # cannot accept inbound connections: it contributes but reduces nothing
-    excluded: tuple[str, ...] = ()  # peers this one caught sending bad data in this round
-    phase_timeout: Optional[float] = None  # the all-reduce deadline its recent rounds measured (None: none yet)
-    # The weight (tokens) its contribution declares, to every reducer alike (every entry read declares one; None
-    # only in a Candidate made by hand)
-    weight: Optional[float] = None
-    commitment: str = ""  # sha256 of the nonce it reveals once it holds the average (verify.py); "" where unchecked
 
 
 @dataclass(frozen=True)
@@ -93,89 +80,6 @@ class Group:
 
     def is_client(self, peer: str) -> bool:
         return self.clients[self.members.index(peer)]
-
-
-def group_timeout(candidates: Sequence[Candidate]) -> Optional[float]:
-    """The deadline a group agrees on: the largest its measured members report, so the slowest link sets the
-    pace and a member that has measured nothing yet (it just joined) does not wait the ceiling for a dead peer."""
-    measured = [c.phase_timeout for c in candidates if c.phase_timeout is not None]
-    return max(measured) if measured else None
-
-
-def choose_members(candidates: dict[str, Candidate], target_size: int) -> list[str]:
-    """One group: the candidates left once accusations are settled (see `settled`), sorted by peer id, capped at
-    `target_size`. Members of different state digests (lineages of earlier multi-group rounds, or a peer whose
-    last commit went astray) are all welcome: their group mixes params, and leaves them identical. A pure
-    function: every peer with the same view picks the same members."""
-    return sorted(settled(candidates))[:target_size]
-
-
-def settled(candidates: dict[str, Candidate]) -> dict[str, Candidate]:
-    """The candidates that may average together this attempt. A candidate's `excluded` are the peers it caught
-    sending bad data this round; an accusation is only a claim, so it means that the two do not average
-    together, not that the accused is out: while any two candidates left are in conflict, the one in the most
-    conflicts leaves (ties: the larger peer id). A peer caught by the members of its group (each of them
-    accuses it) leaves, and so does one that accuses every honest peer: accusing costs the accuser its place
-    beside whom it accuses, never more to the others."""
-    conflicts: dict[str, set[str]] = {peer: set() for peer in candidates}
-    for peer, candidate in candidates.items():
-        for accused in candidate.excluded:
-            if accused in conflicts and accused != peer:
-                conflicts[peer].add(accused)
-                conflicts[accused].add(peer)
-    left = set(candidates)
-    while True:
-        worst = max(left, key=lambda peer: (len(conflicts[peer] & left), peer), default=None)
-        if worst is None or not conflicts[worst] & left:
-            return {peer: candidates[peer] for peer in sorted(left)}
-        left.discard(worst)
-
-
-def bandwidth_class(bandwidth: float) -> int:
-    """Half-octave bucket of a measured bandwidth, so that round-to-round noise does not reshuffle groups."""
-    return math.floor(2 * math.log2(bandwidth)) if bandwidth > 1 else 0
-
-
-def plan_groups(candidates: dict[str, Candidate], target_size: int, min_size: int, round_no: int) -> list[list[str]]:
-    """Split this attempt's candidates into groups; a pure function, so every peer with the same view computes the
-    same groups. Up to `target_size` candidates: one group, as `choose_members`; too few for two groups of
-    `min_size`: one group of all of them (over the target by less than `min_size`). Otherwise all candidates, whatever their digest, in k = ceil(n / target_size) groups of
-    nearly equal size. Even rounds: consecutive runs of the bandwidth order, so similar links average together.
-    Odd rounds: every k-th peer in the order of (digest, bandwidth), so each group takes its members from as many
-    of the previous round's groups (digests) as it can, and what each group learned spreads through the swarm:
-    with n = k * g the two layouts are the rows and columns of a grid."""
-    candidates = settled(candidates)
-    n = len(candidates)
-    k = min(-(-n // max(target_size, 1)), n // max(min_size, 1))
-    if k <= 1:
-        # Too few for two groups of min_size: one group a little over the target rather than peers left out.
-        members = choose_members(candidates, max(target_size, n))
-        return [members] if members else []
-    if round_no % 2 == 0:
-        order = sorted(candidates, key=lambda peer: (-bandwidth_class(candidates[peer].bandwidth), peer))
-        sizes = [n // k + (1 if i < n % k else 0) for i in range(k)]
-        starts = [sum(sizes[:i]) for i in range(k)]
-        groups = [order[start:start + size] for start, size in zip(starts, sizes)]
-    else:
-        order = sorted(candidates, key=lambda peer: (candidates[peer].digest,
-                                                     -bandwidth_class(candidates[peer].bandwidth), peer))
-        groups = [order[i::k] for i in range(k)]
-    _give_every_group_a_reducer(groups, candidates)
-    return [sorted(group) for group in groups]
-
-
-def _give_every_group_a_reducer(groups: list[list[str]], candidates: dict[str, Candidate]) -> None:
-    """A group of client-mode peers only could not average: swap one of them with a server of a group that has
-    two or more (deterministically: the first such group, its last server)."""
-    for group in groups:
-        if any(not candidates[peer].client for peer in group):
-            continue
-        donors = [g for g in groups if sum(not candidates[peer].client for peer in g) >= 2]
-        if not donors:
-            return
-        donor = donors[0]
-        server = [peer for peer in donor if not candidates[peer].client][-1]
-        donor[donor.index(server)], group[0] = group[0], server
 
 
 DIGEST_CHARS = 16  # a state digest (swarm.peer.diloco.state_digest): sha256 in hex, cut to 64 bits
@@ -280,10 +184,14 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
         await asyncio.sleep(poll)
         poll = min(poll * 1.5, POLL_SECONDS)
     seen = len(candidates) - 1
-    groups = plan_groups(candidates, target_size, min_size, round_no)
+    peaceful = settled(candidates, attempt_salt(round_no, attempt))
+    vouched = lineages(peaceful)
+    groups = plan_groups(vouched, target_size, min_size, round_no, attempt)
     members = next((group for group in groups if me in group), [])
     if not members:
-        logger.info("round %d: not in this attempt's group (left out by accusations of bad data)", round_no)
+        why = f"no other candidate holds my state {me_as.digest}: I re-sync once the swarm has averaged the round" \
+            if me in peaceful and me not in vouched else "left out by accusations of bad data"
+        logger.info("round %d: not in this attempt's group (%s)", round_no, why)
         return None, seen
     if len(members) < min_size:
         return None, seen
@@ -299,6 +207,9 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
             push.send(members, round_no, attempt, final)
         await node.store(final_key(run_id, round_no, attempt), final, ttl=ttl, subkey=node.owned_subkey)
 
+    def _may_lead(writer: str) -> bool:  # (a candidate the entries leave out leads no group; one we have not read
+        return writer in vouched or writer not in candidates  # yet is judged once read, below)
+
     # Wait as long as the leader may still be waiting for its own candidates (it may have started later).
     final_deadline = time.monotonic() + timeout + 2 * SETTLE_SECONDS
     others_published = None
@@ -307,7 +218,7 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
         pushed = push.finals(round_no, attempt, excluded) if push is not None else {}
         finals = pushed if leader in pushed else \
             {**await _read_finals(node, run_id, round_no, attempt, excluded, verified), **pushed}
-        mine = {writer: final for writer, final in finals.items() if me in final[0]}
+        mine = {writer: final for writer, final in finals.items() if me in final[0] and _may_lead(writer)}
         if finals and not mine and leader not in finals:
             # Other groups' leaders published and ours did not: views that agree publish within moments of each
             # other, so after a grace our leader most likely followed another group; retry rather than wait.
@@ -320,7 +231,7 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
                 # Our views differ: another leader may be writing at this moment, so wait and re-read.
                 await asyncio.sleep(SETTLE_SECONDS)
                 finals = await _read_finals(node, run_id, round_no, attempt, excluded, verified)
-                mine = {writer: final for writer, final in finals.items() if me in final[0]}
+                mine = {writer: final for writer, final in finals.items() if me in final[0] and _may_lead(writer)}
             if not mine:
                 logger.info("round %d: leader %s formed a group without me", round_no, leader[-8:])
                 return None, seen
@@ -332,7 +243,8 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
                 candidates = {**await _read_candidates(node, key, excluded, verified), **candidates}
             expected = _terms_or_none(chosen, candidates, verified)
             if expected is None or not _same_terms(expected, shares, phase_timeout, clients, mix, weights,
-                                                   commitments) or swarm_size > len(candidates):
+                                                   commitments) or swarm_size > len(candidates) or \
+                    _unvouched(chosen, candidates, round_no, attempt):
                 # A member may have written its entry again since we read it (a peer that found nobody retries
                 # the attempt with what it trained meanwhile), or written one we had not read when the leader did:
                 # read once more before judging the leader.
@@ -344,6 +256,12 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
                 logger.warning("round %d: leader %s counted %d candidates where the entries hold %d; not averaging "
                                "with it", round_no, leader_of(mine, round_no, attempt)[-8:], swarm_size,
                                len(candidates))
+                return None, seen
+            unvouched = _unvouched(chosen, candidates, round_no, attempt)
+            if unvouched:
+                logger.warning("round %d: leader %s published a group with %s, whom the entries leave out (a state "
+                               "no other candidate holds, or accused); not averaging with it", round_no, leader_of(mine, round_no, attempt)[-8:],
+                               ", ".join(peer[-8:] for peer in unvouched))
                 return None, seen
             if expected is None or not _same_terms(expected, shares, phase_timeout, clients, mix, weights,
                                                    commitments):
@@ -362,6 +280,13 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
         poll = min(poll * 1.5, POLL_SECONDS)
     logger.info("round %d: no group leader published a group in time", round_no)
     return None, seen
+
+
+def _unvouched(members: Sequence[str], candidates: dict[str, Candidate], round_no: int, attempt: int) -> list[str]:
+    """Members of a published group whose state digest is no lineage (`lineages`) among the entries we read: a
+    leader that put them in would have their params mixed into everyone's."""
+    vouched = lineages(settled(candidates, attempt_salt(round_no, attempt)))
+    return [peer for peer in members if peer in candidates and peer not in vouched]
 
 
 def _terms_or_none(members: Sequence[str], candidates: dict[str, Candidate], verified: bool) -> Optional[dict]:
