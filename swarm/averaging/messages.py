@@ -68,12 +68,10 @@ class Reveal:
     def from_wire(cls, value: Any, parts: int) -> "Reveal":
         value = _mapping(value, "header")
         nonce, hashes = value.get("nonce"), value.get("hashes")
-        if not isinstance(nonce, str) or len(nonce) > 128:
+        if not isinstance(nonce, str) or len(nonce) > 128 or len(nonce) % 2 or \
+                not all(c in "0123456789abcdefABCDEF" for c in nonce):  # (fromhex would skip whitespace)
             raise MessageError(f"nonce must be a hex string, got {nonce!r:.80}")
-        try:
-            raw = bytes.fromhex(nonce)
-        except ValueError:
-            raise MessageError(f"nonce must be a hex string, got {nonce!r:.80}") from None
+        raw = bytes.fromhex(nonce)
         if not isinstance(hashes, list) or len(hashes) != parts or \
                 not all(isinstance(h, str) and len(h) <= 64 for h in hashes):
             raise MessageError(f"hashes must be {parts} hex strings")
