@@ -323,6 +323,8 @@ class GroupAllReduce:
             raise AllReduceError("unverified", f"round {group.round}: a group of {len(group.members)} without every "
                                  "member's weight and nonce commitment, in a run that checks its reducers; nothing "
                                  "applied", set())
+        if getattr(self.node, "direct", None) is not None:  # (their sources keep handshake slots: direct.py)
+            self.node.direct.expect(m for m in group.members if m != self.node.peer_id)
         self._groups[group.group_id] = Expected(group, self.expected_streams(group, vector.numel(), exact_from))
         self._running[(group.round, group.attempt)] = group.group_id
         await self.decide(group.round, group.attempt, group.group_id)

@@ -11,7 +11,15 @@ one connection is worth nothing on any other (another receiver has another certi
 
 Any failure to reach a peer this way (it listens on no address we can reach, e.g. behind NAT or a firewall, or it
 restarted with a new certificate) falls back to a libp2p stream, and the peer is not tried directly again for
-RETRY_SECONDS.
+RETRY_SECONDS. So does a connection the receiver cuts before it accepted the stream (one byte, ACCEPTED, after it
+checked our signature): then the peer is busy, not unreachable, and is tried directly again after BUSY_SECONDS.
+
+Anyone can connect to the port, so connections not yet authenticated are counted before any TLS work: at most
+HANDSHAKES_PER_SOURCE from one source (an IPv4 address, an IPv6 /64) and MAX_HANDSHAKES in all; more are closed at
+once. One address cannot fill the table. An attacker with MAX_HANDSHAKES / HANDSHAKES_PER_SOURCE addresses or more
+can: then streams to us from new sources fall back to libp2p (slower, not lost), except from the sources of the
+peers named by `expect` (seen authenticated before), which have RESERVED_HANDSHAKES slots beyond the total. Peers
+behind the attacker's own address (one NAT) share its per-source limit.
 """
 
 from __future__ import annotations
@@ -42,12 +50,22 @@ logger = logging.getLogger(__name__)
 
 HELLO_PROTOCOL = "swarm.direct.hello"  # libp2p protocol: "where and under which certificate do you listen?"
 DOMAIN = b"swarm direct stream v1\x00"  # what an opener's signature is about, so it signs nothing else
+# An opener that waits for ACCEPTED signs under this domain instead (and says "ack": True), so that a receiver too
+# old to send ACCEPTED finds the signature bad and hangs up at once rather than leaving the opener waiting.
+ACK_DOMAIN = b"swarm direct stream v2\x00"
+ACCEPTED = b"\x01"
 MAX_AUTH_BYTES = 16 << 10
 HANDSHAKE_SECONDS = 10.0  # TLS handshake + the opener's signed frame, or the connection is dropped
 CONNECT_SECONDS = 3.0
 HELLO_SECONDS = 5.0
 RETRY_SECONDS = 30.0  # after a failed direct attempt, libp2p streams only for this long
-MAX_HANDSHAKES = 64  # connections not yet authenticated: more are closed at once
+BUSY_SECONDS = 5.0  # after a connection the receiver cut before accepting it (e.g. its slots were full)
+# Connections not yet authenticated (TCP accepted, TLS and signature pending), counted before any TLS work: more
+# are closed at once. An honest peer has a few at once, each for about two round trips.
+HANDSHAKES_PER_SOURCE = 8
+MAX_HANDSHAKES = 64
+RESERVED_HANDSHAKES = 64  # beyond MAX_HANDSHAKES, for the sources of expected peers only
+MAX_KNOWN_SOURCES = 4096  # peer id -> the source it last authenticated from, for `expect`
 STREAM_LIMIT = 4 << 20  # StreamReader buffer: big reads, fewer wake-ups (asyncio's default is 64 KiB)
 
 Handler = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -56,6 +74,15 @@ Opened = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 class DirectError(ConnectionError):
     """A direct stream could not be opened (the caller falls back to libp2p)."""
+
+
+class DirectBusy(DirectError):
+    """The receiver took the connection and cut it before accepting the stream (its slots were full, or it does
+    not serve the protocol directly): fall back for now, try directly again soon."""
+
+
+# What a connection cut by the other end looks like, during the TLS handshake or before ACCEPTED.
+_CUT = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError, ssl.SSLEOFError, asyncio.IncompleteReadError)
 
 
 @dataclass(frozen=True)
@@ -75,6 +102,46 @@ def listen_hosts(maddrs: Sequence[str]) -> list[str]:
         if len(parts) >= 2 and parts[0] in ("ip4", "ip6") and parts[1] not in hosts:
             hosts.append(parts[1])
     return hosts
+
+
+def source_of(peername) -> str:
+    """The source a connection counts against: its IPv4 address, or the /64 of its IPv6 address (one host can
+    have a whole /64)."""
+    host = peername[0] if isinstance(peername, tuple) and peername else str(peername)
+    try:
+        address = ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        return host
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{address}/64", strict=False))
+    return str(address)
+
+
+class HandshakeSlots:
+    """Counts connections not yet authenticated, per source and in all; `take` refuses one over either cap."""
+
+    def __init__(self, per_source: int, total: int, reserved: int):
+        self.per_source, self.total, self.reserved = per_source, total, reserved
+        self.pending: dict[str, int] = {}  # source -> its connections not yet authenticated (none: left out)
+        self.count = 0
+
+    def take(self, source: str, expected: bool = False) -> bool:
+        """Count one more connection from `source`, or return False if it is over a cap (`expected`: the source
+        of a peer we expect, which may also use the `reserved` slots beyond the total)."""
+        if self.pending.get(source, 0) >= self.per_source or \
+                self.count >= self.total + (self.reserved if expected else 0):
+            return False
+        self.pending[source] = self.pending.get(source, 0) + 1
+        self.count += 1
+        return True
+
+    def release(self, source: str) -> None:
+        left = self.pending.pop(source) - 1
+        if left:
+            self.pending[source] = left
+        self.count -= 1
 
 
 def _specified(host: str) -> bool:
@@ -98,8 +165,17 @@ def _certificate() -> tuple[bytes, bytes]:
                               serialization.NoEncryption()))
 
 
-def _signed_message(fingerprint: bytes, protocol: str) -> bytes:
-    return DOMAIN + fingerprint + protocol.encode()
+def _signed_message(fingerprint: bytes, protocol: str, ack: bool = True) -> bytes:
+    return (ACK_DOMAIN if ack else DOMAIN) + fingerprint + protocol.encode()
+
+
+class _HeldStreamProtocol(asyncio.StreamReaderProtocol):
+    """asyncio's stream protocol, except that it reads nothing until _serve starts TLS (start_tls resumes
+    reading): the opener's TLS hello must reach the TLS layer, not sit in the plain StreamReader."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.pause_reading()
+        super().connection_made(transport)
 
 
 class DirectStreams:
@@ -121,7 +197,11 @@ class DirectStreams:
         self._told: set[str] = set()  # peers whose fallback to libp2p the log has mentioned once
         self._servers: list[asyncio.base_events.Server] = []
         self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._handshakes = 0
+        self._server_context: Optional[ssl.SSLContext] = None
+        self.slots = HandshakeSlots(HANDSHAKES_PER_SOURCE, MAX_HANDSHAKES, RESERVED_HANDSHAKES)
+        self._sources: dict[str, str] = {}  # peer id -> the source it last authenticated from
+        self._expected: frozenset[str] = frozenset()
+        self._expected_sources: set[str] = set()
         self._signatures: dict[tuple[bytes, str], bytes] = {}
         self._client_context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         self._client_context.minimum_version = ssl.TLSVersion.TLSv1_3
@@ -142,12 +222,14 @@ class DirectStreams:
                     f.write(data)
             context.load_cert_chain(*paths)
         self.fingerprint = hashlib.sha256(ssl.PEM_cert_to_DER_cert(cert.decode())).digest()
-        # One port on every host we listen on (we announce one): the first host picks it, the others follow.
+        self._server_context = context
+        # Plain TCP: _serve counts a connection against its source before it starts TLS (asyncio's ssl= server
+        # does the handshake first, for anyone, however many). One port on every host we listen on (we announce
+        # one): the first host picks it, the others follow.
         port = self.requested_port
         for host in self.bind_hosts:
             try:
-                server = await asyncio.start_server(self._serve, host=host, port=port, ssl=context,
-                                                    ssl_handshake_timeout=HANDSHAKE_SECONDS, limit=STREAM_LIMIT)
+                server = await self._loop.create_server(self._held_protocol, host=host, port=port)
             except OSError as e:
                 logger.warning("direct streams: cannot listen on %s port %d (%s); peers reach us there over libp2p "
                                "only", host, port, e.strerror or e)
@@ -156,9 +238,19 @@ class DirectStreams:
             port = self.port = server.sockets[0].getsockname()[1]
         logger.debug("direct streams on %s port %s", ",".join(self.bind_hosts), self.port)
 
+    def _held_protocol(self) -> asyncio.StreamReaderProtocol:
+        return _HeldStreamProtocol(asyncio.StreamReader(limit=STREAM_LIMIT, loop=self._loop), self._serve,
+                                   loop=self._loop)
+
     def hello(self) -> dict:
         """What a peer that asks over libp2p gets: where we listen (no port: we do not) and our fingerprint."""
         return {"port": self.port, "hosts": self.announce_hosts, "fingerprint": self.fingerprint}
+
+    def expect(self, peer_ids) -> None:
+        """The peers we expect streams from now (e.g. our averaging group): connections from the sources they last
+        authenticated from may use RESERVED_HANDSHAKES slots beyond the total. Replaces the previous set."""
+        self._expected = frozenset(peer_ids)
+        self._expected_sources = {self._sources[p] for p in self._expected if p in self._sources}
 
     def close(self) -> None:
         if self._loop is not None and not self._loop.is_closed():
@@ -167,41 +259,60 @@ class DirectStreams:
 
     # ---- receiving ----------------------------------------------------------------------------------------
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._handshakes >= MAX_HANDSHAKES:
-            writer.close()
+        source = source_of(writer.get_extra_info("peername"))
+        if not self.slots.take(source, expected=source in self._expected_sources):
+            writer.transport.abort()  # no TLS work for a source over its share: the opener falls back at once
             return
-        self._handshakes += 1
         try:
-            remote, handler = await asyncio.wait_for(self._authenticate(reader), HANDSHAKE_SECONDS)
+            remote, handler = await asyncio.wait_for(self._accept(reader, writer), HANDSHAKE_SECONDS)
         except Exception as e:  # noqa: BLE001 - whatever a stranger sends, we only drop the connection
-            logger.info("direct stream from %s refused: %s", writer.get_extra_info("peername"), e)
+            logger.info("direct stream from %s refused: %s", source, e or type(e).__name__)
             writer.close()
             return
         finally:
-            self._handshakes -= 1
+            self.slots.release(source)
+        self._learn_source(remote, source)
         await handler(remote, reader, writer)
 
-    async def _authenticate(self, reader: asyncio.StreamReader) -> tuple[str, Handler]:
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> tuple[str, Handler]:
+        """TLS, then the opener's signed frame; ACCEPTED if the opener waits for it. The remote and its handler."""
+        await writer.start_tls(self._server_context, ssl_handshake_timeout=HANDSHAKE_SECONDS)
+        remote, handler, ack = await self._authenticate(reader)
+        if ack:
+            writer.write(ACCEPTED)
+        return remote, handler
+
+    def _learn_source(self, peer_id: str, source: str) -> None:
+        self._sources.pop(peer_id, None)
+        if len(self._sources) >= MAX_KNOWN_SOURCES:
+            self._sources.pop(next(iter(self._sources)))  # the one that authenticated longest ago
+        self._sources[peer_id] = source
+        if peer_id in self._expected:
+            self._expected_sources = {self._sources[p] for p in self._expected if p in self._sources}
+
+    async def _authenticate(self, reader: asyncio.StreamReader) -> tuple[str, Handler, bool]:
         auth = msgpack.unpackb(await recv_frame(reader, MAX_AUTH_BYTES))
         if not isinstance(auth, dict) or not all(isinstance(auth.get(k), t) for k, t in (
                 ("peer", str), ("key", str), ("protocol", str), ("signature", bytes))):
             raise DirectError("malformed handshake")
+        ack = auth.get("ack") is True  # an opener that does not ask (older ones) gets no ACCEPTED
         if peer_id_of(auth["key"]) != auth["peer"]:
             raise DirectError(f"the key sent does not give peer id {auth['peer']}")
         if not RSAPublicKey.from_bytes(auth["key"].encode()).verify(
-                _signed_message(self.fingerprint, auth["protocol"]), auth["signature"]):
+                _signed_message(self.fingerprint, auth["protocol"], ack), auth["signature"]):
             raise DirectError(f"bad signature from {auth['peer']}")
         handler = self.handlers.get(auth["protocol"])
         if handler is None:
             raise DirectError(f"{auth['peer']} asked for protocol {auth['protocol']!r}, which we do not serve")
-        return auth["peer"], handler
+        return auth["peer"], handler, ack
 
     # ---- opening ------------------------------------------------------------------------------------------
     async def open(self, peer_id: str, protocol: str,
                    ask_hello: Callable[[str], Awaitable[tuple[dict, list[str]]]]) -> Optional[Opened]:
-        """A direct stream to `peer_id` for `protocol`, or None: then open it over libp2p (and we will not try
-        this peer directly again for RETRY_SECONDS). `ask_hello(peer)` returns the peer's hello and the hosts
-        libp2p knows for it (used when the peer announces none, e.g. it listens on 0.0.0.0)."""
+        """A direct stream to `peer_id` for `protocol` that the peer accepted, or None: then open it over libp2p
+        (and we will not try this peer directly again for RETRY_SECONDS, or BUSY_SECONDS if it cut the connection
+        before accepting it). `ask_hello(peer)` returns the peer's hello and the hosts libp2p knows for it (used
+        when the peer announces none, e.g. it listens on 0.0.0.0)."""
         if time.monotonic() < self._unreachable.get(peer_id, 0.0):
             self.opened["fallback"] += 1
             return None
@@ -210,6 +321,16 @@ class DirectStreams:
             if route is None:
                 route = await asyncio.wait_for(self._route(peer_id, ask_hello), HELLO_SECONDS)
             opened = await self._connect(route, protocol)
+        except DirectBusy as e:
+            # It listens and its certificate is the one announced, but it cut us before accepting: its slots were
+            # full (perhaps strangers fill them) or it does not serve the protocol directly. This stream goes over
+            # libp2p; the next ones try directly again soon.
+            logger.debug("%s cut a direct stream before accepting it (%s); using libp2p for %.0f s", peer_id[-8:],
+                         e, BUSY_SECONDS)
+            self._routes[peer_id] = route
+            self._unreachable[peer_id] = time.monotonic() + BUSY_SECONDS
+            self.opened["fallback"] += 1
+            return None
         except Exception as e:  # noqa: BLE001 - any failure here only means: use libp2p
             # The normal case for a peer behind NAT, one without the port forwarded, or a bootstrap: said once, at
             # DEBUG. A peer that served direct streams and stopped is news (its port closed, it restarted).
@@ -254,21 +375,40 @@ class DirectStreams:
         return self._signatures[key]
 
     async def _connect(self, route: Route, protocol: str) -> Opened:
-        errors = []
+        """A stream the receiver accepted (it sent ACCEPTED), so that nothing the caller writes is lost to a
+        connection cut after it opened. Raises DirectBusy if the receiver cut it first, DirectError otherwise."""
+        errors, cut = [], False
         for host in route.hosts:
             try:
                 reader, writer = await asyncio.wait_for(asyncio.open_connection(
                     host, route.port, ssl=self._client_context, server_hostname="", limit=STREAM_LIMIT),
                     CONNECT_SECONDS)
+            except _CUT as e:  # it took the TCP connection and dropped it (e.g. its slots for our source were full)
+                errors.append(f"{host}:{route.port}: cut during the TLS handshake ({e or type(e).__name__})")
+                cut = True
+                continue
             except (OSError, ssl.SSLError, asyncio.TimeoutError) as e:
                 errors.append(f"{host}:{route.port}: {e or type(e).__name__}")
                 continue
-            certificate = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
-            if hashlib.sha256(certificate or b"").digest() != route.fingerprint:
+            try:
+                certificate = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+                if hashlib.sha256(certificate or b"").digest() != route.fingerprint:
+                    raise DirectError(f"{host}:{route.port} presented another certificate than the peer announced")
+                auth = msgpack.packb({"peer": self.identity.peer_id, "key": self.identity.public_key.decode(),
+                                      "protocol": protocol, "ack": True,
+                                      "signature": self._signature(route.fingerprint, protocol)})
+                writer.write(FRAME_HEADER.pack(len(auth)) + auth)
+                try:
+                    answer = await asyncio.wait_for(reader.readexactly(len(ACCEPTED)), CONNECT_SECONDS)
+                except _CUT as e:
+                    raise DirectBusy(f"{host}:{route.port}: cut before accepting ({e or type(e).__name__})") from None
+                except asyncio.TimeoutError:
+                    raise DirectError(f"{host}:{route.port} did not accept the stream in {CONNECT_SECONDS:.0f} s") \
+                        from None
+                if answer != ACCEPTED:
+                    raise DirectError(f"{host}:{route.port} answered {answer!r}, not ACCEPTED")
+            except BaseException:
                 writer.close()
-                raise DirectError(f"{host}:{route.port} presented another certificate than the peer announced")
-            auth = msgpack.packb({"peer": self.identity.peer_id, "key": self.identity.public_key.decode(),
-                                  "protocol": protocol, "signature": self._signature(route.fingerprint, protocol)})
-            writer.write(FRAME_HEADER.pack(len(auth)) + auth)  # sent with the stream's first frame, no wait
+                raise
             return reader, writer
-        raise DirectError("; ".join(errors))
+        raise (DirectBusy if cut else DirectError)("; ".join(errors))
