@@ -3,7 +3,9 @@ the run's data protocol and say so under the run's data key; a peer missing file
 at a time, several files (from several holders) at once, and keeps a file only once its bytes match its sha256. A
 holder whose bytes do not match is not asked again; one that is slow, silent or lacks the file costs a retry
 elsewhere. The dataset id comes from the run owner's signed recipe record, so no holder can choose what is
-trained on: the worst it can do is waste time."""
+trained on: the worst it can do is waste time. A holder reads and sends a range a piece at a time (PIECE_BYTES),
+each piece read by the requester within a stall, and answers at most MAX_REQUESTS_PER_PEER requests of one peer
+and MAX_REQUESTS in all at once ("busy" past that: the requester asks another holder)."""
 
 from __future__ import annotations
 
@@ -18,8 +20,7 @@ import msgpack
 import numpy as np
 
 from swarm.data.dataset import MAX_MANIFEST_BYTES, DatasetError, FileEntry, FileStore, Manifest
-from swarm.dht.frames import (STALL_SECONDS, answer_seconds, failure_reason, receive_bytes, recv_frame, send_bytes,
-                              send_frame)
+from swarm.dht.frames import STALL_SECONDS, answer_seconds, failure_reason, receive_bytes, recv_frame, send_frame
 from swarm.dht.node import SwarmNode
 from swarm.dht.records import data_key
 from swarm.dht.validation import subkey_owner
@@ -27,10 +28,15 @@ from swarm.dht.validation import subkey_owner
 logger = logging.getLogger(__name__)
 
 RANGE_BYTES = 8 << 20  # bytes a request asks for
+PIECE_BYTES = 256 << 10  # bytes of a range read from the store, and sent as one frame, at a time
 REQUEST_SECONDS = 10.0  # a request must arrive whole within this
 ANNOUNCE_TTL = 120.0
 ANNOUNCE_SECONDS = 30.0
 FILES_AT_ONCE = 4  # files a peer fetches at once (each from another holder when there are several)
+# Requests a holder answers at once, of one peer (an honest one asks for FILES_AT_ONCE ranges at most, one stream per
+# range, so this leaves it slack) and in all: each holds at most a piece and what the transport buffers.
+MAX_REQUESTS_PER_PEER = 2 * FILES_AT_ONCE
+MAX_REQUESTS = 64
 NO_HOLDER_SECONDS = 300.0  # how long a file may find no holder able to serve it before fetching gives up
 HOLDERS_SECONDS = 2.0  # the holders read from the DHT serve every file fetched meanwhile
 
@@ -40,16 +46,25 @@ def data_protocol(run_id: str) -> str:
 
 
 class DataServer:
-    """Serves the files of one dataset that this peer holds, by byte range. The `corrupt` fault (tests) flips
-    every byte it sends, as a hostile holder would."""
+    """Serves the files of one dataset that this peer holds, by byte range, a piece (PIECE_BYTES) read and sent at
+    a time: a requester that reads nothing holds one piece for at most `stall` s, then is dropped. Past
+    `max_per_peer` requests of one peer, or `max_requests` in all, being answered, a request is answered
+    {"size": None, "busy": reason} (a requester of any version then asks another holder). The `corrupt` fault
+    (tests) flips every byte it sends, as a hostile holder would."""
 
-    def __init__(self, manifest: Manifest, store: FileStore, corrupt: bool = False):
+    def __init__(self, manifest: Manifest, store: FileStore, corrupt: bool = False,
+                 max_per_peer: int = MAX_REQUESTS_PER_PEER, max_requests: int = MAX_REQUESTS):
         self.store, self.corrupt = store, corrupt
         self.files = {entry.sha256: entry for entry in manifest.files}
         self.manifest_entry = FileEntry(manifest.id, len(manifest.to_bytes()))
         self.files[manifest.id] = self.manifest_entry
         self.bytes_served = 0
         self.request_timeout = REQUEST_SECONDS
+        self.stall = STALL_SECONDS  # the longest a piece may wait for the requester to read it
+        self.max_per_peer, self.max_requests = max_per_peer, max_requests
+        self.answering: Counter = Counter()  # requests being answered now, by peer (peers with none left out)
+        self.refused: Counter = Counter()  # requests refused, by reason ("busy")
+        self.dropped = 0  # requesters dropped for not reading our answer in time
 
     async def handle(self, remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -65,15 +80,47 @@ class DataServer:
         if entry is None or not self.store.has(entry):
             await send_frame(writer, msgpack.packb({"size": None}))
             return
-        end = min(offset + RANGE_BYTES, entry.size)
-        payload = await asyncio.get_running_loop().run_in_executor(
-            None, self.store.read, entry, min(offset, entry.size), max(end - offset, 0))
-        if self.corrupt:
-            payload = (np.frombuffer(payload, np.uint8) ^ 0xFF).tobytes()
-        async with asyncio.timeout(answer_seconds(len(payload))):
-            await send_frame(writer, msgpack.packb({"size": entry.size}))
-            await send_bytes(writer, payload)
-        self.bytes_served += len(payload)
+        busy = self._busy(remote)
+        if busy is not None:
+            self.refused["busy"] += 1
+            await asyncio.wait_for(send_frame(writer, msgpack.packb({"size": None, "busy": busy})), self.stall)
+            return
+        self.answering[remote] += 1
+        try:
+            await self._send_range(entry, min(offset, entry.size), min(offset + RANGE_BYTES, entry.size), writer)
+        except asyncio.TimeoutError:
+            self.dropped += 1
+            logger.info("dropped a data stream from %s: it did not read our answer in time", remote[-8:])
+        finally:
+            self.answering[remote] -= 1
+            if not self.answering[remote]:
+                del self.answering[remote]
+
+    def _busy(self, remote: str) -> Optional[str]:
+        """Why a request of `remote` is not answered now (None: it is)."""
+        if self.answering[remote] >= self.max_per_peer:
+            return f"{self.answering[remote]} requests of yours are being answered; ask another holder"
+        if sum(self.answering.values()) >= self.max_requests:
+            return f"{self.max_requests} requests are being answered; ask another holder"
+        return None
+
+    async def _send_range(self, entry: FileEntry, start: int, end: int, writer: asyncio.StreamWriter) -> None:
+        """Bytes [start, end) of `entry` after the header, as frames of at most PIECE_BYTES, each read from the
+        store once the one before is on its way; each frame within `stall` s, all of them within the time a
+        requester allows a holder (answer_seconds)."""
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(answer_seconds(end - start)):
+            await asyncio.wait_for(send_frame(writer, msgpack.packb({"size": entry.size})), self.stall)
+            for at in range(start, end, PIECE_BYTES):
+                piece = await loop.run_in_executor(None, self.store.read, entry, at, min(PIECE_BYTES, end - at))
+                if len(piece) != min(PIECE_BYTES, end - at):
+                    # (the file shrank under us: the requester sees the stream end and asks another holder)
+                    logger.warning("data file %s is shorter than its entry", entry.sha256[:12])
+                    return
+                if self.corrupt:
+                    piece = (np.frombuffer(piece, np.uint8) ^ 0xFF).tobytes()
+                await asyncio.wait_for(send_frame(writer, piece), self.stall)
+                self.bytes_served += len(piece)
 
 
 async def serve_data(node: SwarmNode, run_id: str, server: DataServer) -> None:
@@ -219,7 +266,9 @@ class DataFetcher:
                 await send_frame(writer, msgpack.packb({"sha256": entry.sha256, "offset": incoming.size}))
                 header = msgpack.unpackb(await asyncio.wait_for(recv_frame(reader, 1024), self.stall))
                 theirs = header.get("size") if isinstance(header, dict) else None
-                if theirs is None:
+                if theirs is None:  # it does not hold the file, or is busy (then it says why): another holder
+                    if isinstance(header, dict) and header.get("busy") is not None:
+                        logger.debug("data holder %s is busy: %.200s", holder[-8:], header["busy"])
                     return False
                 if not isinstance(theirs, int) or isinstance(theirs, bool) or not 0 < theirs <= limit or \
                         (size >= 0 and theirs != size):

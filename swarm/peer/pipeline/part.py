@@ -32,7 +32,7 @@ from swarm.model.stages import Stage, even_bounds, materialize
 from swarm.peer.pipeline.microbatches import MicrobatchStream
 from swarm.peer.pipeline.placement import stage_to_move_to, weakest_stage
 from swarm.peer.pipeline.routing import Router, stage_protocol
-from swarm.peer.pipeline.server import Handoff, StageServer
+from swarm.peer.pipeline.server import Handoff, StageServer, unless_dropped
 from swarm.peer.pipeline.worker import PipelineError, StageWorker
 from swarm.peer.stream import peer_id_hash
 from swarm.peer.training import inner_step
@@ -326,8 +326,9 @@ class Part:
                                             self.router.evaluator(self.loop))
                 self.work.answer(done, loss)
                 return None, 0, 0
-            grad, loss = self.worker.step(x, targets, None if self.router is None else self.router.hop(self.loop),
-                                          scale)
+            # (a microbatch whose sender gave up on it meanwhile is not trained on: it is sent elsewhere)
+            grad, loss = self.worker.step(x, targets, None if self.router is None else
+                                          unless_dropped(self.router.hop(self.loop), done.done), scale)
         except Exception as e:  # noqa: BLE001 - the stage before learns of it and retries elsewhere
             if isinstance(e, concurrent.futures.CancelledError):  # (our next hop, cancelled by a stop signal)
                 e = PipelineError("the stage peer is stopping")

@@ -29,6 +29,14 @@ from swarm.peer.pipeline.worker import Downstream, Evaluate, PipelineError
 from swarm.runtime import LoopThread
 
 logger = logging.getLogger(__name__)
+BUSY = "busy"  # how a stage server's refusal for a full queue starts (swarm.peer.pipeline.server)
+
+
+class StageBusy(PipelineError):
+    """A stage peer refused a microbatch because its queue is full: the sender tries another, and nothing counts
+    against the busy peer."""
+
+
 
 HOP_SECONDS = 60.0  # a hop (send, the rest of the pipeline, the gradient back) that takes longer is retried elsewhere
 HEADER_BYTES = 1024
@@ -65,6 +73,8 @@ async def call_stage(node: SwarmNode, peer: str, protocol: str, x: torch.Tensor,
             await send_frame(writer, ids)
             meter.sent += len(payload) + len(ids)
             answer = msgpack.unpackb(await recv_frame(reader, HEADER_BYTES))
+            if isinstance(answer, dict) and str(answer.get("error", "")).startswith(BUSY):
+                raise StageBusy(f"stage peer {peer[-8:]} refused the microbatch: {answer['error']}")
             if not isinstance(answer, dict) or "error" in answer:
                 raise PipelineError(f"stage peer {peer[-8:]} refused the microbatch: "
                                     f"{answer.get('error') if isinstance(answer, dict) else answer!r}")
@@ -180,7 +190,8 @@ class Router:
                 return answer
             except Exception as e:  # noqa: BLE001 - any failure of the hop: the next peer
                 last_error = e
-                self.failed[peer] = time.monotonic()
+                if not isinstance(e, StageBusy):  # (a full queue is no fault: that peer is tried again next time)
+                    self.failed[peer] = time.monotonic()
                 self.retries += 1
                 logger.info("stage peer %s failed a microbatch (%s); trying another", peer[-8:],
                             str(e).splitlines()[0] if str(e) else type(e).__name__)

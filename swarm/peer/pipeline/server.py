@@ -1,12 +1,17 @@
 """Serving a middle or last stage to the peers of the stage before (`StageServer`, on the run's stage protocol), and
-the hand-off of served microbatches to a peer's training thread (`Handoff`), which also takes its outer steps.
+the hand-off of served microbatches to a peer's training thread (`Handoff`), which also takes its outer steps. A
+server holds at most MAX_WAITING microbatches, MAX_WAITING_PER_PEER of them from one peer, and refuses more at once
+("busy", so the sender goes to another peer); a microbatch whose handler gave up on it is never trained on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
+import threading
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Optional
@@ -16,11 +21,20 @@ import numpy as np
 import torch
 
 from swarm.compression import decode, get_codec
-from swarm.dht.frames import recv_frame, send_frame
-from swarm.peer.pipeline.routing import HEADER_BYTES, HOP_SECONDS, Router, WireMeter, payload_bound
-from swarm.peer.pipeline.worker import Execute, PipelineError, StageWorker
+from swarm.dht.frames import FRAME_HEADER, recv_frame, send_frame
+from swarm.peer.pipeline.routing import BUSY, HEADER_BYTES, HOP_SECONDS, Router, WireMeter, payload_bound
+from swarm.peer.pipeline.worker import Downstream, Execute, PipelineError, StageWorker
 
 logger = logging.getLogger(__name__)
+
+# Microbatches a server holds (being received, waiting for the training thread, computed): a few times the one the
+# training thread runs at once, so it always has the next; past this, a sender is better served by another peer.
+MAX_WAITING = 8
+# Of them from one peer: an honest first stage keeps --microbatches (2 by default) in flight, spread over the next
+# stage's peers, so one stranger cannot keep everyone else's out.
+MAX_WAITING_PER_PEER = 4
+DROPPED = "the microbatch's handler gave up on it"  # (timed out or cancelled: its sender has gone elsewhere)
+SKIP_SECONDS = 5.0  # the longest a refused sender's request is read (and forgotten) so that it reads our reason
 
 
 class StageServer:
@@ -33,19 +47,25 @@ class StageServer:
     def __init__(self, worker: StageWorker, hidden: int, max_tokens: int, vocab_size: int,
                  loop: asyncio.AbstractEventLoop, downstream: Optional["Router"] = None,
                  timeout: float = HOP_SECONDS, execute: Optional[Execute] = None,
-                 execute_eval: Optional[Callable[[torch.Tensor, torch.Tensor], Awaitable[float]]] = None):
+                 execute_eval: Optional[Callable[[torch.Tensor, torch.Tensor], Awaitable[float]]] = None,
+                 max_waiting: int = MAX_WAITING, max_waiting_per_peer: int = MAX_WAITING_PER_PEER):
         if worker.stage.first:
             raise ValueError("the first stage reads data; it serves no microbatches")
         self.worker, self.hidden, self.max_tokens, self.vocab_size = worker, hidden, max_tokens, vocab_size
         self.loop, self.downstream, self.timeout = loop, downstream, timeout
-        # Where the worker runs a microbatch: by default in a thread of the loop's executor; a peer hands it to its
-        # training thread instead (swarm/peer/pipeline/part.py), which also takes its outer steps.
+        # Where the worker runs a microbatch: by default in a thread of the server's own, one at a time; a peer hands
+        # it to its training thread instead (swarm/peer/pipeline/part.py), which also takes its outer steps.
         self.execute = execute or self._in_executor
         self.execute_eval = execute_eval or self._eval_in_executor
+        self.max_waiting, self.max_waiting_per_peer = max_waiting, max_waiting_per_peer
+        self.waiting: Counter = Counter()  # microbatches held now, by sending peer (peers with none left out)
         self.meter = WireMeter()
         self.refused: Counter = Counter()
+        self.dropped = 0  # microbatches whose handler timed out: never trained on, never answered
+        self._thread: Optional[concurrent.futures.ThreadPoolExecutor] = None  # (the default execute's, made on use)
 
     async def handle(self, remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held = False
         try:
             async with asyncio.timeout(self.timeout):
                 header = msgpack.unpackb(await recv_frame(reader, HEADER_BYTES))
@@ -61,6 +81,16 @@ class StageServer:
                     await send_frame(writer, msgpack.packb({"error": problem}))
                     return
                 b, t, h = shape
+                busy = self._busy(remote)
+                if busy is not None:  # refused before its payload is read: it costs us no memory
+                    self.refused[BUSY] += 1
+                    await send_frame(writer, msgpack.packb({"error": busy}))
+                    # The sender writes its whole request before it reads an answer: what it sends is skipped for a
+                    # few seconds, so that it reads our reason rather than a reset stream.
+                    await _skip(reader, 2 * FRAME_HEADER.size + payload_bound(b * t * h) + 4 * b * t, SKIP_SECONDS)
+                    return
+                self.waiting[remote] += 1
+                held = True
                 payload = await recv_frame(reader, payload_bound(b * t * h))
                 ids = await recv_frame(reader, 4 * b * t)
                 self.meter.received += len(payload) + len(ids)
@@ -87,9 +117,23 @@ class StageServer:
         except PipelineError as e:
             await send_frame(writer, msgpack.packb({"error": str(e)}))
         except asyncio.TimeoutError:
+            self.dropped += 1
             logger.info("dropped a microbatch from %s: it took over %.0f s", remote[-8:], self.timeout)
         except asyncio.CancelledError:  # the peer is stopping: the sender sees the stream end and goes elsewhere
             return
+        finally:
+            if held:
+                self.waiting[remote] -= 1
+                if not self.waiting[remote]:
+                    del self.waiting[remote]
+
+    def _busy(self, remote: str) -> Optional[str]:
+        """Why a microbatch from `remote` finds no room here now (None: it does)."""
+        if self.waiting[remote] >= self.max_waiting_per_peer:
+            return f"{BUSY}: {self.waiting[remote]} microbatches of yours are here already; try another peer"
+        if sum(self.waiting.values()) >= self.max_waiting:
+            return f"{BUSY}: {self.max_waiting} microbatches are here already; try another peer"
+        return None
 
     def _check(self, shape: object, codec: object) -> Optional[str]:
         if not isinstance(shape, list) or len(shape) != 3 or \
@@ -103,35 +147,92 @@ class StageServer:
             return f"codec {codec!r} is not one for activations (none, fp16, bf16, int8)"
         return None
 
-    def _eval_in_executor(self, x: torch.Tensor, targets: torch.Tensor) -> Awaitable[float]:
+    async def _eval_in_executor(self, x: torch.Tensor, targets: torch.Tensor) -> float:
         downstream = None if self.downstream is None else self.downstream.evaluator(self.loop)
-        return self.loop.run_in_executor(None, self.worker.evaluate, x, targets, downstream)
+        return await self._in_thread(lambda dropped: self.worker.evaluate(x, targets, downstream))
 
-    def _in_executor(self, x: torch.Tensor, targets: torch.Tensor,
-                     scale: float) -> Awaitable[tuple[torch.Tensor, float]]:
+    async def _in_executor(self, x: torch.Tensor, targets: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
         hop = None if self.downstream is None else self.downstream.hop(self.loop)
-        return self.loop.run_in_executor(None, self.worker.step, x, targets, hop, scale)
+        return await self._in_thread(lambda dropped: self.worker.step(
+            x, targets, None if hop is None else unless_dropped(hop, dropped), scale))
+
+    async def _in_thread(self, run: Callable[[Callable[[], bool]], object]):
+        """`run(dropped)` in the server's one thread (microbatches wait their turn here, not on the worker's lock),
+        unless the handler gave up on it first; `dropped()` says, from that thread, whether it has since."""
+        if self._thread is None:
+            self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stage-server")
+        gave_up = threading.Event()
+
+        def guarded():
+            if gave_up.is_set():
+                raise PipelineError(DROPPED)
+            return run(gave_up.is_set)
+
+        try:  # (cancelled while it waits its turn, it never runs: the executor's future is cancelled with ours)
+            return await self.loop.run_in_executor(self._thread, guarded)
+        finally:
+            gave_up.set()
+
+
+def unless_dropped(downstream: Downstream, dropped: Callable[[], bool]) -> Downstream:
+    """`downstream` (a middle stage's next hop), raising PipelineError instead once `dropped()` (the microbatch's
+    handler gave up on it), before the hop and after it: StageWorker.step then applies nothing (it raises what its
+    downstream raises, before the backward), so a microbatch its sender retried elsewhere is not trained twice."""
+    def hop(out: torch.Tensor, targets: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, float]:
+        if dropped():
+            raise PipelineError(DROPPED)
+        answer = downstream(out, targets, scale)
+        if dropped():
+            raise PipelineError(DROPPED)
+        return answer
+
+    return hop
+
+
+async def _skip(reader: asyncio.StreamReader, limit: int, seconds: float) -> None:
+    """Read and forget up to `limit` bytes of `reader`, for at most `seconds` (a piece at a time: no memory)."""
+    try:
+        async with asyncio.timeout(seconds):
+            while limit > 0:
+                piece = await reader.read(min(limit, 1 << 16))
+                if not piece:
+                    return
+                limit -= len(piece)
+    except (asyncio.TimeoutError, ConnectionError):
+        return
 
 
 class Handoff:
     """Microbatches a serving stage's handler (on `loop`) hands to the training thread, which also takes its outer
     steps: `queue` holds (activations, targets, scale, the future of the answer); scale None is a validation
-    microbatch. Once `close` has run, microbatches are refused with a reason, and those queued are answered so: their
-    senders try another peer at once, not when the hop times out (HOP_SECONDS)."""
+    microbatch. At most `max_waiting` wait: one more is refused at once ("busy"). One whose handler gives up on it
+    (its timeout, a cancel) leaves the queue then, and `queue.get` never returns one whose future is done; a hop the
+    training thread runs for it is best wrapped in `unless_dropped(hop, done.done)`, so that once it is given up
+    during the hop nothing is applied. Once `close` has run, microbatches are refused with a reason, and those queued
+    are answered so: their senders try another peer at once, not when the hop times out (HOP_SECONDS)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, max_waiting: int = MAX_WAITING):
         self.loop = loop
-        self.queue: queue.Queue = queue.Queue()
+        self.queue = _Waiting(max_waiting)
         self.closed = False  # (set on the loop)
 
     async def hand_over(self, x: torch.Tensor, targets: torch.Tensor, scale: Optional[float]):
         """A served microbatch, run by the training thread (part.py); a validation one (forward only, its loss) with
-        `scale` None."""
+        `scale` None. Raises PipelineError at once if `max_waiting` wait already, or the peer is stopping."""
         if self.closed:
             raise PipelineError("the stage peer is stopping")
         done = self.loop.create_future()
-        self.queue.put((x, targets, scale, done))
-        return await done
+        entry = (x, targets, scale, done)
+        try:
+            self.queue.put_nowait(entry)
+        except queue.Full:
+            raise PipelineError(f"{BUSY}: {self.queue.maxsize} microbatches wait for this peer's training thread; "
+                                "try another peer") from None
+        try:
+            return await done
+        finally:
+            if done.cancelled():  # given up on: out of the queue now, so it holds neither a place nor its tensors
+                self.queue.discard(entry)
 
     def answer(self, done: asyncio.Future, result=None, error: Optional[BaseException] = None) -> None:
         """From the training thread: the answer to a microbatch it took from `queue`."""
@@ -151,6 +252,35 @@ class Handoff:
             except queue.Empty:
                 return
             _settle(done, None, PipelineError("the stage peer is stopping"))
+
+
+class _Waiting(queue.Queue):
+    """Handoff's queue of (activations, targets, scale, future): `get` passes over entries whose future is done
+    (their handler gave up on them: nobody waits for the answer, and their sender retried elsewhere), and `discard`
+    takes one out before its turn. (A future is settled on the loop only; the training thread reads done(),
+    one flag.)"""
+
+    def __init__(self, maxsize: int):
+        super().__init__(maxsize)
+        self.passed_over = 0  # entries `get` did not return: given up on before the training thread took them
+
+    def get(self, block: bool = True, timeout: Optional[float] = None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            entry = super().get(block, left)
+            if not entry[-1].done():
+                return entry
+            self.passed_over += 1
+
+    def discard(self, entry: tuple) -> None:
+        with self.mutex:
+            for k, queued in enumerate(self.queue):
+                if queued is entry:
+                    del self.queue[k]
+                    self.passed_over += 1
+                    self.not_full.notify()
+                    return
 
 
 def _settle(future: asyncio.Future, result, error: Optional[BaseException]) -> None:
