@@ -148,8 +148,9 @@ class Attacker:
                 owned = subkey_owner_key(subkey)
                 recipes, _ = parse_recipes({subkey: value})
                 if owned is not None and owned[0] in self.node.initial_peer_ids and owned[0] in recipes:
-                    self.node.admission = Admission(*owned)
-                    forged = Invite.sign(self.node.identity, self.node.peer_id, 1.0)
+                    run_id = recipes[owned[0]].run_id
+                    self.node.admission = Admission(*owned, run_id)
+                    forged = Invite.sign(self.node.identity, run_id, self.node.peer_id, 1.0)
                     self.node.admission.token = replace(forged, owner=owned[0]).token()
                     return recipes[owned[0]]
             await asyncio.sleep(0.5)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -16,7 +17,8 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from swarm import __version__
 from swarm.config import DataRecipe, Recipe, RecipeError, load_recipe
 from swarm.settings import BootstrapSettings
-from swarm.dht.admission import InviteError, allowlist_invites
+from swarm.dht.admission import (REVOCATION_FIELD, InviteError, Revocation, allowlist_invites, load_revocation,
+                                 revocation_file, revocations_key)
 from swarm.dht.dialback import serve_dialback
 from swarm.dht.node import NetworkOptions, NodeError, SwarmNode
 from swarm.dht.recipes import publish_recipe
@@ -87,11 +89,18 @@ def run_bootstrap(settings: BootstrapSettings) -> int:
     server = None
     try:
         try:
-            invites = allowlist_invites(node.identity, settings.allowlist, ALLOWLIST_DAYS) if settings.allowlist \
-                else {}
+            revocations = RevocationList(node, settings.network.identity_path, recipe.run_id) \
+                if recipe.admission == "invite" else None
+            invites = allowlist_invites(node.identity, recipe.run_id, settings.allowlist, ALLOWLIST_DAYS) \
+                if settings.allowlist else {}
         except InviteError as e:
             logger.error("%s", e)
             return 1
+        for peer_id in sorted(set(invites) & set(revocations.revoked() if revocations is not None else ())):
+            logger.warning("allowlist %s: peer %s is revoked (%s): signing it no invite; take it off the list, "
+                           "and send it a new invite (swarm-peer invite) to admit it again", settings.allowlist,
+                           peer_id, revocations.path)
+            del invites[peer_id]
         if sum(len(peer) + len(token) + 8 for peer, token in invites.items()) > RECIPE_RULE.max_bytes // 2:
             logger.error("allowlist %s is too long (%d peers) to publish with the recipe: list at most a few "
                          "hundred and send the others tokens (swarm-peer invite)", settings.allowlist, len(invites))
@@ -104,6 +113,8 @@ def run_bootstrap(settings: BootstrapSettings) -> int:
             files = DataServer(manifest, FileStore(Path(settings.cache_dir) / DATASETS_DIR))
             loop.run(serve_data(node, recipe.run_id, files), timeout=30)
             loop.submit(announce_holding(node, recipe.run_id, manifest.id, lambda: len(manifest.files)))
+        if revocations is not None:  # before the recipe: a peer reads the list as soon as it has the recipe
+            loop.run(revocations.publish(), timeout=30)
         loop.run(publish_recipe(node, recipe, RECIPE_TTL, invites, dataset), timeout=30)
         loop.run(serve_dialback(node, __version__), timeout=30)  # peers learn whether the swarm can dial them
         view = SwarmMonitor(StatusBoard(recipe.run_id, recipe.digest(), node.peer_id))
@@ -124,10 +135,13 @@ def run_bootstrap(settings: BootstrapSettings) -> int:
             print(f"  swarm-peer join --initial-peers {maddr}{invite_flag}", flush=True)
         if recipe.admission == "invite":
             print(f"This run is private ({counted(len(invites), 'peer')} on the allowlist). Invite a peer with:\n"
-                  f"  swarm-peer invite PEER_ID --identity-path {settings.network.identity_path}", flush=True)
+                  f"  swarm-peer invite PEER_ID --identity-path {settings.network.identity_path} --run-id "
+                  f"{recipe.run_id}\nTake a peer's invites back with:\n"
+                  f"  swarm-peer revoke PEER_ID --identity-path {settings.network.identity_path} --run-id "
+                  f"{recipe.run_id}", flush=True)
         events.emit("listening", peer_id=node.peer_id, maddrs=[str(m) for m in maddrs], run_id=recipe.run_id,
                     metrics_port=server.port if server is not None else None)
-        loop.submit(_maintain(node, recipe, view, invites, dataset))
+        loop.submit(_maintain(node, recipe, view, invites, dataset, revocations))
         stop.wait()
         logger.info("stopping")
         return 0
@@ -187,11 +201,15 @@ class SwarmMonitor:
 
 
 async def _maintain(node: SwarmNode, recipe: Recipe, view: SwarmMonitor, invites: dict[str, str],
-                    dataset: Optional[str]) -> None:
+                    dataset: Optional[str], revocations: Optional["RevocationList"]) -> None:
     since_publish = 0.0
     while True:
         try:
+            if revocations is not None and revocations.reload():  # `swarm-peer revoke` wrote a newer list
+                await revocations.publish()
             if since_publish >= REPUBLISH_SECONDS:
+                if revocations is not None:
+                    await revocations.publish()
                 await publish_recipe(node, recipe, RECIPE_TTL, invites, dataset)
                 since_publish = 0.0
             await view.refresh(node, recipe)
@@ -202,3 +220,52 @@ async def _maintain(node: SwarmNode, recipe: Recipe, view: SwarmMonitor, invites
             view.board.failed(str(e) or type(e).__name__)
         await asyncio.sleep(VIEW_SECONDS)
         since_publish += VIEW_SECONDS
+
+
+class RevocationList:
+    """A private run's revocation list, which `swarm-peer revoke` keeps beside the owner key (revocation_file): read
+    at start and again whenever the file changes (checked every VIEW_SECONDS), and published under
+    revocations_key(run id) with the recipe. A list that is not the owner's for this run stops the start (InviteError);
+    one that turns up later is not taken (the list held is kept), nor is a deleted file: peers keep the newest list
+    they saw anyway."""
+
+    def __init__(self, node: SwarmNode, identity_path: str, run_id: str):
+        self.node, self.run_id, self.path = node, run_id, revocation_file(identity_path, run_id)
+        self.admission = node.private_run(node.peer_id, node.identity.public_key.decode(), run_id)  # as the recipe
+        self.revocation: Optional[Revocation] = None
+        self._stamp: Optional[tuple[int, int]] = None
+        self.reload(at_start=True)
+
+    def revoked(self) -> list[str]:
+        return list(self.revocation.revoked) if self.revocation is not None else []
+
+    def reload(self, at_start: bool = False) -> bool:
+        """Read the file again if it changed; whether that gave a newer list."""
+        try:
+            stat = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        stamp = (stat.st_mtime_ns, stat.st_size)
+        if stamp == self._stamp:
+            return False
+        self._stamp = stamp
+        try:
+            revocation = load_revocation(self.path, self.node.identity, self.run_id)
+        except InviteError as e:
+            if at_start:
+                raise
+            logger.error("%s: still publishing the list read before", e)
+            return False
+        if revocation is None or (self.revocation is not None and revocation.issued <= self.revocation.issued):
+            return False
+        self.revocation = revocation
+        logger.info("revocation list %s: %s revoked", self.path, counted(len(revocation.revoked), "peer"))
+        return True
+
+    async def publish(self) -> None:
+        if self.revocation is None:
+            return
+        packed = self.revocation.pack()
+        self.admission.follow(packed)  # our own node refuses them at once
+        await self.node.store(revocations_key(self.run_id), {REVOCATION_FIELD: packed}, ttl=RECIPE_TTL,
+                              subkey=self.node.owned_subkey)

@@ -67,13 +67,21 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print JSON for scripts")
 
     invite = sub.add_parser("invite", help="sign an invite to your private run for one peer",
-                            description="Print a one-line token that admits PEER_ID to the private runs of the "
+                            description="Print a one-line token that admits PEER_ID to private run --run-id of the "
                                         "bootstrap whose key is --identity-path; the peer joins with --invite TOKEN.")
     invite.add_argument("peer_id", metavar="PEER_ID", help="the peer's id (it prints it with `swarm-peer id`)")
-    invite.add_argument("--identity-path", "--identity", required=True, metavar="FILE",
-                        help="the run owner's key: the file the bootstrap runs with as --identity-path")
+    _owner_flags(invite)
     invite.add_argument("--days", type=float, default=30.0, metavar="N",
                         help="days until the invite expires (default 30)")
+
+    revoke = sub.add_parser("revoke", help="take back the invites of peers to your private run",
+                            description="Add PEER_IDs to the revocation list of private run --run-id, signed with "
+                                        "--identity-path and kept beside it (FILE.RUN.revoked): the bootstrap running "
+                                        "with that key publishes it within 5 s, and every node of the run refuses "
+                                        "those peers' entries and streams within 30 s more. An invite signed later "
+                                        "admits a peer again.")
+    revoke.add_argument("peer_ids", nargs="+", metavar="PEER_ID", help="the peers whose invites to take back")
+    _owner_flags(revoke)
 
     ident = sub.add_parser("id", help="print the peer id of an identity key",
                            description="Print the peer id of the key in --identity-path (created if missing): the "
@@ -97,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _owner_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--identity-path", "--identity", required=True, metavar="FILE",
+                        help="the run owner's key: the file the bootstrap runs with as --identity-path")
+    parser.add_argument("--run-id", required=True, metavar="RUN",
+                        help="the private run: its recipe's run_id, which the bootstrap prints")
+
+
 def _positive(name: str, value: Optional[int]) -> None:
     if value is not None and value <= 0:
         raise SystemExit(f"swarm-peer: error: {name} must be a positive integer, got {value}")
@@ -116,7 +131,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _status(args)
         if args.command == "doctor":
             return _doctor(args)
-        if args.command in ("invite", "id"):
+        if args.command in ("invite", "revoke", "id"):
             return _identity_command(args)
         if args.command == "demo":
             from swarm.demo import run_demo
@@ -175,19 +190,35 @@ def _join(args: argparse.Namespace) -> int:
 
 
 def _identity_command(args: argparse.Namespace) -> int:
-    """`id` prints the peer id of a key (made if missing); `invite` prints an invite signed with an existing one."""
-    from swarm.dht.admission import Invite, InviteError
+    """`id` prints the peer id of a key (made if missing); `invite` prints an invite signed with an existing one;
+    `revoke` adds peers to the run's revocation list beside that key (see admission.revocation_file)."""
+    from swarm.dht.admission import Invite, InviteError, Revocation, load_revocation, revocation_file, \
+        save_revocation
     from swarm.dht.validation import Identity, IdentityError
 
-    if args.command == "invite" and not os.path.exists(args.identity_path):
+    if args.command != "id" and not os.path.exists(args.identity_path):
         logger.error("no identity file %s: pass the key your bootstrap runs with (its --identity-path)",
                      args.identity_path)
         return 2
     try:
         identity = Identity.load_or_create(args.identity_path)
-        print(identity.peer_id if args.command == "id" else Invite.sign(identity, args.peer_id, args.days).token())
+        if args.command == "id":
+            print(identity.peer_id)
+        elif args.command == "invite":
+            print(Invite.sign(identity, args.run_id, args.peer_id, args.days).token())
+        else:
+            path = revocation_file(args.identity_path, args.run_id)
+            revocation = Revocation.sign(identity, args.run_id, args.peer_ids,
+                                         load_revocation(path, identity, args.run_id))
+            save_revocation(path, revocation)
+            print(f"revoked the invites of {counted(len(set(args.peer_ids)), 'peer')} to run {args.run_id} "
+                  f"({len(revocation.revoked)} in all, list {path}): the bootstrap running with {args.identity_path} "
+                  f"publishes it within 5 s; an invite signed from now on admits a peer again")
     except (IdentityError, InviteError) as e:
         logger.error("%s", e)
+        return 2
+    except OSError as e:
+        logger.error("cannot write the revocation list: %s", e)
         return 2
     return 0
 

@@ -23,6 +23,8 @@ from swarm.dht.admission import (INVITE_FIELD, Admission, AdmissionError, Admiss
                                  allowlist_invites)
 from swarm.dht.validation import Identity
 
+RUN = "tiny-test"
+
 
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory) -> dict[str, Identity]:
@@ -34,12 +36,12 @@ def keys(tmp_path_factory) -> dict[str, Identity]:
 
 def problem(invite: Invite, keys: dict[str, Identity], peer: str = "peer", now: float | None = None) -> str | None:
     owner = keys["owner"]
-    return invite.problem(owner.peer_id, owner.public_key.decode(), keys[peer].peer_id,
+    return invite.problem(owner.peer_id, owner.public_key.decode(), RUN, keys[peer].peer_id,
                           time.time() if now is None else now)
 
 
 def test_an_invite_admits_its_peer_and_survives_its_token(keys):
-    invite = Invite.sign(keys["owner"], keys["peer"].peer_id, days=2)
+    invite = Invite.sign(keys["owner"], RUN, keys["peer"].peer_id, days=2)
     token = invite.token()
     assert "\n" not in token and len(token) < 1000
     assert Invite.parse(token) == invite
@@ -48,26 +50,26 @@ def test_an_invite_admits_its_peer_and_survives_its_token(keys):
 
 
 def test_an_invite_for_another_peer_is_refused(keys):
-    invite = Invite.sign(keys["owner"], keys["peer"].peer_id, days=1)
+    invite = Invite.sign(keys["owner"], RUN, keys["peer"].peer_id, days=1)
     assert "it is for peer" in problem(invite, keys, peer="other")
 
 
 def test_an_invite_of_another_owner_is_refused(keys):
-    invite = Invite.sign(keys["rival"], keys["peer"].peer_id, days=1)
+    invite = Invite.sign(keys["rival"], RUN, keys["peer"].peer_id, days=1)
     assert f"signed by {keys['rival'].peer_id}, not by this run's owner" in problem(invite, keys)
 
 
 def test_a_forged_invite_is_refused(keys):
     """Signed by the peer itself in the owner's name, or the owner's invite with its peer id or expiry changed."""
-    selfmade = replace(Invite.sign(keys["peer"], keys["peer"].peer_id, days=1), owner=keys["owner"].peer_id)
-    genuine = Invite.sign(keys["owner"], keys["other"].peer_id, days=1)
+    selfmade = replace(Invite.sign(keys["peer"], RUN, keys["peer"].peer_id, days=1), owner=keys["owner"].peer_id)
+    genuine = Invite.sign(keys["owner"], RUN, keys["other"].peer_id, days=1)
     for forged in (selfmade, replace(genuine, peer_id=keys["peer"].peer_id),
-                   replace(Invite.sign(keys["owner"], keys["peer"].peer_id, days=1), expires=2 ** 40)):
+                   replace(Invite.sign(keys["owner"], RUN, keys["peer"].peer_id, days=1), expires=2 ** 40)):
         assert "signature is not the run owner's" in problem(Invite.parse(forged.token()), keys)
 
 
 def test_an_expired_invite_is_refused(keys):
-    invite = Invite.sign(keys["owner"], keys["peer"].peer_id, days=1, now=time.time() - 3 * 86400)
+    invite = Invite.sign(keys["owner"], RUN, keys["peer"].peer_id, days=1, now=time.time() - 3 * 86400)
     assert "it expired on" in problem(invite, keys)
     assert problem(invite, keys, now=time.time() - 2.5 * 86400) is None
 
@@ -80,15 +82,15 @@ def test_what_is_not_a_token_is_one_clear_error(token):
 
 def test_signing_refuses_what_is_not_a_peer_id_or_a_lifetime(keys):
     with pytest.raises(InviteError, match="is not a peer id"):
-        Invite.sign(keys["owner"], "bob", days=1)
+        Invite.sign(keys["owner"], RUN, "bob", days=1)
     with pytest.raises(InviteError, match="between 0 and 3650 days"):
-        Invite.sign(keys["owner"], keys["peer"].peer_id, days=0)
+        Invite.sign(keys["owner"], RUN, keys["peer"].peer_id, days=0)
 
 
 def test_admission_remembers_peers_whose_invite_it_saw(keys):
     owner, peer, other = keys["owner"], keys["peer"].peer_id, keys["other"].peer_id
-    admission = Admission(owner.peer_id, owner.public_key.decode())
-    token = Invite.sign(owner, peer, days=1).token()
+    admission = Admission(owner.peer_id, owner.public_key.decode(), RUN)
+    token = Invite.sign(owner, RUN, peer, days=1).token()
     assert admission.admits(owner.peer_id)
     assert not admission.admits(peer)
     assert not admission.admits(other, token), "another peer's token admits nobody else"
@@ -100,13 +102,13 @@ def test_admission_remembers_peers_whose_invite_it_saw(keys):
 
 def test_joining_says_what_to_do(keys):
     owner, peer = keys["owner"], keys["peer"]
-    admission = Admission(owner.peer_id, owner.public_key.decode())
+    admission = Admission(owner.peer_id, owner.public_key.decode(), RUN)
     with pytest.raises(AdmissionError, match=rf"^this run is private: ask the run owner for an invite \(swarm-peer "
                                              rf"invite {peer.peer_id}\)"):
         admission.join_with(peer, None)
     with pytest.raises(AdmissionError, match="your invite does not admit you: it is for peer"):
-        admission.join_with(peer, Invite.sign(owner, keys["other"].peer_id, days=1).token())
-    admission.offered = {peer.peer_id: Invite.sign(owner, peer.peer_id, days=1).token()}  # --allowlist
+        admission.join_with(peer, Invite.sign(owner, RUN, keys["other"].peer_id, days=1).token())
+    admission.offered = {peer.peer_id: Invite.sign(owner, RUN, peer.peer_id, days=1).token()}  # --allowlist
     admission.join_with(peer, None)
     assert admission.token == admission.offered[peer.peer_id]
     admission.join_with(owner, None)  # the owner needs none
@@ -121,14 +123,14 @@ def _record(writer: Identity, value, key: str = "swarm.tiny-test.group.3.0") -> 
 
 def test_every_node_refuses_entries_of_peers_not_admitted(keys):
     owner, peer, other = keys["owner"], keys["peer"], keys["other"]
-    validator = AdmissionValidator(owner.peer_id, owner.public_key.decode())
-    token = Invite.sign(owner, peer.peer_id, days=1).token()
+    validator = AdmissionValidator(owner.peer_id, owner.public_key.decode(), RUN)
+    token = Invite.sign(owner, RUN, peer.peer_id, days=1).token()
     entry = {"digest": "d", "bandwidth": 1.0}
     assert validator.validate(_record(peer, {**entry, INVITE_FIELD: token}))
     assert validator.validate(_record(owner, entry)), "the owner writes without an invite"
     assert not validator.validate(_record(peer, entry)), "no invite"
     assert not validator.validate(_record(other, {**entry, INVITE_FIELD: token})), "someone else's invite"
-    forged = replace(Invite.sign(other, other.peer_id, days=1), owner=owner.peer_id).token()
+    forged = replace(Invite.sign(other, RUN, other.peer_id, days=1), owner=owner.peer_id).token()
     assert not validator.validate(_record(other, {**entry, INVITE_FIELD: forged})), "a forged invite"
     assert not validator.validate(_record(peer, b"not a mapping"))
     unowned = DHTRecord(key=DHTID.generate(source="k").to_bytes(), subkey=DHTProtocol.serializer.dumps("free"),
@@ -155,12 +157,12 @@ def test_a_private_bootstrap_needs_a_lasting_key():
 def test_an_allowlist_becomes_invites_and_a_bad_line_is_named(keys, tmp_path):
     listed = tmp_path / "allow.txt"
     listed.write_text(f"# volunteers\n{keys['peer'].peer_id}\n\n{keys['other'].peer_id}  # bob\n")
-    invites = allowlist_invites(keys["owner"], str(listed), days=1)
+    invites = allowlist_invites(keys["owner"], RUN, str(listed), days=1)
     assert sorted(invites) == sorted([keys["peer"].peer_id, keys["other"].peer_id])
     assert problem(Invite.parse(invites[keys["other"].peer_id]), keys, peer="other") is None
     listed.write_text(f"{keys['peer'].peer_id}\nbob\n")
     with pytest.raises(InviteError, match="line 2: 'bob' is not a peer id"):
-        allowlist_invites(keys["owner"], str(listed), days=1)
+        allowlist_invites(keys["owner"], RUN, str(listed), days=1)
 
 
 @pytest.mark.slow  # starts real nodes or CLI processes (the quick subset runs none)
@@ -172,11 +174,13 @@ def test_id_and_invite_commands(keys, tmp_path, caplog):
     peer_id = made.stdout.strip()
     assert peer_id == Identity.load_or_create(str(volunteer)).peer_id
     invited = subprocess.run([sys.executable, "-m", "swarm", "invite", peer_id, "--identity", keys["owner"].path,
+                              "--run-id", RUN,
                               "--days", "3"], capture_output=True, text=True, timeout=60)
     assert invited.returncode == 0, invited.stderr
     assert problem(Invite.parse(invited.stdout.strip()), {**keys, "peer": Identity.load_or_create(str(volunteer))}) \
         is None
-    args = build_parser().parse_args(["invite", peer_id, "--identity-path", str(tmp_path / "nope.key")])
+    args = build_parser().parse_args(["invite", peer_id, "--identity-path", str(tmp_path / "nope.key"),
+                                      "--run-id", RUN])
     with caplog.at_level(logging.ERROR, logger="swarm"):
         assert _identity_command(args) == 2
     assert "no identity file" in caplog.text
@@ -216,9 +220,9 @@ def test_nodes_of_a_private_run_refuse_entries_and_streams_of_peers_not_admitted
                        for n in ("invited", "stranger")]
     try:
         owner_key = owner.identity.public_key.decode()
-        admissions = [node.private_run(owner.peer_id, owner_key) for node in nodes]
+        admissions = [node.private_run(owner.peer_id, owner_key, RUN) for node in nodes]
         invited, stranger = nodes[1:]
-        admissions[1].join_with(invited.identity, Invite.sign(owner.identity, invited.peer_id, days=1).token())
+        admissions[1].join_with(invited.identity, Invite.sign(owner.identity, RUN, invited.peer_id, days=1).token())
         for node in nodes:
             loop.run(node.add_stream_handler(STREAM, handler), timeout=30)
         for node in nodes[1:]:
@@ -232,7 +236,7 @@ def test_nodes_of_a_private_run_refuse_entries_and_streams_of_peers_not_admitted
         assert loop.run(ask(owner, invited.peer_id), timeout=30) == b"hello", "the owner needs no invite"
         assert served == [invited.peer_id, owner.peer_id]
         assert loop.run(ask(stranger, owner.peer_id), timeout=30) is None
-        stranger.admission.token = replace(Invite.sign(stranger.identity, stranger.peer_id, days=1),
+        stranger.admission.token = replace(Invite.sign(stranger.identity, RUN, stranger.peer_id, days=1),
                                            owner=owner.peer_id).token()
         assert loop.run(ask(stranger, invited.peer_id), timeout=30) is None
         assert served == [invited.peer_id, owner.peer_id] and owner.refused_streams == invited.refused_streams == 1

@@ -148,8 +148,8 @@ def test_the_admission_check_takes_the_invite_join_would_take(tmp_path):
     from swarm.doctor import check_admission
 
     owner, me = (Identity.load_or_create(str(tmp_path / name)) for name in ("owner.key", "me.key"))
-    run = lambda: Admission(owner.peer_id, owner.public_key.decode())  # noqa: E731 - a node's, fresh each time
-    token = Invite.sign(owner, me.peer_id, 1.0).token()
+    run = lambda: Admission(owner.peer_id, owner.public_key.decode(), "r")  # noqa: E731 - a node's, fresh each time
+    token = Invite.sign(owner, "r", me.peer_id, 1.0).token()
     ok = check_admission(run(), "r", me.path, token)
     assert ok.ok and me.peer_id in ok.message
     stranger = Identity.load_or_create(str(tmp_path / "stranger.key"))

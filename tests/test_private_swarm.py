@@ -25,7 +25,7 @@ def test_only_invited_peers_take_part_in_a_private_swarm(swarm, tmp_path, cache_
     allowlist = tmp_path / "allowlist.txt"
     allowlist.write_text(f"# admitted without a token\n{ids['bob']}\n")
     _, maddr = swarm.bootstrap("--private", "--identity-path", str(keys["owner"]), "--allowlist", str(allowlist))
-    invite = swarm.run("invite", ids["alice"], "--identity-path", str(keys["owner"]))
+    invite = swarm.run("invite", ids["alice"], "--identity-path", str(keys["owner"]), "--run-id", "tiny-test")
     assert invite.returncode == 0, invite.stderr
     attacker, attacker_events = start_attacker(swarm, maddr, "uninvited", cache_dir)
     try:

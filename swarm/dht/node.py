@@ -16,7 +16,7 @@ import msgpack
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
-from swarm.dht.admission import INVITE_FIELD, Admission, AdmissionValidator
+from swarm.dht.admission import INVITE_FIELD, Admission, AdmissionValidator, revocations_key
 from swarm.dht.direct import HELLO_PROTOCOL, DirectStreams, listen_hosts
 from swarm.dht.frames import FRAME_HEADER, MAX_FRAME_BYTES, recv_frame, send_frame  # noqa: F401 - re-exported
 from swarm.dht.lifeline import identity_held_here
@@ -170,7 +170,10 @@ class SwarmNode:
     async def get(self, key: str) -> dict[str, Any]:
         """Subkey -> value of a dictionary record (empty if absent); a plain value is returned under key ''. In a
         private run, owned entries of peers not admitted are left out (a node that stored them before it knew the
-        run was private may still hold them)."""
+        run was private may still hold them), and every REVOCATION_SECONDS a read first re-reads the owner's
+        revocation list (see read_revocations)."""
+        if self.admission is not None and self.admission.revocations_due():
+            await self.read_revocations()
         found = await self.dht.get(key, latest=True)
         if found is None:
             return {}
@@ -191,14 +194,33 @@ class SwarmNode:
             self.dht.add_validators([SwarmValidator(new)])
             self._protected.update(new)
 
-    def private_run(self, owner: str, owner_key: str) -> Admission:
-        """From now on, take part in a private run of `owner` (public key `owner_key`, OpenSSH form): every entry
-        and stream of a peer without its invite is refused. Returns the admission, where the peer's own invite goes
-        (Admission.join_with)."""
-        if self.admission is None or self.admission.owner != owner:
-            self.dht.add_validators([AdmissionValidator(owner, owner_key)])
-            self.admission = Admission(owner, owner_key)
+    def private_run(self, owner: str, owner_key: str, run_id: str) -> Admission:
+        """From now on, take part in private run `run_id` of `owner` (public key `owner_key`, OpenSSH form): every
+        entry and stream of a peer without its invite to that run, or revoked by the owner, is refused. Returns the
+        admission, where the peer's own invite goes (Admission.join_with)."""
+        if self.admission is None or (self.admission.owner, self.admission.run_id) != (owner, run_id):
+            self.dht.add_validators([AdmissionValidator(owner, owner_key, run_id)])
+            self.admission = Admission(owner, owner_key, run_id)
         return self.admission
+
+    async def read_revocations(self) -> None:
+        """Read the private run owner's revocation list and follow it (Admission.follow): from then on, entries and
+        streams of the peers it revokes are refused, here and (the list passed its validator) in our DHT process.
+        A failed read is retried REVOCATION_SECONDS later."""
+        admission = self.admission
+        if admission is None:
+            return
+        try:
+            found = await self.dht.get(revocations_key(admission.run_id), latest=True)
+        except Exception as e:  # noqa: BLE001 - the next read retries; the caller's own read goes on
+            logger.debug("could not read the revocation list: %r", e)
+            found = None
+        value = found.value if found is not None else None
+        entries = {str(sub): item.value for sub, item in value.items() if isinstance(item, ValueWithExpiration)} \
+            if isinstance(value, dict) else {}
+        if admission.follow_entries(entries):
+            logger.info("the run owner revoked the invites of %d peers (list of %s)", len(admission.revocation.revoked),
+                        time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(admission.revocation.issued / 1000)))
 
     async def rejoin(self) -> list[str]:
         """Reconnect to initial peers that dropped out of our routing table, e.g. a bootstrap that restarted: it

@@ -50,7 +50,8 @@ async def fetch_run(node: SwarmNode, timeout: float,
                             "--initial-peers)", owner)
             node.protect(protected_keys(recipe))
             if recipe.admission == "invite":
-                _enter_private_run(node, owner, raw)
+                _enter_private_run(node, owner, recipe.run_id, raw)
+                await node.read_revocations()  # so that a revoked invite stops its peer at join, not later
             return recipe, owner_dataset(raw, owner)
         if time.monotonic() >= deadline:
             raise RecipeError("found no run recipe in the DHT: is --initial-peers a `swarm-peer bootstrap` node "
@@ -58,11 +59,11 @@ async def fetch_run(node: SwarmNode, timeout: float,
         await asyncio.sleep(1.0)
 
 
-def _enter_private_run(node: SwarmNode, owner: str, raw: Mapping[str, Any]) -> None:
+def _enter_private_run(node: SwarmNode, owner: str, run_id: str, raw: Mapping[str, Any]) -> None:
     for subkey, value in raw.items():
         owned = subkey_owner_key(subkey)
         if owned is not None and owned[0] == owner:
-            admission = node.private_run(owner, owned[1])
+            admission = node.private_run(owner, owned[1], run_id)
             offered = value.get(INVITES) if isinstance(value, dict) else None
             if isinstance(offered, dict):
                 admission.offered = {peer: token for peer, token in offered.items()
@@ -78,7 +79,7 @@ async def publish_recipe(node: SwarmNode, recipe: Recipe, ttl: float, invites: M
     node.protect(protected_keys(recipe))
     value = recipe_value(recipe, dataset)
     if recipe.admission == "invite":
-        node.private_run(node.peer_id, node.identity.public_key.decode())
+        node.private_run(node.peer_id, node.identity.public_key.decode(), recipe.run_id)
         if invites:
             value[INVITES] = dict(invites)
     await node.store(RECIPE_KEY, value, ttl=ttl, subkey=node.owned_subkey)
