@@ -6,7 +6,7 @@ that need a live swarm (a bootstrap's output, `status`, the own-data walkthrough
 
 from __future__ import annotations
 
-import argparse
+import json
 import re
 import shlex
 import subprocess
@@ -23,7 +23,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 README_MAX_LINES = 250
 DOC_PAGES = ("design", "operate", "security", "data", "compression", "pipelines", "measured", "testing")
 EXAMPLES = {"recipe-fields", "bootstrap-command", "bootstrap-prints", "status-output", "progress-line",
-            "compression-api", "own-data-commands", "own-data-bootstrap-log", "own-data-peer-log"}
+            "compression-api", "own-data-commands", "own-data-bootstrap-log", "own-data-peer-log", "fuzz-protocol"}
 
 
 @dataclass(frozen=True)
@@ -175,6 +175,13 @@ def test_the_compression_example_runs():
     scope = {"pseudo_gradient": pseudo_gradient, "n": pseudo_gradient.numel()}
     exec(compile(example("compression-api").text, "docs/compression.md", "exec"), scope)
     assert torch.allclose(scope["restored"], pseudo_gradient, atol=float(pseudo_gradient.abs().max()) / 100)
+
+
+def test_the_protocol_fuzzer_runs_as_documented_and_finds_nothing():
+    (argv,) = [shlex.split(line) for line in example("fuzz-protocol").text.splitlines() if line.strip()]
+    done = subprocess.run([sys.executable, *argv[1:]], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert done.returncode == 0 and result["violations"] == 0 and result["mutations"] >= 1000, done.stdout[-3000:]
 
 
 def test_the_progress_line_is_what_a_peer_draws():
