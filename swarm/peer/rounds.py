@@ -21,6 +21,9 @@ logger = logging.getLogger(__name__)
 MAX_IMMEDIATE_RETRIES = 3  # then train on and try again later: failures that keep coming need fresh views
 RESYNC_BACKOFF = 10.0  # s of training after a failed state download before the next try...
 RESYNC_RETRY = 1.0  # ...or after one that failed only because the holders had moved on to newer params
+# Another peer's "averaging" makes our round due once our own view of the swarm's tokens reached this share of the
+# round's: views lag each other by a heartbeat or two of tokens, far less than half a round.
+HANDED_IN_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -134,12 +137,15 @@ class Rounds:
 
     def due(self, swarm_tokens: int, handed_in: bool) -> bool:
         """Whether to hand in a contribution now: the swarm's tokens toward our round reached the recipe's (or
-        another peer already handed its in, so its view reached them), or the recipe's fixed step count; never
-        before the tokens a failed round asks us to train first."""
+        another peer already handed its in, so its view reached them, and ours reached HANDED_IN_SHARE of them: a
+        record saying "averaging" is its writer's word, and one liar could otherwise end every round after one
+        inner step), or the recipe's fixed step count; never before the tokens a failed round asks us to train
+        first."""
         if self.steps_per_round:
             due = self.steps_in_round >= self.steps_per_round
         else:
-            due = swarm_tokens >= self.tokens_per_round or (self.tokens_in_round > 0 and handed_in)
+            due = swarm_tokens >= self.tokens_per_round or (
+                self.tokens_in_round > 0 and handed_in and swarm_tokens >= HANDED_IN_SHARE * self.tokens_per_round)
         return due and self.tokens_in_round >= self.retry_after_tokens
 
     @property
