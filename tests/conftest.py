@@ -194,6 +194,32 @@ async def dribble(reader, data: bytes, until) -> None:
         await asyncio.sleep(0.05)
 
 
+def echo_handler(served: list):
+    """A stream handler that notes who opened the stream and sends back its first frame (of up to 64 bytes)."""
+    from swarm.dht.frames import recv_frame, send_frame
+
+    async def handler(remote, reader, writer):
+        served.append(remote)
+        await send_frame(writer, await recv_frame(reader, 64))
+    return handler
+
+
+async def ask_echo(node, peer: str, protocol: str, data: bytes = b"hello", timeout: float = 10.0):
+    """What `peer`'s echo_handler sends back for `data`, or None if the stream was closed on us."""
+    import asyncio
+
+    from swarm.dht.frames import recv_frame, send_frame
+
+    reader, writer = await node.open_stream(peer, protocol)
+    try:
+        await send_frame(writer, data)
+        return await asyncio.wait_for(recv_frame(reader, 64), timeout)
+    except asyncio.IncompleteReadError:
+        return None
+    finally:
+        writer.close()
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
     """One tokenizer cache for the whole session, so each run trains the test tokenizer once."""

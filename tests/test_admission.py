@@ -4,7 +4,6 @@ invites."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import time
 from dataclasses import replace
 
 import pytest
+from conftest import ask_echo, echo_handler
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
@@ -195,24 +195,15 @@ def test_nodes_of_a_private_run_refuse_entries_and_streams_of_peers_not_admitted
     """Real nodes on 127.0.0.1: the owner's node, an invited peer (direct streams) and a stranger (libp2p only):
     the stranger's entry is in nobody's read and its streams, with no invite or a forged one, never reach the
     handler; the invited peer's do."""
-    from swarm.dht.node import NetworkOptions, SwarmNode, recv_frame, send_frame
+    from swarm.dht.node import NetworkOptions, SwarmNode
     from swarm.runtime import LoopThread
 
     loop, served = LoopThread(), []
 
-    async def handler(remote, reader, writer):
-        served.append(remote)
-        await send_frame(writer, await recv_frame(reader, 64))
+    handler = echo_handler(served)
 
-    async def ask(node: SwarmNode, peer: str) -> bytes | None:
-        reader, writer = await node.open_stream(peer, STREAM)
-        try:
-            await send_frame(writer, b"hello")
-            return await asyncio.wait_for(recv_frame(reader, 64), 10)
-        except asyncio.IncompleteReadError:
-            return None  # closed on us
-        finally:
-            writer.close()
+    def ask(node: SwarmNode, peer: str):
+        return ask_echo(node, peer, STREAM)
 
     owner = SwarmNode([], NetworkOptions(identity_path=str(tmp_path / "owner.key")))
     nodes = [owner] + [SwarmNode(owner.visible_maddrs(), NetworkOptions(identity_path=str(tmp_path / f"{n}.key"),

@@ -13,6 +13,7 @@ import ssl
 import time
 
 import pytest
+from conftest import ask_echo
 
 from swarm.dht import direct
 from swarm.dht.direct import DirectStreams, HandshakeSlots, source_of
@@ -149,31 +150,22 @@ def nodes():
     loop.close()
 
 
-async def _node_echo(node: SwarmNode, peer: str, data: bytes) -> bytes:
-    reader, writer = await node.open_stream(peer, ECHO)
-    try:
-        await send_frame(writer, data)
-        return await asyncio.wait_for(recv_frame(reader, 64), 10)
-    finally:
-        writer.close()
-
-
 def test_a_stream_cut_right_after_connecting_goes_over_libp2p_and_the_exchange_completes(nodes):
     """The receiver's direct server takes the connection and closes it after TLS, before the stream reaches a
     handler: the opener must not hand its caller that stream (the request would be lost) but a libp2p one."""
     loop, a, b = nodes
     data = os.urandom(1 << 16)
-    assert loop.run(_node_echo(b, a.peer_id, data), timeout=30) == hashlib.sha256(data).digest()
+    assert loop.run(ask_echo(b, a.peer_id, ECHO, data), timeout=30) == hashlib.sha256(data).digest()
     assert b.direct.opened == {"direct": 1, "fallback": 0}  # so the cut below is what makes the difference
 
     handler = a.direct.handlers.pop(ECHO)  # served over libp2p only, as while add_stream_handler is under way
     try:
-        assert loop.run(_node_echo(b, a.peer_id, data), timeout=30) == hashlib.sha256(data).digest()
+        assert loop.run(ask_echo(b, a.peer_id, ECHO, data), timeout=30) == hashlib.sha256(data).digest()
         assert b.direct.opened == {"direct": 1, "fallback": 1}
     finally:
         a.direct.handlers[ECHO] = handler
         b.direct._unreachable.clear()
-    assert loop.run(_node_echo(b, a.peer_id, data), timeout=30) == hashlib.sha256(data).digest()
+    assert loop.run(ask_echo(b, a.peer_id, ECHO, data), timeout=30) == hashlib.sha256(data).digest()
     assert b.direct.opened == {"direct": 2, "fallback": 1}
 
 

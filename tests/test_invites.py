@@ -6,13 +6,13 @@ revoke` wrote."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import time
 from dataclasses import replace
 
 import msgpack
 import pytest
+from conftest import ask_echo, echo_handler
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
@@ -185,7 +185,7 @@ def test_a_bootstrap_publishes_the_revocation_and_nodes_refuse_the_peer(swarm, t
     """A private bootstrap (a real process) of run tiny-test, two invited nodes: `swarm-peer revoke` writes the list
     beside the owner key, the bootstrap publishes it, and the other node then leaves the revoked node's entry out of
     its reads and refuses its streams; an invite made for another run never admitted it in the first place."""
-    from swarm.dht.node import NetworkOptions, SwarmNode, recv_frame, send_frame
+    from swarm.dht.node import NetworkOptions, SwarmNode
     from swarm.dht.recipes import fetch_run
     from swarm.runtime import LoopThread
 
@@ -195,19 +195,10 @@ def test_a_bootstrap_publishes_the_revocation_and_nodes_refuse_the_peer(swarm, t
     _, maddr = swarm.bootstrap("--private", "--identity-path", str(owner_key))
     loop, served = LoopThread(), []
 
-    async def handler(remote, reader, writer):
-        served.append(remote)
-        await send_frame(writer, await recv_frame(reader, 64))
+    handler = echo_handler(served)
 
-    async def ask(node: SwarmNode, peer: str) -> bytes | None:
-        reader, writer = await node.open_stream(peer, STREAM)
-        try:
-            await send_frame(writer, b"hello")
-            return await asyncio.wait_for(recv_frame(reader, 64), 10)
-        except asyncio.IncompleteReadError:
-            return None  # closed on us
-        finally:
-            writer.close()
+    def ask(node: SwarmNode, peer: str):
+        return ask_echo(node, peer, STREAM)
 
     nodes = [SwarmNode([maddr], NetworkOptions(identity_path=str(tmp_path / f"{name}.key")))
              for name in ("alice", "bob")]

@@ -119,15 +119,20 @@ def test_a_missing_peer_still_in_the_round_is_waited_for():
     assert all(group is not None and set(group.members) == ids for group, _ in results)
 
 
-def test_a_leader_s_group_is_followed_only_with_the_terms_its_members_entries_give():
-    """A leader publishes its group with itself reducing everything (the honest shares come from the members'
-    bandwidths): its members do not average with it, and learn so before the deadline. The same group with the
-    shares, deadline and mix the entries give is followed (the other tests)."""
+def _three_and_their_leader() -> tuple[list[str], FakeNode, list[FakeNode]]:
+    """Three nodes on one board: their sorted ids, the leader of round 1 attempt 0 among them, and the other two."""
     board = Board()
     nodes = [FakeNode(board) for _ in range(3)]
     ids = sorted(n.peer_id for n in nodes)
     leader = next(n for n in nodes if n.peer_id == leader_of(ids, 1, 0))
-    honest = [n for n in nodes if n is not leader]
+    return ids, leader, [n for n in nodes if n is not leader]
+
+
+def test_a_leader_s_group_is_followed_only_with_the_terms_its_members_entries_give():
+    """A leader publishes its group with itself reducing everything (the honest shares come from the members'
+    bandwidths): its members do not average with it, and learn so before the deadline. The same group with the
+    shares, deadline and mix the entries give is followed (the other tests)."""
+    ids, leader, honest = _three_and_their_leader()
 
     async def main():
         entry = {"digest": DIGEST, "bandwidth": 1.0, "client": False, "excluded": [], "phase_timeout": None,
@@ -203,11 +208,7 @@ def test_a_leader_counting_more_candidates_than_the_entries_hold_is_not_followed
     """The swarm size the leader publishes sets how many tokens each member adds to its schedule (x swarm size /
     group size) and the quorum its reference needs: a leader claiming 2^20 made every member's inner learning rate
     sit at its floor for the rest of the run. Members check it against the entries they read."""
-    board = Board()
-    nodes = [FakeNode(board) for _ in range(3)]
-    ids = sorted(n.peer_id for n in nodes)
-    leader = next(n for n in nodes if n.peer_id == leader_of(ids, 1, 0))
-    honest = [n for n in nodes if n is not leader]
+    ids, leader, honest = _three_and_their_leader()
 
     async def main():
         entry = {**ENTRY, "commitment": "", "bandwidth": 1.0, "weight": 1.0}  # (its terms honest: only the count lies)
