@@ -48,18 +48,22 @@ def settled(candidates: dict[str, Candidate], salt: str = "") -> dict[str, Candi
     together, not that the accused is out: while any two candidates left are in conflict, the one in the most
     conflicts leaves. A peer caught by the members of its group (each of them accuses it) leaves, and so does one
     that accuses every honest peer: accusing costs the accuser its place beside whom it accuses, never more to the
-    others. Ties go by a hash of the peer id with `salt` (the round and attempt), never by the id itself: a peer id
-    is chosen with its key, so an accuser could otherwise pick one that always wins against its victim; with the
-    hash each of the two stays out of about half the attempts, whichever keys they hold."""
+    others. Of two in as many conflicts, the one that accused more of the peers left leaves: a lone accusation
+    without evidence costs its writer the attempt, not the peer it names. Remaining ties (two that accuse each
+    other) go by a hash of the peer id with `salt` (the round and attempt), never by the id itself, which is chosen
+    with its key: each of the two stays out of about half the attempts, whichever keys they hold."""
     conflicts: dict[str, set[str]] = {peer: set() for peer in candidates}
+    accusing: dict[str, set[str]] = {peer: set() for peer in candidates}
     for peer, candidate in candidates.items():
         for accused in candidate.excluded:
             if accused in conflicts and accused != peer:
                 conflicts[peer].add(accused)
                 conflicts[accused].add(peer)
+                accusing[peer].add(accused)
     left = set(candidates)
     while True:
-        worst = max(left, key=lambda peer: (len(conflicts[peer] & left), tie_order(peer, salt)), default=None)
+        worst = max(left, key=lambda peer: (len(conflicts[peer] & left), len(accusing[peer] & left),
+                                            tie_order(peer, salt)), default=None)
         if worst is None or not conflicts[worst] & left:
             return {peer: candidates[peer] for peer in sorted(left)}
         left.discard(worst)
@@ -96,9 +100,9 @@ def plan_groups(candidates: dict[str, Candidate], target_size: int, min_size: in
                 attempt: int = 0) -> list[list[str]]:
     """Split this attempt's candidates into groups; a pure function, so every peer with the same view computes the
     same groups. Up to `target_size` candidates: one group, as `choose_members`; too few for two groups of
-    `min_size`: one group of all of them (over the target by less than `min_size`). Otherwise all candidates, whatever their digest, in k = ceil(n / target_size) groups of
-    nearly equal size. Even rounds: consecutive runs of the bandwidth order, so similar links average together.
-    Odd rounds: every k-th peer in the order of (digest, bandwidth), so each group takes its members from as many
+    `min_size`: one group of all of them (over the target by less than `min_size`). Otherwise all candidates,
+    whatever their digest, in k = ceil(n / target_size) groups of nearly equal size. Even rounds: consecutive runs
+    of the bandwidth order, so similar links average together. Odd rounds: every k-th peer in the order of (digest, bandwidth), so each group takes its members from as many
     of the previous round's groups (digests) as it can, and what each group learned spreads through the swarm:
     with n = k * g the two layouts are the rows and columns of a grid."""
     salt = attempt_salt(round_no, attempt)

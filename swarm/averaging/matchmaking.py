@@ -125,9 +125,13 @@ def signed_entries(raw: dict) -> dict[str, object]:
     return entries
 
 
-async def _read_candidates(node: SwarmNode, key: str, excluded: set[str], verified: bool) -> dict[str, Candidate]:
+async def _read_candidates(node: SwarmNode, key: str, excluded: set[str], verified: bool,
+                           malformed: set[str]) -> dict[str, Candidate]:
+    """The attempt's candidates, by writer; writers whose entry is malformed are added to `malformed` (they are not
+    waited for, and lead nothing)."""
     raw = signed_entries(await node.get(key))
     parsed = {peer: parse_candidate(value, verified) for peer, value in raw.items() if peer not in excluded}
+    malformed.update(peer for peer, c in parsed.items() if c is None)
     return {peer: c for peer, c in parsed.items() if c is not None}
 
 
@@ -135,7 +139,8 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
                      expected: set[str], min_size: int, target_size: int, timeout: float,
                      excluded: Iterable[str] = (), not_waiting_for: Iterable[str] = (),
                      still_in: Optional[Callable[[], Optional[set[str]]]] = None,
-                     push: Optional[GroupPush] = None, verified: bool = False) -> tuple[Optional[Group], int]:
+                     push: Optional[GroupPush] = None, verified: bool = False,
+                     tamper: Optional[Callable[[str, dict, int, int], dict]] = None) -> tuple[Optional[Group], int]:
     """Find this attempt's group: (group, others seen), with group None if no group of at least `min_size`
     formed within about `timeout` s. A peer that saw nobody else may retry under the same attempt number.
 
@@ -150,7 +155,8 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
     deadline for peers that will never come. With `push`, a leader also pushes its group to the members, and
     we take a group pushed to us by our leader as if read from the DHT. `verified`: the run checks its reducers
     (combinations.reducers_verified), so every entry carries a nonce commitment and a group of three or more that
-    does not carry them all is not formed."""
+    does not carry them all is not formed. `tamper` (fault injection, faults.FaultPlan.tamper) may rewrite what we
+    write, our entry ("entry") and the group we publish as leader ("final"); what we decide stays our own."""
     me = node.peer_id
     excluded = set(excluded) - {me}
     expected = set(expected) - excluded - set(not_waiting_for)
@@ -158,14 +164,20 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
     key = group_key(run_id, round_no, attempt)
     ttl = 3 * timeout + 30
     me_as = replace(me_as, excluded=tuple(sorted(excluded)))
-    await node.store(key, {"digest": me_as.digest, "bandwidth": me_as.bandwidth, "client": me_as.client,
-                           "excluded": list(me_as.excluded), "phase_timeout": me_as.phase_timeout,
-                           "weight": me_as.weight, "commitment": me_as.commitment},
-                     ttl=ttl, subkey=node.owned_subkey)
+    entry = {"digest": me_as.digest, "bandwidth": me_as.bandwidth, "client": me_as.client,
+             "excluded": list(me_as.excluded), "phase_timeout": me_as.phase_timeout, "weight": me_as.weight,
+             "commitment": me_as.commitment}
+    if tamper is not None:
+        entry = tamper("entry", entry, round_no, attempt)
+    await node.store(key, entry, ttl=ttl, subkey=node.owned_subkey)
 
     poll = FIRST_POLL_SECONDS
+    # Writers of entries that are no candidate: a peer whose record says it is in the round, but whose entry is
+    # malformed, is not waited for until the deadline.
+    malformed: set[str] = set()
     while True:
-        candidates = {**await _read_candidates(node, key, excluded, verified), me: me_as}
+        candidates = {**await _read_candidates(node, key, excluded, verified, malformed), me: me_as}
+        expected -= malformed - set(candidates)
         if expected <= set(candidates) and len(candidates) >= min_size:
             break
         if still_in is not None:
@@ -179,7 +191,7 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
         if time.monotonic() >= deadline:
             # Stragglers: let entries written at this moment reach every reader before deciding.
             await asyncio.sleep(SETTLE_SECONDS)
-            candidates = {**await _read_candidates(node, key, excluded, verified), me: me_as}
+            candidates = {**await _read_candidates(node, key, excluded, verified, malformed), me: me_as}
             break
         await asyncio.sleep(poll)
         poll = min(poll * 1.5, POLL_SECONDS)
@@ -203,12 +215,16 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
         except ValueError as e:
             logger.warning("round %d: %s", round_no, e)
             return None, seen
+        if tamper is not None:
+            final = tamper("final", final, round_no, attempt)
         if push is not None:
             push.send(members, round_no, attempt, final)
         await node.store(final_key(run_id, round_no, attempt), final, ttl=ttl, subkey=node.owned_subkey)
 
-    def _may_lead(writer: str) -> bool:  # (a candidate the entries leave out leads no group; one we have not read
-        return writer in vouched or writer not in candidates  # yet is judged once read, below)
+    def _may_lead(writer: str) -> bool:
+        """A candidate the entries leave out, or one whose entry is malformed, leads no group; one whose entry we
+        have not read yet is judged once read (below)."""
+        return writer in vouched or (writer not in candidates and writer not in malformed)
 
     # Wait as long as the leader may still be waiting for its own candidates (it may have started later).
     final_deadline = time.monotonic() + timeout + 2 * SETTLE_SECONDS
@@ -240,7 +256,7 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
             if len(chosen) < min_size:
                 return None, seen
             if set(chosen) - set(candidates):  # members we have not read yet (they wrote as we read)
-                candidates = {**await _read_candidates(node, key, excluded, verified), **candidates}
+                candidates = {**await _read_candidates(node, key, excluded, verified, malformed), **candidates}
             expected = _terms_or_none(chosen, candidates, verified)
             if expected is None or not _same_terms(expected, shares, phase_timeout, clients, mix, weights,
                                                    commitments) or swarm_size > len(candidates) or \
@@ -248,7 +264,8 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
                 # A member may have written its entry again since we read it (a peer that found nobody retries
                 # the attempt with what it trained meanwhile), or written one we had not read when the leader did:
                 # read once more before judging the leader.
-                candidates = {**candidates, **await _read_candidates(node, key, excluded, verified), me: me_as}
+                candidates = {**candidates, **await _read_candidates(node, key, excluded, verified, malformed),
+                              me: me_as}
                 expected = _terms_or_none(chosen, candidates, verified)
             # The swarm size the leader counted sets how many tokens every member adds to its schedule and the
             # quorum its reference needs: no more candidates than this attempt's entries hold.
@@ -260,8 +277,8 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
             unvouched = _unvouched(chosen, candidates, round_no, attempt)
             if unvouched:
                 logger.warning("round %d: leader %s published a group with %s, whom the entries leave out (a state "
-                               "no other candidate holds, or accused); not averaging with it", round_no, leader_of(mine, round_no, attempt)[-8:],
-                               ", ".join(peer[-8:] for peer in unvouched))
+                               "no other candidate holds, or accused); not averaging with it", round_no,
+                               leader_of(mine, round_no, attempt)[-8:], ", ".join(peer[-8:] for peer in unvouched))
                 return None, seen
             if expected is None or not _same_terms(expected, shares, phase_timeout, clients, mix, weights,
                                                    commitments):
