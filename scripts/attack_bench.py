@@ -13,12 +13,22 @@ Scenarios (an attacker is a peer with --inject-fault, which lies in what it send
   inflated           a member declares the most weight the swarm accepts (four rounds' tokens) and sends x1000
   lying-reducer      a member reduces its part x1000 and makes up its own verification term to hide it
   accuse-all         a member names every other peer of the round as one it caught sending bad data
+  accuse-one         a member names one honest peer (the first by id) in every entry, to keep it out of every group
+  reject-all         a member, as a reducer, names every other member as having sent it bad data
+  unverified-entry   a member's entries carry no nonce commitment and declare a bandwidth of 1e11 B/s
+  foreign-digest     a member's entries declare a state digest no other peer holds (its group would mix params)
+  inflated-swarm-size  a member publishes the groups it leads with a swarm size of 2^20
   forged-reference   announces the swarm's round + 1 with a state of its own and serves it (attackers.py)
   dribbling-holder   announces the swarm's state and serves it a byte every half second (attackers.py)
   wipe               writes plain values under the peers key and the rounds' matchmaking keys (attackers.py)
   idle-streams       holds 500 idle all-reduce streams to the honest peers (attackers.py)
   oversized-frames   keeps feeding all-reduce streams that claim 1 GiB chunks, as a non-member (attackers.py)
   sybils             writes 1,000 signed peer records of 1,000 keys, ~7 kB each (attackers.py)
+  future-record      keeps a signed record at the swarm's round claiming 2^40 tokens, dated an hour ahead (attackers.py)
+  handshake-flood    holds 64 idle TCP connections to each honest peer's direct-stream port (attackers.py)
+
+"lies told" counts the attackers' `attacking` events (scripted) and `fault` events (an injected fault that fired:
+each all-reduce it lies in, each entry, group or accusation it rewrites).
 
     python scripts/attack_bench.py                                 # 4 peers (3 honest), 6 rounds, all scenarios
     python scripts/attack_bench.py --peers 6 --attackers 2 --scenarios scaled,forged-reference   # 2 of 6
@@ -44,9 +54,10 @@ sys.path.insert(0, str(ROOT))
 
 from swarm.events import read_events  # noqa: E402
 
-FAULTS = {"scaled": "scaled@0", "flipped": "flipped@0", "inflated": "inflated@0", "lying-reducer": "lying-reducer@0",
-          "accuse-all": "accuse-all@0"}
-SCRIPTED = ("forged-reference", "dribbling-holder", "wipe", "idle-streams", "oversized-frames", "sybils")
+FAULTS = {name: f"{name}@0" for name in ("scaled", "flipped", "inflated", "lying-reducer", "accuse-all", "accuse-one",
+                                         "reject-all", "unverified-entry", "foreign-digest", "inflated-swarm-size")}
+SCRIPTED = ("forged-reference", "dribbling-holder", "wipe", "idle-streams", "oversized-frames", "sybils",
+            "future-record", "handshake-flood")
 SCENARIOS = ("clean", *FAULTS, *SCRIPTED)
 RECIPE = """run_id: attack-bench
 model: {hidden_size: 64, intermediate_size: 172, num_layers: 2, num_heads: 4, max_seq_len: 64}
@@ -114,16 +125,18 @@ def run_scenario(scenario: str, args: argparse.Namespace, workdir: Path) -> dict
                                    str(events), "--seconds", str(args.timeout)], workdir / f"attacker{i}.log")
                 processes.append(attacker)
                 _wait_for(events, "ready", attacker, 180)
+        if scenario in FAULTS:  # in the swarm before the honest peers, so its round 0 is theirs (as test_faults)
+            for i, events in enumerate(attacker_events):
+                attacker = _start(swarm + common + ["--inject-fault", FAULTS[scenario], "--events-file", str(events)],
+                                  workdir / f"attacker{i}.log")
+                processes.append(attacker)
+                _wait_for(events, "training", attacker, 180)
         peers = []
         for i in range(honest):
             events = workdir / f"honest{i}.events.jsonl"
             peers.append((_start(swarm + common + ["--until-round", str(args.rounds), "--events-file", str(events)],
                                  workdir / f"honest{i}.log"), events))
         processes += [process for process, _ in peers]
-        if scenario in FAULTS:
-            for i, events in enumerate(attacker_events):
-                processes.append(_start(swarm + common + ["--inject-fault", FAULTS[scenario], "--events-file",
-                                                          str(events)], workdir / f"attacker{i}.log"))
         peak, deadline = 0, time.monotonic() + args.timeout
         while any(process.poll() is None for process, _ in peers) and time.monotonic() < deadline:
             peak = max([peak] + [_tree_rss(process.pid) for process, _ in peers])
@@ -142,7 +155,7 @@ def run_scenario(scenario: str, args: argparse.Namespace, workdir: Path) -> dict
             waits += [b - a for a, b in zip(times, times[1:])]
         # That the attack ran: the rounds the attackers averaged with the swarm, and the lies scripted ones told.
         attacker_rounds = sum(1 for e in told if e["event"] == "averaged")
-        attacks = sum(1 for e in told if e["event"] == "attacking")
+        attacks = sum(1 for e in told if e["event"] in ("attacking", "fault"))
         return {"scenario": scenario, "honest_peers": honest, "attackers": attackers, "finished": sum(finished),
                 "attacker_rounds": attacker_rounds, "attacks": attacks,
                 "rounds": min((e["round"] + 1 for e in last), default=0) if len(last) == honest else 0,

@@ -17,6 +17,11 @@ protocol wherever that helps it and lying wherever it can. Each scenario is a co
                      nothing, reopening each one a peer closes
   oversized-frames   keep opening all-reduce streams to every honest peer that name the swarm's round and claim a
                      chunk of 1 GiB, then feed it; as a non-member of any group, not a byte of it should be read
+  future-record      keep a signed peer record at the swarm's top round that claims 2^40 tokens in the round at
+                     1e12 tokens/s and is dated an hour ahead (live for its whole lifetime, were it believed)
+  handshake-flood    ask every honest peer for its direct-stream hello over libp2p, then hold --connections idle
+                     TCP connections to its direct port from FLOOD_SOURCE (another address than the honest peers'),
+                     sending nothing, reopening each one the peer closes
 
 Two attackers of the same scenario collude: a forged state is drawn from the swarm's own digest, so both announce
 and serve the same one.
@@ -63,8 +68,12 @@ from swarm.peer.state.wire import protocol
 from swarm.runtime import LoopThread
 
 logger = logging.getLogger("attacker")
-SCENARIOS = ("forged-reference", "dribbling-holder", "uninvited", "sybils", "wipe", "idle-streams", "oversized-frames")
+SCENARIOS = ("forged-reference", "dribbling-holder", "uninvited", "sybils", "wipe", "idle-streams", "oversized-frames",
+             "future-record", "handshake-flood")
 KNOCKING = ("idle-streams", "oversized-frames")
+FLOOD_SOURCE = "127.0.0.2"  # handshake-flood connects from here: on loopback, one address apart from the honest peers'
+# (which all connect from 127.0.0.1), as an attacker on the internet has its own
+FUTURE_SECONDS = 3600.0  # how far ahead future-record dates its record
 SYBIL_BATCH = 50  # records per store request (one request must stay under hivemind's 2 MiB message limit)
 
 
@@ -113,13 +122,14 @@ def sybil_key() -> RSAPrivateKey:
 
 class Attacker:
     def __init__(self, initial_peers: list[str], scenario: str, cache_dir: str, events: EventLog, sybils: int = 0,
-                 streams: int = 500, vouchers: int = 2):
+                 streams: int = 500, vouchers: int = 2, connections: int = 64):
         self.scenario, self.events, self.streams, self.vouchers = scenario, events, streams, vouchers
+        self.connections = connections
         self.loop = LoopThread()
         # (streams held open go over direct TLS connections, as a peer's would)
         self.node = SwarmNode(initial_peers, NetworkOptions(direct_streams=scenario in KNOCKING))
         self._streamed: set[str] = set()  # peers we opened an all-reduce stream to
-        if scenario in ("wipe", *KNOCKING):  # it needs the run's id only
+        if scenario in ("wipe", "future-record", "handshake-flood", *KNOCKING):  # it needs the run's id only
             self.recipe = self.loop.run(fetch_recipe(self.node, timeout=30), timeout=60)
             self.key, self.initial_peers = peers_key(self.recipe.run_id), initial_peers
             return
@@ -285,6 +295,74 @@ class Attacker:
                 task.cancel()
             await asyncio.gather(*holders, return_exceptions=True)
 
+    async def future_record(self, deadline: float) -> None:
+        """Every second, a record of ours at the swarm's top round (its majority digest), dated FUTURE_SECONDS
+        ahead and claiming the round's tokens many times over: believed, it would stay live without a heartbeat
+        (honest peers would wait for it in every matchmaking) and make every round due at once."""
+        while time.monotonic() < deadline:
+            honest = await self.swarm()
+            top = max((p.round for p in honest), default=0)
+            record = PeerRecord(peer_id=self.node.peer_id, state="training", version=__version__,
+                                run_id=self.recipe.run_id, round=top, tokens_in_round=1 << 40, block_start=0,
+                                block_end=self.recipe.model.num_layers,
+                                digest=view.majority_digest([p for p in honest if p.round == top]),
+                                tokens_per_s=1e12, updated=self.node.now() + FUTURE_SECONDS)
+            stored = await self.node.store(self.key, record.to_wire(), ttl=600.0, subkey=self.node.owned_subkey)
+            self.events.emit("attacking", scenario=self.scenario, round=top, tokens_in_round=record.tokens_in_round,
+                             ahead_s=FUTURE_SECONDS, stored=bool(stored))
+            await asyncio.sleep(1.0)
+
+    async def flood(self, deadline: float) -> None:
+        """Hold `connections` idle TCP connections to each honest peer's direct-stream port (from its hello, asked
+        over libp2p as an opener would), from FLOOD_SOURCE; report how many are open, how many the peers cut."""
+        counts = {"open": 0, "cut": 0, "failed": 0}
+        routes: dict[str, tuple[str, int]] = {}
+
+        async def hold(address: tuple[str, int]) -> None:
+            while time.monotonic() < deadline:
+                try:
+                    reader, writer = await asyncio.wait_for(
+                        asyncio.open_connection(*address, local_addr=(FLOOD_SOURCE, 0)), 3)
+                except Exception:  # noqa: BLE001 - refused or unreachable: try again
+                    counts["failed"] += 1
+                    await asyncio.sleep(1.0)
+                    continue
+                counts["open"] += 1
+                try:
+                    await reader.read()  # nothing sent: until the peer cuts it
+                except Exception:  # noqa: BLE001 - cut
+                    pass
+                finally:
+                    counts["open"] -= 1
+                    counts["cut"] += 1
+                    writer.close()
+                await asyncio.sleep(0.1)
+
+        holders: list[asyncio.Future] = []
+        try:
+            while time.monotonic() < deadline:
+                for peer in await self.swarm():
+                    if peer.peer_id in routes:
+                        continue
+                    try:
+                        hello, known = await asyncio.wait_for(self.node._ask_hello(peer.peer_id), 10)
+                    except Exception as e:  # noqa: BLE001 - not up yet: ask again
+                        logger.info("no hello from %s: %r", peer.peer_id[-8:], e)
+                        continue
+                    host = next((h for h in [*(hello.get("hosts") or []), *known] if h not in ("0.0.0.0", "::")),
+                                None)
+                    if not isinstance(hello.get("port"), int) or host is None:
+                        continue
+                    routes[peer.peer_id] = (host, hello["port"])
+                    holders += [asyncio.ensure_future(hold(routes[peer.peer_id])) for _ in range(self.connections)]
+                self.events.emit("attacking", scenario=self.scenario, peers=len(routes),
+                                 ports=sorted(port for _, port in routes.values()), **counts)
+                await asyncio.sleep(2.0)
+        finally:
+            for task in holders:
+                task.cancel()
+            await asyncio.gather(*holders, return_exceptions=True)
+
     async def swarm(self) -> list[PeerRecord]:
         records, _ = parse_peer_records(await self.node.get(self.key))
         return [p for p in records if p.peer_id != self.node.peer_id]
@@ -319,6 +397,10 @@ class Attacker:
             return await self.wipe(deadline)
         if self.scenario in KNOCKING:
             return await self.knock(deadline)
+        if self.scenario == "future-record":
+            return await self.future_record(deadline)
+        if self.scenario == "handshake-flood":
+            return await self.flood(deadline)
         while time.monotonic() < deadline:
             if self.scenario == "uninvited":
                 await self.intrude()
@@ -361,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sybils", type=int, default=1000, help="keys (and records) of the sybils scenario")
     parser.add_argument("--streams", type=int, default=500, help="streams of the idle-streams and oversized-frames "
                                                                  "scenarios, spread over the honest peers")
+    parser.add_argument("--connections", type=int, default=64, help="handshake-flood: idle connections held to "
+                                                                    "each honest peer's direct-stream port")
     parser.add_argument("--vouchers", type=int, default=2, help="forged-reference and dribbling-holder: lie about "
                                                                 "the state at least this many peers announce")
     args = parser.parse_args(argv)
@@ -368,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     events = EventLog(args.events_file)
     attacker = Attacker(args.initial_peers, args.scenario, args.cache_dir, events, args.sybils, args.streams,
-                        args.vouchers)
+                        args.vouchers, args.connections)
     logger.info("attacking as %s: %s", attacker.node.peer_id, args.scenario)
     events.emit("ready", peer_id=attacker.node.peer_id, scenario=args.scenario)
     try:

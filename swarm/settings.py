@@ -148,7 +148,10 @@ class PeerSettings(_Section):
                     "x-1, inflated: x1000 declaring the most weight the swarm accepts, as a lying member would; "
                     "lying-reducer: its part averaged x1000, hidden as well as it can; reject-all: as a reducer, it "
                     "names every other member as having sent bad data) from that round on, name every "
-                    "other peer as caught lying (accuse-all), or break its own "
+                    "other peer as caught lying (accuse-all) or always the same one (accuse-one), lie in what "
+                    "matchmaking writes (unverified-entry: entries without a nonce commitment, declaring 1e11 B/s; "
+                    "foreign-digest: a state digest no other peer holds; inflated-swarm-size: groups it leads "
+                    "published with a swarm size of 2^20), or break its own "
                     "training once (diverge: NaN params; explode: an absurd pseudo-gradient), or compute 4x "
                     "slower from that round on (slow: a weaker device, for rebalancing drills)")
 

@@ -6,6 +6,7 @@ fires, and says in which round.)"""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import signal
@@ -22,7 +23,15 @@ BAD_DATA = ("garbage", "nan", "short", "ring-garbage", "scaled", "flipped", "inf
 # verification reports it can make (every member's term as it is, its own made up to cancel the rest); reject-all:
 # as a reducer, it names every other member as having sent bad data (its part averaged over itself alone)
 LYING_VALUES = ("scaled", "flipped", "inflated")
-ACCUSING = ("accuse-all",)  # in every matchmaking entry, name every other peer of the round as one to keep apart from
+ACCUSING = ("accuse-all", "accuse-one")  # in every matchmaking entry, name every other peer of the round (accuse-one:
+# the first by peer id of those in the round when it first fires, the same victim from then on) as one to keep apart
+# from
+TAMPERING = ("unverified-entry", "foreign-digest", "inflated-swarm-size")  # what matchmaking writes, rewritten:
+# unverified-entry: its entries carry no nonce commitment and declare the largest bandwidth a reader accepts;
+# foreign-digest: its entries declare a state digest of its own (drawn from its real one, so colluders agree);
+# inflated-swarm-size: the groups it leads are published with a swarm size of 2^20 (each member's lr at its floor)
+LIED_BANDWIDTH = 1e11  # bytes/s: matchmaking.MAX_BANDWIDTH, the most an entry may declare
+LIED_SWARM_SIZE = 1 << 20
 SCALE = 1000.0
 LOCAL = ("diverge", "explode", "slow")  # the peer's own training goes wrong: NaN params, or an absurd pseudo-gradient;
 # slow: from then on it computes SLOWDOWN times slower, as a weaker device would (pipeline stages: rebalancing drills)
@@ -40,11 +49,12 @@ class FaultPlan:
         self.round = -1
         if spec:
             phase, _, round_text = spec.partition("@")
-            kinds = KILL_PHASES + BAD_DATA + LOCAL + SERVING + ACCUSING
+            kinds = KILL_PHASES + BAD_DATA + LOCAL + SERVING + ACCUSING + TAMPERING
             if phase not in kinds or not round_text.isdigit():
                 raise ValueError(f"--inject-fault {spec!r}: expected PHASE@ROUND with PHASE one of {', '.join(kinds)}")
             self.phase, self.round = phase, int(round_text)
         self._local_fired = False
+        self._victim = ""  # accuse-one's
 
     def maybe_die(self, phase: str, round_no: int) -> None:
         if self.phase == phase and round_no >= self.round >= 0:
@@ -69,15 +79,52 @@ class FaultPlan:
         return most if self.phase == "inflated" and round_no >= self.round >= 0 else honest
 
     def accusations(self, honest: set[str], others: set[str], round_no: int) -> set[str]:
-        """The peers to name as kept apart from: `honest` (those that failed us), or (accuse-all) all `others`."""
-        return honest | others if self.phase == "accuse-all" and round_no >= self.round >= 0 else honest
+        """The peers to name as kept apart from: `honest` (those that failed us), or (accuse-all) all `others`, or
+        (accuse-one) the first of `others` by peer id when it first fires, the same peer every attempt after."""
+        if self.phase not in ACCUSING or round_no < self.round or self.round < 0 or not others:
+            return honest
+        if self.phase == "accuse-one":
+            self._victim = self._victim or min(others)  # the same one from then on, whoever else comes and goes
+        named = set(others) if self.phase == "accuse-all" else {self._victim}
+        self._fired("accusation", round_no, accused=sorted(named - honest))
+        return honest | named
+
+    @property
+    def tampers(self) -> bool:
+        """Whether matchmaking must hand what it writes to `tamper` (a TAMPERING fault was asked for)."""
+        return self.phase in TAMPERING
+
+    def tamper(self, message: str, value: dict, round_no: int, attempt: int) -> dict:
+        """What to write instead of `value`, our matchmaking `message` ("entry": our entry of an attempt; "final":
+        the group we publish as its leader): `value` itself unless a TAMPERING fault rewrites that message."""
+        if self.phase not in TAMPERING or round_no < self.round or self.round < 0:
+            return value
+        if message == "entry" and self.phase == "unverified-entry":
+            value = {**{k: v for k, v in value.items() if k != "commitment"}, "bandwidth": LIED_BANDWIDTH}
+        elif message == "entry" and self.phase == "foreign-digest":
+            value = {**value, "digest": hashlib.sha256(f"foreign|{value['digest']}".encode()).hexdigest()[:16]}
+        elif message == "final" and self.phase == "inflated-swarm-size":
+            value = {**value, "swarm_size": LIED_SWARM_SIZE}
+        else:
+            return value
+        self._fired(message, round_no, attempt=attempt)
+        return value
+
+    def _fired(self, phase: str, round_no: int, **detail) -> None:
+        """Say that our fault rewrote what we send at `phase` (every time: these fire each attempt)."""
+        told = "".join(f", {name} {value}" for name, value in detail.items())
+        print(f"FAULT INJECTED: {self.phase} ({phase}) in round {round_no}{told}", flush=True)
+        if self.events is not None:
+            self.events.emit("fault", kind=self.phase, phase=phase, round=round_no, **detail)
 
     def serves_corrupt_data(self) -> bool:
         return self.phase == "corrupt-data"
 
     def bad_data(self, round_no: int, ring: bool = False) -> Optional[str]:
+        """The bad data to send in an all-reduce of `round_no` that starts now (None: honest data)."""
         if self.phase in BAD_DATA and round_no >= self.round >= 0:
-            if self.phase == "ring-garbage":
-                return "garbage" if ring else None
-            return self.phase
+            if self.phase == "ring-garbage" and not ring:
+                return None
+            self._fired("allreduce", round_no)
+            return "garbage" if self.phase == "ring-garbage" else self.phase
         return None

@@ -132,12 +132,14 @@ class Averager:
         me_as = Candidate(contribution.digest, self.link.bandwidth, client=self.client_mode,
                           phase_timeout=self.allreduce.deadlines.measured(), weight=float(contribution.weight),
                           commitment=self.allreduce.commitment(round_no, attempt))
+        # (an injected fault that rewrites what we write; named only then, so a matchmaking of a test's stays as is)
+        tampering = {"tamper": self.faults.tamper} if self.faults.tampers else {}
         try:
             return self.loop.run(self.matchmaking(
                 self.node, self.recipe.run_id, round_no, attempt, me_as, self.in_round(round_no), r.min_group_size,
                 r.target_group_size, r.matchmaking_timeout, excluded=rejected, not_waiting_for=unresponsive,
                 still_in=lambda: None if self.moved_on(round_no) else self.in_round(round_no),
-                push=self.group_push, verified=self.allreduce.verifiable),
+                push=self.group_push, verified=self.allreduce.verifiable, **tampering),
                 timeout=3 * r.matchmaking_timeout + 30, interruptible=True)
         except TimeoutError:
             return None, 1
