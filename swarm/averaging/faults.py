@@ -30,6 +30,9 @@ TAMPERING = ("unverified-entry", "foreign-digest", "inflated-swarm-size")  # wha
 # unverified-entry: its entries carry no nonce commitment and declare the largest bandwidth a reader accepts;
 # foreign-digest: its entries declare a state digest of its own (drawn from its real one, so colluders agree);
 # inflated-swarm-size: the groups it leads are published with a swarm size of 2^20 (each member's lr at its floor)
+# A pipeline stage server's answers, from the start (the round is ignored): scale-grad: the input-gradients it sends
+# back x1000; low-loss: its losses / 1000 (swarm.peer.pipeline.server.LIES)
+PIPELINE_LIES = ("scale-grad", "low-loss")
 LIED_BANDWIDTH = 1e11  # bytes/s: matchmaking.MAX_BANDWIDTH, the most an entry may declare
 LIED_SWARM_SIZE = 1 << 20
 SCALE = 1000.0
@@ -49,7 +52,7 @@ class FaultPlan:
         self.round = -1
         if spec:
             phase, _, round_text = spec.partition("@")
-            kinds = KILL_PHASES + BAD_DATA + LOCAL + SERVING + ACCUSING + TAMPERING
+            kinds = KILL_PHASES + BAD_DATA + LOCAL + SERVING + ACCUSING + TAMPERING + PIPELINE_LIES
             if phase not in kinds or not round_text.isdigit():
                 raise ValueError(f"--inject-fault {spec!r}: expected PHASE@ROUND with PHASE one of {', '.join(kinds)}")
             self.phase, self.round = phase, int(round_text)
@@ -116,6 +119,10 @@ class FaultPlan:
         print(f"FAULT INJECTED: {self.phase} ({phase}) in round {round_no}{told}", flush=True)
         if self.events is not None:
             self.events.emit("fault", kind=self.phase, phase=phase, round=round_no, **detail)
+
+    def stage_lie(self) -> Optional[str]:
+        """The lie this peer's stage server tells (PIPELINE_LIES), or None."""
+        return self.phase if self.phase in PIPELINE_LIES else None
 
     def serves_corrupt_data(self) -> bool:
         return self.phase == "corrupt-data"

@@ -266,7 +266,10 @@ class DirectStreams:
         try:
             remote, handler = await asyncio.wait_for(self._accept(reader, writer), HANDSHAKE_SECONDS)
         except Exception as e:  # noqa: BLE001 - whatever a stranger sends, we only drop the connection
-            logger.info("direct stream from %s refused: %s", source, e or type(e).__name__)
+            # A connection that ends before it says anything (a port check, a scanner, an opener giving up) is no
+            # news; a handshake that says something we refuse is.
+            level = logging.DEBUG if isinstance(e, (*_CUT, ssl.SSLError, asyncio.TimeoutError)) else logging.INFO
+            logger.log(level, "direct stream from %s refused: %s", source, str(e) or type(e).__name__)
             writer.close()
             return
         finally:

@@ -1,7 +1,9 @@
 """Hops between the peers of consecutive stages: `call_stage` sends one microbatch's activations (through a codec,
 fp16 by default; both directions metered) and gets their gradient and the loss back; `Router` picks the next
-stage's peer for each microbatch at random, weighted by announced throughput over the microbatches in flight to it
-(SWARM's stochastic wiring), and retries a failed hop on another peer of that stage, so a peer that dies
+stage's peer for each microbatch at random, weighted by the throughput it measured of each over the microbatches in
+flight to it (SWARM's stochastic wiring; integrity.py: an announced rate alone buys no share), checks each answer
+against the other peers' and the peer's own (integrity.AnswerCheck: a refused one is not applied, and its peer is
+left out), and retries a failed or refused hop on another peer of that stage, so a peer that dies or lies
 mid-microbatch costs a retry, never the microbatch: the caller learns of a loss only when no peer of the stage
 could take it (PipelineError).
 """
@@ -25,6 +27,8 @@ import torch
 from swarm.compression import decode, get_codec
 from swarm.dht.frames import recv_frame, send_frame
 from swarm.dht.node import SwarmNode
+from swarm.peer.pipeline.integrity import (ANSWER_RULES, EXCLUDE_SECONDS, AnswerCheck, routing_weights, sensitivity,
+                                           smoothed)
 from swarm.peer.pipeline.worker import Downstream, Evaluate, PipelineError
 from swarm.runtime import LoopThread
 
@@ -36,6 +40,9 @@ class StageBusy(PipelineError):
     """A stage peer refused a microbatch because its queue is full: the sender tries another, and nothing counts
     against the busy peer."""
 
+
+class AnswerRefused(PipelineError):
+    """A stage peer's answer was far outside the others' or its own (integrity.AnswerCheck): not applied."""
 
 
 HOP_SECONDS = 60.0  # a hop (send, the rest of the pipeline, the gradient back) that takes longer is retried elsewhere
@@ -109,10 +116,11 @@ def payload_bound(values: int) -> int:
 
 @dataclass
 class Router:
-    """Sends microbatches to the next stage's peers. `peers()` lists them now as (peer id, tokens/s); each
-    microbatch goes to one drawn with probability proportional to tokens/s / (1 + its microbatches in flight from
-    us), leaving out peers that failed a hop in the last RETRY_AFTER s, and is retried on another on failure, up to
-    `attempts` peers."""
+    """Sends microbatches to the next stage's peers. `peers()` lists them now as (peer id, announced tokens/s); each
+    microbatch goes to one drawn with probability proportional to its weight (integrity.routing_weights: the
+    tokens/s we measured of its hops, smoothed; an unmeasured peer starts at the median) / (1 + its microbatches in
+    flight from us), leaving out peers that failed a hop in the last RETRY_AFTER s and those whose answer `check`
+    refused (EXCLUDE_SECONDS), and is retried on another on failure or refusal, up to `attempts` peers."""
 
     node: SwarmNode
     protocol: str
@@ -127,6 +135,9 @@ class Router:
     failed: dict = field(default_factory=dict)  # peer -> when it last failed a hop
     retries: int = 0
     most_in_flight: int = 0  # the most microbatches we had in flight at once
+    measured: dict = field(default_factory=dict)  # peer -> tokens/s of its answered hops (smoothed)
+    check: AnswerCheck = field(default_factory=lambda: AnswerCheck(ANSWER_RULES))
+    refused: int = 0  # answers refused by `check`
 
     def __post_init__(self) -> None:
         self._random = random.Random(self.seed)
@@ -166,10 +177,12 @@ class Router:
     def choose(self, exclude: set[str]) -> Optional[str]:
         now = time.monotonic()
         candidates = [(peer, speed) for peer, speed in self.peers() if peer not in exclude
-                      and now - self.failed.get(peer, -RETRY_AFTER) >= RETRY_AFTER]
+                      and now - self.failed.get(peer, -RETRY_AFTER) >= RETRY_AFTER
+                      and not self.check.is_excluded(peer, now)]
         if not candidates:
             return None
-        weights = [max(speed, 1e-9) / (1 + self.in_flight[peer]) for peer, speed in candidates]
+        weights = [weight / (1 + self.in_flight[peer])
+                   for (peer, _), weight in zip(candidates, routing_weights(candidates, self.measured))]
         return self._random.choices([peer for peer, _ in candidates], weights)[0]
 
     async def forward(self, x: torch.Tensor, targets: torch.Tensor, scale: float = 1.0,
@@ -184,18 +197,42 @@ class Router:
             self.in_flight[peer] += 1
             self.most_in_flight = max(self.most_in_flight, sum(self.in_flight.values()))
             try:
+                started = time.monotonic()
                 answer = await call_stage(self.node, peer, self.protocol, x, targets, self.codec, self.meter,
                                           self.timeout, scale, evaluate)
-                self.sent_to[peer] += not evaluate
+                self._accept(peer, x, answer, scale)
+                if not evaluate:
+                    self.sent_to[peer] += 1
+                    rate = targets.numel() / max(time.monotonic() - started, 1e-6)
+                    self.measured[peer] = smoothed(self.measured.get(peer), rate)
                 return answer
             except Exception as e:  # noqa: BLE001 - any failure of the hop: the next peer
                 last_error = e
-                if not isinstance(e, StageBusy):  # (a full queue is no fault: that peer is tried again next time)
+                # (a full queue is no fault: that peer is tried again next time; a refused answer is check's)
+                if not isinstance(e, (StageBusy, AnswerRefused)):
                     self.failed[peer] = time.monotonic()
                 self.retries += 1
+                if isinstance(e, AnswerRefused):  # (logged with its numbers already)
+                    continue
                 logger.info("stage peer %s failed a microbatch (%s); trying another", peer[-8:],
                             str(e).splitlines()[0] if str(e) else type(e).__name__)
             finally:
                 self.in_flight[peer] -= 1
         raise PipelineError(f"no peer of the next stage took the microbatch (tried {len(tried)}"
                             + (f"; last: {last_error}" if last_error else "") + ")")
+
+    def _accept(self, peer: str, x: torch.Tensor, answer: tuple[Optional[torch.Tensor], float], scale: float) -> None:
+        """Raise AnswerRefused (one log line with the numbers; `peer` left out) unless `check` accepts the answer."""
+        grad, loss = answer
+        values = {"loss": loss} if grad is None else {"sensitivity": sensitivity(x, grad, scale), "loss": loss}
+        why = self.check.judge(peer, values)
+        if why is None:
+            return
+        self.refused += 1
+        self.measured.pop(peer, None)
+        if self.check.is_excluded(peer):
+            logger.warning("pipeline: refused the answer of stage peer %s and left it out for %.0f s: %s", peer,
+                           EXCLUDE_SECONDS, why)
+        else:
+            logger.info("pipeline: refused the answer of stage peer %s: %s", peer, why)
+        raise AnswerRefused(f"stage peer {peer[-8:]}'s answer refused: {why}")

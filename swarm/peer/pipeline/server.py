@@ -1,7 +1,9 @@
 """Serving a middle or last stage to the peers of the stage before (`StageServer`, on the run's stage protocol), and
 the hand-off of served microbatches to a peer's training thread (`Handoff`), which also takes its outer steps. A
 server holds at most MAX_WAITING microbatches, MAX_WAITING_PER_PEER of them from one peer, and refuses more at once
-("busy", so the sender goes to another peer); a microbatch whose handler gave up on it is never trained on.
+("busy", so the sender goes to another peer); a microbatch whose handler gave up on it is never trained on. A
+server refuses activations far outside those the other senders send, or the same sender sent before
+(integrity.AnswerCheck), and leaves their sender out for a while.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from swarm.compression import decode, get_codec
 from swarm.dht.frames import FRAME_HEADER, recv_frame, send_frame
+from swarm.peer.pipeline.integrity import EXCLUDE_SECONDS, REQUEST_RULES, AnswerCheck, rms
 from swarm.peer.pipeline.routing import BUSY, HEADER_BYTES, HOP_SECONDS, Router, WireMeter, payload_bound
 from swarm.peer.pipeline.worker import Downstream, Execute, PipelineError, StageWorker
 
@@ -35,6 +38,10 @@ MAX_WAITING = 8
 MAX_WAITING_PER_PEER = 4
 DROPPED = "the microbatch's handler gave up on it"  # (timed out or cancelled: its sender has gone elsewhere)
 SKIP_SECONDS = 5.0  # the longest a refused sender's request is read (and forgotten) so that it reads our reason
+# Lies a server can be told to tell (drills and tests of the senders' checks): scale-grad, the gradients it returns
+# x LIE_SCALE; low-loss, the losses it returns / LIE_SCALE (a validation loss written by one peer).
+LIES = ("scale-grad", "low-loss")
+LIE_SCALE = 1000.0
 
 
 class StageServer:
@@ -42,15 +49,19 @@ class StageServer:
     targets; the answer is the gradient of the activations and the loss. Requests larger than `max_tokens` tokens
     of `hidden` values, or of another shape, or with targets outside the vocabulary, are refused with a reason;
     the worker runs in a thread of its own, so the event loop keeps serving. `downstream` (middle stages) is the
-    next hop, called from that thread."""
+    next hop, called from that thread. `lie` (one of LIES) makes it answer dishonestly, for drills."""
 
     def __init__(self, worker: StageWorker, hidden: int, max_tokens: int, vocab_size: int,
                  loop: asyncio.AbstractEventLoop, downstream: Optional["Router"] = None,
                  timeout: float = HOP_SECONDS, execute: Optional[Execute] = None,
                  execute_eval: Optional[Callable[[torch.Tensor, torch.Tensor], Awaitable[float]]] = None,
-                 max_waiting: int = MAX_WAITING, max_waiting_per_peer: int = MAX_WAITING_PER_PEER):
+                 max_waiting: int = MAX_WAITING, max_waiting_per_peer: int = MAX_WAITING_PER_PEER,
+                 lie: Optional[str] = None):
         if worker.stage.first:
             raise ValueError("the first stage reads data; it serves no microbatches")
+        if lie is not None and lie not in LIES:
+            raise ValueError(f"lie {lie!r} is not one of {', '.join(LIES)}")
+        self.lie = lie
         self.worker, self.hidden, self.max_tokens, self.vocab_size = worker, hidden, max_tokens, vocab_size
         self.loop, self.downstream, self.timeout = loop, downstream, timeout
         # Where the worker runs a microbatch: by default in a thread of the server's own, one at a time; a peer hands
@@ -62,6 +73,7 @@ class StageServer:
         self.meter = WireMeter()
         self.refused: Counter = Counter()
         self.dropped = 0  # microbatches whose handler timed out: never trained on, never answered
+        self.check = AnswerCheck(REQUEST_RULES)  # the activations each sender sent
         self._thread: Optional[concurrent.futures.ThreadPoolExecutor] = None  # (the default execute's, made on use)
 
     async def handle(self, remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -105,11 +117,19 @@ class StageServer:
                     self.refused["malformed"] += 1
                     await send_frame(writer, msgpack.packb({"error": "activations or targets malformed"}))
                     return
+                problem = self._judge(remote, x)
+                if problem is not None:
+                    self.refused["activations"] += 1
+                    await send_frame(writer, msgpack.packb({"error": problem}))
+                    return
                 if evaluate:
                     loss = await self.execute_eval(x.reshape(b, t, h), targets.reshape(b, t))
+                    loss = float(loss) / (LIE_SCALE if self.lie == "low-loss" else 1.0)
                     await send_frame(writer, msgpack.packb({"loss": float(loss)}))
                     return
                 grad, loss = await self.execute(x.reshape(b, t, h), targets.reshape(b, t), scale)
+                grad = grad * LIE_SCALE if self.lie == "scale-grad" else grad
+                loss = float(loss) / (LIE_SCALE if self.lie == "low-loss" else 1.0)
                 back = get_codec(codec).encode(grad.float().reshape(-1))
                 await send_frame(writer, msgpack.packb({"loss": float(loss)}))
                 await send_frame(writer, back)
@@ -126,6 +146,23 @@ class StageServer:
                 self.waiting[remote] -= 1
                 if not self.waiting[remote]:
                     del self.waiting[remote]
+
+    def _judge(self, remote: str, x: torch.Tensor) -> Optional[str]:
+        """Why the activations `x` from `remote` are refused (None: they are not): it is left out, or they are far
+        outside what the other senders or it sent (integrity.AnswerCheck, which leaves it out at its STRIKES-th
+        refusal in a row)."""
+        left_out = self.check.excluded.get(remote)
+        if self.check.is_excluded(remote):
+            return f"activations refused: you are left out ({left_out[1]})"
+        why = self.check.judge(remote, {"activations": rms(x)})
+        if why is None:
+            return None
+        if self.check.is_excluded(remote):
+            logger.warning("pipeline: refused the activations of peer %s and left it out for %.0f s: %s", remote,
+                           EXCLUDE_SECONDS, why)
+        else:
+            logger.info("pipeline: refused the activations of peer %s: %s", remote, why)
+        return f"activations refused: {why}"
 
     def _busy(self, remote: str) -> Optional[str]:
         """Why a microbatch from `remote` finds no room here now (None: it does)."""

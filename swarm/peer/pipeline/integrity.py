@@ -1,0 +1,162 @@
+"""What a stage peer may not claim about itself (issue 37, class 9): how fast it is, and that its answers are sound.
+`routing_weights` weighs the next stage's peers by the throughput we measured of them (an unmeasured one starts at
+the median of the measured, and none weighs more than WEIGHT_CAP times the median), never by an announced rate
+alone. `AnswerCheck` keeps each peer's recent answers' statistics and refuses an answer far outside what the other
+peers answer (a strict majority of them) or what the same peer answered before, and leaves out for EXCLUDE_SECONDS a
+peer with STRIKES answers refused in a row. Pure functions and O(1) bookkeeping per microbatch, beyond the norms of
+what it checks."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+PRIOR_CAP = 2.0  # while nobody is measured, an announced rate counts for at most this many times the median announced
+WEIGHT_CAP = 4.0  # no peer weighs more than this many times the median weight: a fast liar takes a bounded share
+RATE_SMOOTHING = 0.3  # the weight of a peer's newest hop in its measured rate (an exponential average)
+WINDOW = 16  # answers of each peer whose statistics are kept
+MIN_ANSWERS = 3  # a peer's own history sets its scale from this many answers on
+MIN_EVIDENCE = 2  # and weighs in judging the other peers' answers from this many on
+EXCLUDE_SECONDS = 600.0  # how long a peer whose answers were refused is left out (about a round)
+# Refused answers in a row that leave a peer out. One refused answer costs a retry; an honest peer's answers reached
+# 10x the median of its last 16 in 3 of 584 microbatches of a tiny model memorising its data (loss 4 to 0.01), never
+# twice in a row, while a liar's answers are refused one after the other.
+STRIKES = 2
+FRESH_SECONDS = 300.0  # a peer's answers weigh in judging the others' while its last one is this recent
+
+
+@dataclass(frozen=True)
+class Rule:
+    """When a statistic's value `v` disagrees with a reference `ref` (a median): v > ref * factor + slack or
+    v < ref / factor - slack; `factor` against the other peers' answers, `own_factor` against the peer's own."""
+
+    factor: float
+    own_factor: float
+    slack: float = 1e-12
+    upper_only: bool = False  # only a value too large disagrees
+
+    def disagrees(self, value: float, ref: float, own: bool = False) -> bool:
+        factor = self.own_factor if own else self.factor
+        if math.isinf(factor):
+            return False
+        return value > ref * factor + self.slack or (not self.upper_only and value < ref / factor - self.slack)
+
+
+# What a next stage answers. sensitivity: |x| * |dL/dx| / scale, the change of the microbatch's loss per relative
+# change of the activations' scale: the norm of the gradient alone shrinks as the activations grow (the next stage
+# normalizes them), and the microbatch's share of its batch (`scale`) multiplies it. loss: the microbatch's loss.
+ANSWER_RULES = {"sensitivity": Rule(factor=10.0, own_factor=100.0),
+                "loss": Rule(factor=2.0, own_factor=4.0, slack=1.0)}
+# What the stage before sends: the root mean square of its activations, held only to its own sender's earlier ones
+# (x100 up): honest senders of one stage may hold very different params (one starting the stage from the recipe's
+# init sent activations 1/20,000 of a trained one's in tests/test_pipeline.py's rebalancing run), so no sender is
+# judged by the others'. What a stage trains on garbage from its first microbatch on is bounded at averaging instead.
+REQUEST_RULES = {"activations": Rule(factor=math.inf, own_factor=100.0, upper_only=True)}
+
+
+def sensitivity(x: torch.Tensor, grad: torch.Tensor, scale: float) -> float:
+    """|x| * |grad| / scale (see ANSWER_RULES)."""
+    return float(x.detach().float().norm()) * float(grad.detach().float().norm()) / scale
+
+
+def rms(x: torch.Tensor) -> float:
+    return float(x.detach().float().pow(2).mean().sqrt()) if x.numel() else 0.0
+
+
+def routing_weights(candidates: Sequence[tuple[str, float]], measured: dict[str, float]) -> list[float]:
+    """A weight for each of `candidates` (peer id, announced tokens/s): its measured tokens/s where `measured` has
+    it; an unmeasured peer the median of the candidates' measured rates, or, while none is measured, its announced
+    rate up to PRIOR_CAP times the median announced. Each is then kept within WEIGHT_CAP times the median weight, so
+    one peer (however fast it answers, or says it is) takes at most about WEIGHT_CAP times a fair share, and one
+    measured slow once (a cold start) still gets microbatches to be measured again."""
+    if not candidates:
+        return []
+    known = [measured[peer] for peer, _ in candidates if peer in measured]
+    if known:
+        prior = statistics.median(known)
+        weights = [measured.get(peer, prior) for peer, _ in candidates]
+    else:
+        announced = statistics.median(max(speed, 0.0) for _, speed in candidates)
+        weights = [min(max(speed, 0.0), PRIOR_CAP * announced) for _, speed in candidates]
+    middle = statistics.median(weights)
+    return [max(min(w, WEIGHT_CAP * middle), middle / WEIGHT_CAP, 1e-9) for w in weights]
+
+
+def smoothed(previous: Optional[float], rate: float) -> float:
+    """A peer's measured rate after one more hop at `rate`."""
+    return rate if previous is None else (1 - RATE_SMOOTHING) * previous + RATE_SMOOTHING * rate
+
+
+@dataclass
+class AnswerCheck:
+    """Each peer's last WINDOW accepted values of each statistic of `rules`, and the peers left out. `judge` accepts
+    (and records) or refuses one answer; a peer with STRIKES answers refused in a row is left out for EXCLUDE_SECONDS
+    and its history forgotten, so it weighs in no judgement of the others."""
+
+    rules: dict[str, Rule]
+    history: dict[str, dict[str, deque]] = field(default_factory=dict)
+    excluded: dict[str, tuple[float, str]] = field(default_factory=dict)  # peer -> (until, time.monotonic; why)
+    disputes: int = 0  # answers two lone peers disagreed on (nobody to tell who lies: accepted)
+    strikes: dict[str, int] = field(default_factory=dict)  # peer -> its answers refused in a row
+    answered_at: dict[str, float] = field(default_factory=dict)  # peer -> when its last accepted answer came
+
+    def is_excluded(self, peer: str, now: Optional[float] = None) -> bool:
+        left_out = self.excluded.get(peer)
+        return left_out is not None and (time.monotonic() if now is None else now) < left_out[0]
+
+    def judge(self, peer: str, values: dict[str, float], now: Optional[float] = None) -> Optional[str]:
+        """None, and `values` recorded as `peer`'s: its answer is accepted. Otherwise why it is refused, with the
+        numbers (one line); at its STRIKES-th refusal in a row `peer` is left out (is_excluded). An answer is refused
+        when a statistic disagrees (its Rule) with the median of the peer's own last answers (from MIN_ANSWERS on:
+        the first answers set the scale), or with the medians of a strict majority of the other peers not left out
+        that have MIN_EVIDENCE answers, the last within FRESH_SECONDS, where there are at least two such (with one,
+        nobody can tell which of the two lies: `disputes` counts it)."""
+        now = time.monotonic() if now is None else now
+        mine = self.history.setdefault(peer, {name: deque(maxlen=WINDOW) for name in self.rules})
+        for name, value in values.items():
+            rule = self.rules[name]
+            own = mine[name]
+            if len(own) >= MIN_ANSWERS:
+                ref = statistics.median(own)
+                if rule.disagrees(value, ref, own=True):
+                    return self._refuse(peer, now, f"{name} {value:.4g}, {_times(value, ref)} the median {ref:.4g} "
+                                                   f"of its own last {len(own)} answers")
+            refs = [statistics.median(h[name]) for q, h in self.history.items()
+                    if q != peer and len(h[name]) >= MIN_EVIDENCE and not self.is_excluded(q, now)
+                    and now - self.answered_at.get(q, now) <= FRESH_SECONDS]
+            against = [ref for ref in refs if rule.disagrees(value, ref)]
+            if len(refs) >= 2 and 2 * len(against) > len(refs):
+                ref = statistics.median(against)
+                return self._refuse(peer, now, f"{name} {value:.4g}, {_times(value, ref)} the median {ref:.4g} of "
+                                                f"{len(against)} of the {len(refs)} other peers' recent answers")
+            if refs and against and len(refs) == 1:
+                self.disputes += 1
+        for name, value in values.items():
+            mine[name].append(value)
+        self.answered_at[peer] = now
+        self.strikes.pop(peer, None)
+        return None
+
+    def _refuse(self, peer: str, now: float, why: str) -> str:
+        self.strikes[peer] = self.strikes.get(peer, 0) + 1
+        if self.strikes[peer] >= STRIKES:
+            self.excluded[peer] = (now + EXCLUDE_SECONDS, why)
+            self.history.pop(peer, None)
+            self.strikes.pop(peer, None)
+        return why
+
+
+
+def _times(value: float, ref: float) -> str:
+    if ref > 0 and value >= ref:
+        return f"{value / ref:.3g}x"
+    if value > 0 and ref > value:
+        return f"1/{ref / value:.3g} of"
+    return "far from"
