@@ -195,6 +195,47 @@ def _peer_states() -> None:  # (the record rule above spells out the states the 
     assert set(PEER_STATES) <= {"joining", "training", "averaging", "syncing", "offline", "stopping"}, PEER_STATES
 
 
+INVITE_FIELDS = ("owner", "run_id", "peer_id", "issued", "expires", "signature")
+_invite_parts: dict = {}
+
+
+def _invite_seed() -> dict:
+    """A valid invite of a fresh owner key (made once), as its fields."""
+    if not _invite_parts:
+        from swarm.dht.admission import Invite
+        from swarm.dht.validation import Identity
+        from hivemind.utils.crypto import RSAPrivateKey
+        owner, peer = (Identity(RSAPrivateKey(), path="", ephemeral=False) for _ in range(2))
+        invite = Invite.sign(owner, "run", peer.peer_id, days=1.0)
+        _invite_parts.update(owner=owner, peer=peer.peer_id,
+                             fields={name: getattr(invite, name) for name in INVITE_FIELDS})
+    return dict(_invite_parts["fields"])
+
+
+def _invite_parse(value: Any) -> bool:
+    """Whether a token made of these fields admits its peer to run "run" of the seed's owner (it must be the owner's
+    word, as signed: any field changed breaks the signature; the order on the wire is INVITE_FIELDS)."""
+    import base64
+
+    import msgpack
+
+    from swarm.dht.admission import Invite, InviteError
+    if not isinstance(value, dict):
+        return False
+    packed = msgpack.packb([value[name] for name in INVITE_FIELDS if name in value], default=repr)
+    token = base64.urlsafe_b64encode(packed).rstrip(b"=").decode()
+    try:
+        invite = Invite.parse(token)
+    except InviteError:
+        return False
+    owner = _invite_parts["owner"]
+    return invite.problem(owner.peer_id, owner.public_key.decode(), "run", _invite_parts["peer"], time.time()) is None
+
+
+def _as_signed(name: str) -> Callable[[Any], bool]:
+    return lambda x: type(x) is type(_invite_parts["fields"][name]) and x == _invite_parts["fields"][name]
+
+
 MESSAGE_TYPES = [
     MessageType("entry", "member", entry_seed, lambda v: parse_candidate(v, verified=True) is not None,
                 ENTRY_RULES),
@@ -238,6 +279,8 @@ MESSAGE_TYPES = [
                  "cap": lambda x: x is None or (isinstance(x, float) and x >= 0)},
                 may_omit=frozenset({"rejected", "radius", "cap"})),
 ]
+MESSAGE_TYPES.append(MessageType("invite", "owner", _invite_seed, _invite_parse,
+                                 {name: _as_signed(name) for name in INVITE_FIELDS}))
 TERM_TYPE = "verify_term"  # a list, not a mapping: mutated position by position below
 ALL_TYPES = [t.name for t in MESSAGE_TYPES] + [TERM_TYPE, "matchmaking_entry", "matchmaking_final"]
 

@@ -1,5 +1,5 @@
-"""The protocol fuzzer (scripts/fuzz_protocol.py) finds nothing on the code as it is, and does find the holes issue 37
-reported when they are put back: so what it checks can fail."""
+"""The protocol fuzzer (scripts/fuzz_protocol.py) finds nothing on the code as it is (tests/test_docs.py runs it whole,
+as documented), and does find the holes issue 37 reported when they are put back: so what it checks can fail."""
 
 from __future__ import annotations
 
@@ -26,12 +26,6 @@ def test_every_message_type_s_schema_holds_against_every_mutation(fuzz):
     outcomes = fuzz.schema_level(set(fuzz.ALL_TYPES))
     assert {o.message for o in outcomes} >= {t.name for t in fuzz.MESSAGE_TYPES} | {fuzz.TERM_TYPE}
     assert len(outcomes) >= 1000
-    assert [o for o in outcomes if o.violation] == []
-
-
-def test_matchmaking_holds_against_a_mutated_entry_and_a_mutated_leader_s_group(fuzz):
-    outcomes = fuzz.matchmaking_level({"matchmaking_entry", "matchmaking_final"})
-    assert len(outcomes) >= 300
     assert [o for o in outcomes if o.violation] == []
 
 
