@@ -65,6 +65,7 @@ class Part:
         self.stream: Optional[MicrobatchStream] = None  # a first stage's microbatches, a stream across batches
         self.work: Optional[Handoff] = None  # a serving stage's: microbatches the stage before sent, for us to run
         self.router: Optional[Router] = None
+        self.server: Optional[StageServer] = None  # a serving stage's, once started
         limit, capacity = _capacity(settings)
         parts = part_params(recipe, model)
         needs = stage_needs(recipe, parts=parts)  # (as doctor estimates)
