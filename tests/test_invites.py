@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import msgpack
 import pytest
-from conftest import ask_echo, echo_handler
+from conftest import ask_echo, echo_handler, wait_until
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
@@ -219,11 +219,13 @@ def test_a_bootstrap_publishes_the_revocation_and_nodes_refuse_the_peer(swarm, t
         assert loop.run(ask(alice, bob.peer_id), timeout=30) == b"hello"
 
         assert main(["revoke", alice.peer_id, "--identity-path", str(owner_key), "--run-id", "tiny-test"]) == 0
-        deadline = time.monotonic() + 25  # the bootstrap checks the file every 5 s; bob re-reads every second
-        while bob.admission.revocation is None:
-            assert time.monotonic() < deadline, "bob never saw the owner's revocation list"
+
+        def bob_saw_it() -> bool:  # (a read re-reads the list once it is due)
             loop.run(bob.get("swarm.test.entries"), timeout=30)
-            time.sleep(0.5)
+            return bob.admission.revocation is not None
+
+        # The bootstrap checks the file every 5 s; bob re-reads every second.
+        assert wait_until(bob_saw_it, 25, step=0.5), "bob never saw the owner's revocation list"
         read = loop.run(bob.get("swarm.test.entries"), timeout=30)
         assert [value["who"] for value in read.values()] == [bob.peer_id], "alice's entry is left out"
         assert loop.run(ask(alice, bob.peer_id), timeout=30) is None, "alice's stream is refused"

@@ -2,8 +2,8 @@
 the hand-off of served microbatches to a peer's training thread (`Handoff`), which also takes its outer steps. A
 server holds at most MAX_WAITING microbatches, MAX_WAITING_PER_PEER of them from one peer, and refuses more at once
 ("busy", so the sender goes to another peer); a microbatch whose handler gave up on it is never trained on. A
-server refuses activations far outside those the other senders send, or the same sender sent before
-(integrity.AnswerCheck), and leaves their sender out for a while.
+server refuses activations far above those the same sender sent before (integrity.REQUEST_RULES: honest senders of
+a stage may differ by orders of magnitude, so none is judged by the others'), and leaves their sender out for a while.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ class StageServer:
 
     def _judge(self, remote: str, x: torch.Tensor) -> Optional[str]:
         """Why the activations `x` from `remote` are refused (None: they are not): it is left out, or they are far
-        outside what the other senders or it sent (integrity.AnswerCheck, which leaves it out at its STRIKES-th
+        above what it sent before (integrity.AnswerCheck with REQUEST_RULES, which leaves it out at its STRIKES-th
         refusal in a row)."""
         left_out = self.check.excluded.get(remote)
         if self.check.is_excluded(remote):
