@@ -415,15 +415,15 @@ def test_two_stages_of_two_peers_train_and_joiners_take_the_stage_nobody_hosts(s
     for a, b in ((0, 1), (2, 3)):
         assert all(torch.equal(x, y) for x, y in zip(traces[a], traces[b])), f"peers {a} and {b} differ"
     assert traces[0][0].numel() != traces[2][0].numel()
-    # The training loss each peer last saw before a round. A first-stage peer's is its last batch's (both
-    # microbatches); a last-stage peer's is one microbatch's, half a batch, too noisy to compare round by round
-    # (its maximum once rose while the batches' fell), so the first stage's peers are compared, on average.
+    # The training loss each peer last saw before a round: every peer reports one (None only before its first
+    # inner step), a finite number. Whether it
+    # falls is not asked of it: it is one batch's (a last-stage peer's, one microbatch's), a different batch each
+    # round, and over three rounds its noise is larger than the learning (CI once saw a first-stage peer's go
+    # 5.30, 5.21, 5.41 while the validation loss on fixed batches went 5.27, 5.04, 4.96). The validation loss is
+    # what must fall.
     losses = [[e["loss"] for e in peer.events("averaged")][:3] for peer in first + later]
-    assert all(len(series) == 3 for series in losses)
-    batch_losses = [series for series in losses[:2] if series[0] is not None and series[-1] is not None]
-    assert batch_losses, losses
-    assert sum(s[-1] for s in batch_losses) / len(batch_losses) < sum(s[0] for s in batch_losses) / len(batch_losses), \
-        losses
+    assert all(len(series) == 3 and series[-1] is not None and all(x is None or math.isfinite(x) for x in series)
+               for series in losses), losses
     # The first stage's peers send the validation batches through the pipeline after each round (forward only): a
     # validation loss, which falls; the last stage's peers announce none.
     val = [[e["val_loss"] for e in peer.events("averaged")][:3] for peer in first]
