@@ -259,3 +259,31 @@ def test_a_stranger_declaring_a_state_of_its_own_forces_no_mixing():
 
     for group, _ in asyncio.run(main()):
         assert group is not None and set(group.members) == honest_ids and not group.mix, group
+
+
+def test_peers_all_in_client_mode_form_no_group_at_once_and_one_that_accepts_connections_lets_them_average():
+    """Behind NAT nobody can reduce for anybody: peers all in client mode give up the attempt as soon as their
+    group is known (the old code waited out the matchmaking window for a leader that could publish nothing, then
+    retried forever); with one peer that accepts connections among them, the group forms and that peer reduces
+    the whole vector."""
+    board = Board()
+    nodes = [FakeNode(board) for _ in range(3)]
+    ids = {n.peer_id for n in nodes}
+
+    def match(node, client: bool, attempt: int):
+        return form_group(node, "run", 1, attempt, Candidate(DIGEST, 1.0, client=client, weight=1.0),
+                          ids - {node.peer_id}, 2, 4, TIMEOUT)
+
+    async def main(servers: set[str], attempt: int):
+        return await asyncio.gather(*(match(n, n.peer_id not in servers, attempt) for n in nodes))
+
+    started = time.monotonic()
+    results = asyncio.run(main(set(), 0))
+    assert time.monotonic() - started < TIMEOUT / 2
+    assert all(group is None and seen == 2 for group, seen in results), results
+    server = sorted(ids)[1]
+    results = asyncio.run(main({server}, 1))
+    assert all(group is not None and set(group.members) == ids for group, _ in results), results
+    group = results[0][0]
+    assert [share > 0 for share in group.shares] == [peer == server for peer in group.members]
+    assert list(group.clients) == [peer != server for peer in group.members]

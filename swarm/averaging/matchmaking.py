@@ -207,6 +207,12 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
         return None, seen
     if len(members) < min_size:
         return None, seen
+    if all(candidates[peer].client for peer in members):
+        # Nobody in it accepts connections, so nobody can reduce (and the leader would publish nothing): the
+        # averager says so once (averager.Averager._say_no_group), and the next attempt with a peer that accepts
+        # connections forms.
+        logger.debug("round %d: every candidate of my group is in client mode; nobody can reduce", round_no)
+        return None, seen
     leader = leader_of(members, round_no, attempt)
     if leader == me:
         try:

@@ -106,7 +106,13 @@ class Averager:
         """Why no group formed, in one line: too few peers for averaging.min_group_size is said once (DEBUG while it
         lasts), so a peer waiting for a partner says what it waits for instead of repeating every attempt."""
         need = self.recipe.averaging.min_group_size
-        if others_seen + 1 < need:
+        if self.client_mode and others_seen + 1 >= need and self._nobody_accepts_connections():
+            why = ("no peer of the swarm accepts connections: every peer online is in client mode (behind NAT or "
+                   "--client-mode), so nobody can reduce the average; this peer averages as soon as one that "
+                   "accepts connections joins (one with a public address, a forwarded port or --nat-traversal)")
+            level = logging.DEBUG if why == self._waiting_said else logging.INFO
+            self._waiting_said = why
+        elif others_seen + 1 < need:
             why = (f"waiting for {counted(need - 1 - others_seen, 'more peer')}: this run averages in groups of at "
                    f"least {need} (averaging.min_group_size) and matchmaking saw "
                    f"{counted(others_seen, 'other peer')}")
@@ -116,6 +122,10 @@ class Averager:
             why = f"no group formed with the {counted(others_seen, 'other peer')} matchmaking saw (attempt {attempt})"
             level, self._waiting_said = logging.INFO, ""
         logger.log(level, "round %d: %s; training on", round_no, why)
+
+    def _nobody_accepts_connections(self) -> bool:
+        """Whether every other peer training now announces client mode (what our own entry says of us is known)."""
+        return all(record.client for record in self.announcer.live())
 
     def match(self, contribution: Contribution, attempt: int) -> tuple[Optional[Any], int]:
         """(the group we average with, or None; how many other peers matchmaking saw).
