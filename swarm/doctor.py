@@ -17,7 +17,8 @@ from swarm.checks import Check, check_checkpoint_dir, load_resolved, resource_ch
 from swarm.config import Recipe, RecipeError
 from swarm.settings import PeerSettings
 from swarm.dht.admission import Admission, AdmissionError
-from swarm.dht.dialback import DialBack, DialBackError, dial_back, reachable, serve_dialback, tcp_target
+from swarm.dht.dialback import (OPEN, DialBack, DialBackError, dial_back, forwarded, reachable, serve_dialback,
+                                 tcp_target)
 from swarm.dht.direct import listen_hosts
 from swarm.dht.lifeline import identity_held_here
 from swarm.dht.node import HOLDER_EXIT_SECONDS, NetworkOptions, NodeError, SwarmNode
@@ -196,30 +197,48 @@ def check_admission(admission: Optional[Admission], run_id: str, identity_path: 
 # ---- the swarm's view of us -------------------------------------------------------------------------------------
 def check_reachability(answer: DialBack | DialBackError, libp2p: Sequence[str], direct: Sequence[str],
                        nat_traversal: bool = False) -> Check:
+    """The dial-back's verdict and what join does about it: go on as it is; announce the address the swarm saw this
+    peer at, where its port answered (a forwarded port or a mapping: details' `announce`); switch to client mode
+    (under `nat_traversal`, rely on relays) when nothing answered; "not known" only when nothing could be dialled."""
     if isinstance(answer, DialBackError):
         return Check("reachability", False, f"not checked: {answer}: ask another peer (pass it first in "
                                             "--initial-peers), or run with --client-mode if unsure",
                      {"error": str(answer)})
     details = {"outcomes": answer.outcomes, "observed": list(answer.observed), "server": answer.server}
     verdict = reachable(answer, libp2p)
-    tried = "; ".join(f"{m} {answer.outcomes.get(m, '?')}" for m in libp2p)
+    seen = answer.dialled(answer.seen(libp2p))  # our ports, tried at the IP the server saw us at
+
+    def said(maddrs: Sequence[str]) -> str:
+        return "; ".join(f"{m} {answer.outcomes.get(m, 'not dialled')}" for m in maddrs)
+
     if verdict is None:
         return Check("reachability", False, f"not known: peer {answer.server} saw this peer at "
-                                            f"{', '.join(answer.observed)} and could dial none of {tried}: announce "
-                                            "the address the swarm sees (--announce-maddrs)", details)
+                                            f"{', '.join(answer.observed)} and could dial none of {said(libp2p)}: "
+                                            "announce the address the swarm sees (--announce-maddrs)", details)
     if verdict is False:
         fix = ("join relies on relays (--nat-traversal), which carry less; for direct connections" if nat_traversal
                else "join switches to client mode; to serve others too,")
         port = tcp_target(libp2p[0])[1] if libp2p and tcp_target(libp2p[0]) else "PORT"
+        public = tcp_target(seen[0])[0] if seen else "PUBLIC_IP"
+        tried = f"it is seen at {', '.join(answer.observed)}, where {said(seen)}" if seen else said(libp2p)
         return Check("reachability", False, f"the swarm cannot dial this peer ({tried}): {fix} forward TCP port "
                                             f"{port} to this machine and announce its public address "
-                                            f"(--announce-maddrs /ip4/PUBLIC_IP/tcp/{port})",
+                                            f"(--announce-maddrs /ip4/{public}/tcp/{port})",
                      {**details, "reachable": False})
-    closed = [m for m in direct if m not in answer.opened(direct)]
+    announce = forwarded(answer, libp2p)
+    # The direct-stream port is announced at the libp2p addresses' hosts: at the IP seen, once join announces that.
+    closed = [m for m in (answer.seen(direct) if announce else direct) if answer.outcomes.get(m) != OPEN]
+    slower = f"({said(closed)}): bulk data goes through libp2p (slower); fix --direct-port and forward it"
+    if announce:
+        return Check("reachability", True, f"peer {answer.server[-8:]} saw this peer at "
+                                           f"{', '.join(answer.observed)} and dialled back {', '.join(announce)} "
+                                           f"there (a forwarded port or the router's mapping), not "
+                                           f"{', '.join(libp2p)}: join announces {', '.join(announce)}"
+                                           + (f"; the direct-stream port does not answer there {slower}"
+                                              if closed else ""),
+                     {**details, "reachable": True, "announce": announce})
     if closed:
-        return Check("reachability", False, f"libp2p is reachable but the direct-stream port is not ("
-                                            f"{'; '.join(f'{m} {answer.outcomes.get(m)}' for m in closed)}): bulk "
-                                            "data goes through libp2p (slower); fix --direct-port and forward it",
+        return Check("reachability", False, f"libp2p is reachable but the direct-stream port is not {slower}",
                      {**details, "reachable": True})
     return Check("reachability", True, f"peer {answer.server[-8:]} dialled back {', '.join(answer.opened(libp2p))}",
                  {**details, "reachable": True})
@@ -294,10 +313,11 @@ def diagnose(settings: PeerSettings) -> list[Check]:
 
 def join_checked(settings: PeerSettings, loop: LoopThread, events: EventLog) -> tuple[SwarmNode, PeerSettings]:
     """join's start: ports and the bootstrap's TCP and libp2p before the node starts (a problem there stops join
-    with its line, as NodeError); right after it joined, the dial-back: a peer the swarm cannot dial restarts its
-    node in client mode (under --nat-traversal it relies on relays instead); then clock, version, disk and memory,
-    which only warn. Each check is logged (problems one line each) and emitted as a `check` event. Returns the node
-    and the settings it runs with (client_mode set if it switched)."""
+    with its line, as NodeError); right after it joined, the dial-back: a peer the swarm dialled only at the IP it
+    saw it at (a forwarded port, a mapping) restarts its node announcing that address, and one the swarm cannot dial
+    restarts it in client mode (under --nat-traversal it relies on relays instead); then clock, version, disk and
+    memory, which only warn. Each check is logged (problems one line each) and emitted as a `check` event. Returns
+    the node and the settings it runs with (client_mode, or the addresses announced, set if it switched)."""
     passed: list[str] = []
 
     def report(check: Check) -> Check:
@@ -327,6 +347,13 @@ def join_checked(settings: PeerSettings, loop: LoopThread, events: EventLog) -> 
     answer, libp2p, direct = loop.run(dial_back(node, node.initial_peer_ids, announce=not client), timeout=60)
     for check in swarm_checks(answer, libp2p, direct, settings):
         report(check)
+    announce = forwarded(answer, libp2p) if not client and isinstance(answer, DialBack) else []
+    if announce:  # its message said so: announce where the swarm dialled us, on the ports it dialled
+        node.shutdown()
+        settings = _announcing(settings, announce, libp2p, node.direct.port if node.direct is not None else None)
+        node = _start_node(settings)
+        answer, libp2p, direct = loop.run(dial_back(node, node.initial_peer_ids), timeout=60)
+        report(check_reachability(answer, libp2p, direct, settings.network.nat_traversal))
     if not client and not settings.network.nat_traversal and isinstance(answer, DialBack) \
             and reachable(answer, libp2p) is False:
         node.shutdown()  # its message said so: from here on we open every connection ourselves
@@ -342,6 +369,26 @@ def join_checked(settings: PeerSettings, loop: LoopThread, events: EventLog) -> 
         report(check)
     logger.info("checks passed: %s", ", ".join(dict.fromkeys(passed)))
     return node, settings
+
+
+def _announcing(settings: PeerSettings, announce: Sequence[str], listening: Sequence[str],
+                direct_port: Optional[int]) -> PeerSettings:
+    """`settings` announcing `announce` (addresses the dial-back reached at the IP it saw us at), and listening on
+    the ports it reached there: each port 0 of --host-maddrs (and --direct-port) fixed to the one the node got
+    (from `listening`, the addresses it announced), since a forwarded port or a mapping leads to that one."""
+    got = [target for target in map(tcp_target, listening) if target is not None]
+    host_maddrs = []
+    for maddr in settings.network.host_maddrs:
+        parts = maddr.strip("/").split("/")  # (tcp_target takes no port 0)
+        if len(parts) == 4 and parts[0] in ("ip4", "ip6") and parts[2:] == ["tcp", "0"]:
+            family = [p for h, p in got if (":" in h) == (parts[0] == "ip6")]
+            port = next((p for h, p in got if h == parts[1]), next(iter(family), None))
+            maddr = maddr if port is None else f"/{parts[0]}/{parts[1]}/tcp/{port}"
+        host_maddrs.append(maddr)
+    network = settings.network.model_copy(update={
+        "host_maddrs": tuple(host_maddrs), "announce_maddrs": tuple(announce),
+        "direct_port": settings.network.direct_port or direct_port or 0})
+    return settings.model_copy(update={"network": network})
 
 
 def _start_node(settings: PeerSettings) -> SwarmNode:

@@ -16,10 +16,11 @@ import pytest
 
 from swarm.config import load_recipe
 from swarm.settings import PeerSettings
-from swarm.dht.dialback import BURST, MAX_TARGETS, DialBack, DialBackError, DialBackServer, reachable, request_dialback
+from swarm.dht.dialback import (BURST, MAX_TARGETS, DialBack, DialBackError, DialBackServer, _parse, forwarded,
+                                reachable, request_dialback)
 from swarm.checks import Check, check_device_memory
 from swarm.model.memory import estimate_needs
-from swarm.doctor import check_clock, check_identity, check_reachability, diagnose
+from swarm.doctor import _announcing, check_clock, check_identity, check_reachability, diagnose
 
 TESTS = Path(__file__).parent
 TINY = TESTS / "recipes" / "tiny.yaml"
@@ -93,8 +94,10 @@ def test_dial_back_reports_which_address_answered_and_the_clock_offset():
 
 
 def test_dial_back_never_dials_a_third_party_and_is_bounded():
-    """Anyone may ask, so the server dials only the IP the request came from: other IPs and names are refused
-    unasked, as are addresses past MAX_TARGETS; a requester past its burst is told to wait."""
+    """Anyone may ask, so the server dials only the IP the request came from: other IPs and names are never dialled
+    (the ports of other IPs are tried at the requester's IP instead, where a forwarded port would answer), nor
+    addresses past MAX_TARGETS, and no request makes it dial more than MAX_TARGETS times; a requester past its
+    burst is told to wait."""
     dialled = []
 
     async def connect(host: str, port: int, timeout: float) -> str:
@@ -106,8 +109,14 @@ def test_dial_back_never_dials_a_third_party_and_is_bounded():
     others = ["/ip4/198.51.100.1/tcp/22", "/ip4/127.0.0.1/tcp/6379", "/dns4/example.org/tcp/80"]
     answer = asyncio.run(server.answer({"maddrs": others + own}, ["203.0.113.7"]))
     assert all(answer["outcomes"][m].startswith("not dialled") for m in others), answer
-    assert dialled == [("203.0.113.7", 4000 + i) for i in range(MAX_TARGETS - len(others))]
+    assert dialled == [("203.0.113.7", 4000 + i) for i in range(MAX_TARGETS - len(others))] \
+        + [("203.0.113.7", 22), ("203.0.113.7", 6379)]
+    assert answer["outcomes"]["/ip4/203.0.113.7/tcp/22"] == "open"
     assert answer["outcomes"][own[-1]].startswith("not dialled: over")
+    dialled.clear()
+    elsewhere = [f"/ip4/198.51.100.{i}/tcp/{5000 + i}" for i in range(MAX_TARGETS)]
+    asyncio.run(server.answer({"maddrs": own[:3] + elsewhere}, ["203.0.113.7"]))
+    assert len(dialled) == MAX_TARGETS and {host for host, _ in dialled} == {"203.0.113.7"}, dialled
     assert "malformed" in asyncio.run(server.answer({"maddrs": "x"}, ["203.0.113.7"]))["error"]
     errors = [asyncio.run(server.answer({"maddrs": []}, ["192.0.2.9"])).get("error") for _ in range(BURST + 1)]
     assert errors[:BURST] == [None] * BURST and "rate limited" in errors[BURST], errors
@@ -127,6 +136,60 @@ def test_reachability_verdicts_say_what_join_does():
     assert reachable(unknown, libp2p) is None and "not known" in check_reachability(unknown, libp2p, []).message
     old = check_reachability(DialBackError("peer boot does not answer dial-back requests"), libp2p, [])
     assert not old.ok and old.message.startswith("not checked")
+
+
+def test_the_dial_back_tries_the_ip_it_saw_and_concludes():
+    """A peer behind a home router announces its LAN address and the server sees its router's: the server tries the
+    same ports there. Refused (nothing forwarded): client mode, and the line names the router's address; open (a
+    forwarded port, a mapping): reachable, and join announces that address; from an older server that tries nothing
+    there: not known, as before."""
+    libp2p, direct = ["/ip4/192.168.71.2/tcp/40919"], ["/ip4/192.168.71.2/tcp/40920"]
+    seen, seen_direct = "/ip4/10.232.0.11/tcp/40919", "/ip4/10.232.0.11/tcp/40920"
+
+    def asked(open_ports: set[int]) -> DialBack:
+        async def connect(host: str, port: int, timeout: float) -> str:
+            assert host == "10.232.0.11", "only the IP the request came from"
+            return "open" if port in open_ports else "refused"
+
+        server = DialBackServer(LoopbackNode("router-side"), "0.2.0", connect=connect)
+        answer = asyncio.run(server.answer({"maddrs": libp2p + direct}, ["10.232.0.11"]))
+        return _parse("boot", {**answer, "received": 1.0, "sent": 1.0}, 1.0, 1.0)
+
+    natted = asked(set())
+    assert natted.outcomes[seen] == natted.outcomes[seen_direct] == "refused"
+    assert reachable(natted, libp2p) is False and forwarded(natted, libp2p) == []
+    check = check_reachability(natted, libp2p, direct)
+    assert not check.ok and "join switches to client mode" in check.message, check
+    assert f"seen at 10.232.0.11, where {seen} refused" in check.message and f"--announce-maddrs {seen}" in \
+        check.message, check
+
+    mapped = asked({40919, 40920})
+    assert reachable(mapped, libp2p) is True and forwarded(mapped, libp2p) == [seen]
+    check = check_reachability(mapped, libp2p, direct)
+    assert check.ok and check.details["announce"] == [seen] and f"join announces {seen}" in check.message, check
+    assert "direct-stream" not in check.message
+    half = check_reachability(asked({40919}), libp2p, direct)
+    assert half.ok and "the direct-stream port does not answer there" in half.message, half
+
+    older = DialBack("boot", {m: "not dialled: not the IP this request came from" for m in libp2p + direct},
+                     ("10.232.0.11",), 0.0, 0.01, "0.2.0")
+    assert reachable(older, libp2p) is None and check_reachability(older, libp2p, direct).message.startswith(
+        "not known")
+    over_loopback = asyncio.run(DialBackServer(LoopbackNode("local"), "0").answer({"maddrs": libp2p}, ["127.0.0.1"]))
+    assert list(over_loopback["outcomes"]) == libp2p, "no router between a peer and a server on its machine"
+
+
+def test_join_announces_a_forwarded_address_on_the_ports_it_was_dialled_at():
+    """The restart that announces the address seen keeps the ports the swarm dialled: port 0 becomes the one the
+    node got, a fixed one stays."""
+    settings = PeerSettings(initial_peers=(_dead_bootstrap(),), network={
+        "host_maddrs": ("/ip4/0.0.0.0/tcp/0", "/ip6/::/tcp/0", "/ip4/192.168.71.2/tcp/7000")})
+    listening = ["/ip4/127.0.0.1/tcp/40919", "/ip4/192.168.71.2/tcp/40919", "/ip6/::1/tcp/40921"]
+    network = _announcing(settings, ["/ip4/10.232.0.11/tcp/40919"], listening, 40920).network
+    assert network.host_maddrs == ("/ip4/0.0.0.0/tcp/40919", "/ip6/::/tcp/40921", "/ip4/192.168.71.2/tcp/7000")
+    assert network.announce_maddrs == ("/ip4/10.232.0.11/tcp/40919",) and network.direct_port == 40920
+    fixed = settings.model_copy(update={"network": settings.network.model_copy(update={"direct_port": 7001})})
+    assert _announcing(fixed, [], listening, 40920).network.direct_port == 7001
 
 
 # ---- this machine -----------------------------------------------------------------------------------------------

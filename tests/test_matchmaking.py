@@ -261,28 +261,38 @@ def test_a_stranger_declaring_a_state_of_its_own_forces_no_mixing():
         assert group is not None and set(group.members) == honest_ids and not group.mix, group
 
 
-def test_peers_all_in_client_mode_form_no_group_at_once_and_one_that_accepts_connections_lets_them_average():
-    """Behind NAT nobody can reduce for anybody: peers all in client mode give up the attempt as soon as their
-    group is known (the old code waited out the matchmaking window for a leader that could publish nothing, then
-    retried forever); with one peer that accepts connections among them, the group forms and that peer reduces
-    the whole vector."""
+def test_peers_all_in_client_mode_wait_the_window_for_one_that_accepts_connections_and_average_through_it():
+    """Behind NAT nobody can reduce for anybody: peers all in client mode wait out the matchmaking window for a peer
+    that accepts connections and then give the attempt up with no group (the old code formed a group of clients,
+    whose leader could publish nothing, then retried forever); one that comes within the window joins them, the
+    group forms before the deadline, and that peer reduces the whole vector."""
     board = Board()
     nodes = [FakeNode(board) for _ in range(3)]
     ids = {n.peer_id for n in nodes}
+    server = sorted(ids)[1]
 
-    def match(node, client: bool, attempt: int):
-        return form_group(node, "run", 1, attempt, Candidate(DIGEST, 1.0, client=client, weight=1.0),
-                          ids - {node.peer_id}, 2, 4, TIMEOUT)
+    def match(node, attempt: int, timeout: float, expected: set[str] = ids):
+        return form_group(node, "run", 1, attempt, Candidate(DIGEST, 1.0, client=node.peer_id != server,
+                                                             weight=1.0), expected - {node.peer_id}, 2, 4, timeout)
 
-    async def main(servers: set[str], attempt: int):
-        return await asyncio.gather(*(match(n, n.peer_id not in servers, attempt) for n in nodes))
+    async def clients_alone():  # (expecting only each other: all there at once, and still no group)
+        return await asyncio.gather(*(match(n, 0, 2.0, ids - {server}) for n in nodes if n.peer_id != server))
 
     started = time.monotonic()
-    results = asyncio.run(main(set(), 0))
+    results = asyncio.run(clients_alone())
+    assert 2.0 <= time.monotonic() - started < TIMEOUT / 2
+    assert all(group is None and seen == 1 for group, seen in results), results
+
+    async def server_comes_late():
+        async def late(node):  # (a newcomer: the clients do not expect it)
+            await asyncio.sleep(1.0)
+            return await match(node, 1, TIMEOUT)
+        return await asyncio.gather(*(match(n, 1, TIMEOUT, ids - {server}) if n.peer_id != server else late(n)
+                                      for n in nodes))
+
+    started = time.monotonic()
+    results = asyncio.run(server_comes_late())
     assert time.monotonic() - started < TIMEOUT / 2
-    assert all(group is None and seen == 2 for group, seen in results), results
-    server = sorted(ids)[1]
-    results = asyncio.run(main({server}, 1))
     assert all(group is not None and set(group.members) == ids for group, _ in results), results
     group = results[0][0]
     assert [share > 0 for share in group.shares] == [peer == server for peer in group.members]

@@ -175,10 +175,16 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
     # Writers of entries that are no candidate: a peer whose record says it is in the round, but whose entry is
     # malformed, is not waited for until the deadline.
     malformed: set[str] = set()
+    def enough(candidates: dict[str, Candidate]) -> bool:
+        # Everyone expected is here, enough of them, and one that accepts connections (clients only cannot reduce:
+        # we wait out the window for a server to come, so one that joins meanwhile averages with us).
+        return expected <= set(candidates) and len(candidates) >= min_size and \
+            not all(c.client for c in candidates.values())
+
     while True:
         candidates = {**await _read_candidates(node, key, excluded, verified, malformed), me: me_as}
         expected -= malformed - set(candidates)
-        if expected <= set(candidates) and len(candidates) >= min_size:
+        if enough(candidates):
             break
         if still_in is not None:
             in_round = still_in()
@@ -186,7 +192,7 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
                 logger.info("round %d: the swarm moved on while I waited for a group", round_no)
                 return None, max(len(candidates) - 1, 1)
             expected &= in_round | set(candidates)
-            if expected <= set(candidates) and len(candidates) >= min_size:
+            if enough(candidates):
                 break
         if time.monotonic() >= deadline:
             # Stragglers: let entries written at this moment reach every reader before deciding.
@@ -208,9 +214,8 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
     if len(members) < min_size:
         return None, seen
     if all(candidates[peer].client for peer in members):
-        # Nobody in it accepts connections, so nobody can reduce (and the leader would publish nothing): the
-        # averager says so once (averager.Averager._say_no_group), and the next attempt with a peer that accepts
-        # connections forms.
+        # Nobody in it accepts connections, so nobody can reduce (and the leader would publish nothing): after the
+        # window spent waiting for one, the averager says so once (averager.Averager._say_no_group).
         logger.debug("round %d: every candidate of my group is in client mode; nobody can reduce", round_no)
         return None, seen
     leader = leader_of(members, round_no, attempt)

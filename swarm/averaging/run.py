@@ -130,7 +130,8 @@ class Run(abc.ABC):
         acknowledgement is not a lost commit; the rare peer left behind re-syncs through the state digest)."""
         round_no = self.group.round
         self.faults.maybe_die("commit", round_no)
-        await asyncio.gather(*(self.send(peer, self.header("commit", body=self.reveal()), no_chunks())
+        body = self.reveal()  # (once, even with nobody to send it to: a lone server among clients checks with it)
+        await asyncio.gather(*(self.send(peer, self.header("commit", body=body), no_chunks())
                                for peer in self.servers))
         if self.i_am_client:
             # We cannot receive commits: ask every non-client member whether it applies (it does only once every

@@ -2,6 +2,10 @@
 to open a plain TCP connection to each address it will announce, and learns which answered. The answer also carries
 the server's clock (both when the request came and when the answer left, as NTP does) and its package version.
 
+When an address is at another IP than the one the request came from (a peer behind a home router announces its LAN
+address), the server tries the port of that address at the IP it saw instead: a forwarded port or the router's
+mapping answers there, and the peer then announces that address; if nothing answers, the swarm cannot dial it.
+
 Safe to serve to anyone: the server dials only the IP the request came from (loopback counts as one), never a host
 name and never a third party, so it cannot be used to scan others; a few addresses per request, short timeouts, a
 rate limit per requesting IP and a cap on requests in flight bound what it spends.
@@ -60,6 +64,12 @@ class DialBack:
     def dialled(self, maddrs: Sequence[str]) -> list[str]:
         return [m for m in maddrs if not self.outcomes.get(m, "not dialled").startswith("not dialled")]
 
+    def seen(self, maddrs: Sequence[str]) -> list[str]:
+        """The ports of those of `maddrs` at another IP than the server saw us at, at the IP it saw (see
+        `seen_forms`): where a forwarded port or a router's mapping answers. A server of an older version dials none
+        of them."""
+        return seen_forms(maddrs, self.observed)
+
 
 def tcp_target(maddr: str) -> Optional[tuple[str, int]]:
     """(IP, port) of an /ip4/H/tcp/P or /ip6/H/tcp/P multiaddr (any /p2p/ tail ignored); None for anything else."""
@@ -79,6 +89,21 @@ def same_host(target: str, requester: str) -> bool:
     the request came over loopback."""
     a, b = ip_of(target), ip_of(requester)
     return a is not None and b is not None and (a == b or (a.is_loopback and b.is_loopback))
+
+
+def seen_forms(maddrs: Sequence[str], hosts: Sequence[str]) -> list[str]:
+    """For each TCP address of `maddrs` at none of `hosts` (the IPs a request came from), its port at each of those
+    hosts of its family, in order and without repeats: what the server dials in its stead. Nothing at a loopback
+    host (a request over loopback comes from the server's own machine: no router stands between them)."""
+    seen: dict[str, None] = {}
+    for target in map(tcp_target, maddrs):
+        if target is None or any(same_host(target[0], host) for host in hosts):
+            continue
+        family = ip_of(target[0]).version
+        for ip in map(ip_of, hosts):
+            if ip is not None and ip.version == family and not ip.is_loopback:
+                seen[f"/ip{family}/{ip}/tcp/{target[1]}"] = None
+    return list(seen)
 
 
 def ip_of(host: str) -> Optional[ipaddress.IPv4Address | ipaddress.IPv6Address]:
@@ -149,8 +174,14 @@ class DialBackServer:
                 elif not any(same_host(target[0], host) for host in hosts):
                     outcomes[maddr] = "not dialled: not the IP this request came from"
                 else:
-                    dials[maddr] = self.connect(target[0], target[1], CONNECT_SECONDS)
-            outcomes.update(zip(dials, await asyncio.gather(*dials.values())))
+                    dials[maddr] = target
+            # In their stead, their ports at the IP the request came from (still only that IP, and MAX_TARGETS
+            # dials in all): a forwarded port or a mapping answers there.
+            for seen in seen_forms(maddrs[:MAX_TARGETS], hosts):
+                if seen not in dials and seen not in outcomes and len(dials) < MAX_TARGETS:
+                    dials[seen] = tcp_target(seen)
+            dialled = [self.connect(host, port, CONNECT_SECONDS) for host, port in dials.values()]
+            outcomes.update(zip(dials, await asyncio.gather(*dialled)))
         finally:
             self._in_flight -= 1
         return {**base, "outcomes": outcomes}
@@ -241,15 +272,23 @@ async def dial_back(node: SwarmNode, servers: Sequence[str], announce: bool = Tr
 
 
 def reachable(answer: DialBack, libp2p: Sequence[str]) -> Optional[bool]:
-    """Whether the swarm can dial our libp2p addresses: True if one answered, False if those dialled did not, or if
-    none could be (the server saw the request come from another IP) while we announce only private ones and it saw a
-    public one (behind NAT); None when the server could not tell."""
-    if answer.opened(libp2p):
+    """Whether the swarm can dial our libp2p addresses: True if one answered, or its port at the IP the server saw
+    us at did (a forwarded port or a mapping: announce `forwarded`'s addresses); False if those dialled did not, or,
+    from a server that dials no such port, if we announce only private addresses and it saw a public one (behind
+    NAT); None when the server could not tell."""
+    seen = answer.seen(libp2p)
+    if answer.opened(libp2p) or answer.opened(seen):
         return True
-    if answer.dialled(libp2p):
+    if answer.dialled(libp2p) or answer.dialled(seen):
         return False
     announced = [ipaddress.ip_address(t[0]) for t in map(tcp_target, libp2p) if t is not None]
     observed = [ip for ip in map(ip_of, answer.observed) if ip is not None]
     if announced and all(not ip.is_global for ip in announced) and any(ip.is_global for ip in observed):
         return False
     return None
+
+
+def forwarded(answer: DialBack, maddrs: Sequence[str]) -> list[str]:
+    """The addresses at the IP the server saw us at that answered in the stead of `maddrs` (none if one of `maddrs`
+    answered itself): the ones to announce."""
+    return [] if answer.opened(maddrs) else answer.opened(answer.seen(maddrs))
