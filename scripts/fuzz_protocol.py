@@ -4,43 +4,62 @@ Two levels. **Schema**: each message type's parser gets a valid message with one
 NaN, infinite, negative, zero, huge, overlong, or inconsistent with the rest of the message, or a replay of
 another round's; what it must do is written here from the protocol's documentation (docs/design.md, "Entries are
 one schema"), not read from the parser: accept exactly the messages whose every field is within its bounds, and
-refuse the others with its own error (None or its typed exception), never another exception. **Matchmaking**, end
-to end in one process (the real `form_group` over an in-memory DHT, four real identities): an attacker's entry,
-then the group it publishes as leader, mutated the same way; afterwards the honest members must have formed their
-group (an entry cannot stall them) with the terms their own entries give (weights, shares, deadline, commitments,
-no mixing of a state nobody else holds, no swarm size over the entries), or, where the attacker led, have refused
-its group.
+refuse the others with its own error (None or its typed exception), never another exception. Messages sent on
+streams (the direct-stream handshake, state and replay requests, data requests, group pushes, a stage server's
+microbatches) go over a socket on 127.0.0.1 to the real server, which must answer each as its protocol says (its
+refusal a reason or a closed stream) and, once all went through, still serve an honest request and hold nothing
+it was sent; the answers a client reads (a holder's state header, a data holder's, a stage peer's) go to the
+real client. **Matchmaking**, end to end in one process (the real `form_group` over an in-memory DHT, four real
+identities): an attacker's entry, then the group it publishes as leader, mutated the same way; afterwards the
+honest members must have formed their group (an entry cannot stall them) with the terms their own entries give
+(weights, shares, deadline, commitments, no mixing of a state nobody else holds, no swarm size over the
+entries), or, where the attacker led, have refused its group.
 
 A violation is any other outcome. Prints a table per message type and mutation class, then one JSON line with at
 least `mutations` and `violations`; exit status 1 if any violation was found.
 
     python scripts/fuzz_protocol.py                     # every message type, both levels
     python scripts/fuzz_protocol.py --only entry,final  # some types (see --help)
-    python scripts/fuzz_protocol.py --no-matchmaking    # the schema level alone (a second or two)
+    python scripts/fuzz_protocol.py --no-matchmaking    # the schema level alone (a few seconds)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import logging
 import math
+import shutil
+import ssl
 import sys
+import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+import msgpack
+import numpy as np
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from swarm.averaging.group_push import parse_final, leader_of  # noqa: E402
+from swarm.averaging.group_push import MAX_PUSH_BYTES, GroupPush, parse_final, leader_of  # noqa: E402
 from swarm.averaging.matchmaking import Candidate, form_group, group_terms, parse_candidate  # noqa: E402
 from swarm.averaging.messages import (Averaged, Blame, Contribution, Header, MessageError, PartialSum,  # noqa: E402
                                       Reveal)
 from swarm.averaging.verify import SKETCH_BUCKETS, Term  # noqa: E402
+from swarm.compression import decode, get_codec  # noqa: E402
+from swarm.data.share import RANGE_BYTES as DATA_RANGE_BYTES  # noqa: E402
+from swarm.dht.direct import MAX_AUTH_BYTES  # noqa: E402
+from swarm.dht.frames import FRAME_HEADER  # noqa: E402
 from swarm.dht.records import InvalidRecord, PeerRecord, final_key, group_key  # noqa: E402
+from swarm.peer.pipeline.routing import HEADER_BYTES as PIPE_HEADER_BYTES, payload_bound  # noqa: E402
+from swarm.peer.pipeline.worker import PipelineError  # noqa: E402
 
 DIGEST, OTHER_DIGEST, COMMITMENT = "d" * 16, "e" * 16, "c" * 32
 HUGE_LIST = 100_000
@@ -98,6 +117,14 @@ class MessageType:
     may_omit: frozenset = frozenset()
     whole: Callable[[Any], bool] = lambda value: True
     inconsistent: Callable[[Any], Iterator[tuple[str, Any]]] = lambda value: iter(())
+    # Sent as msgpack, so judged as its receiver decodes it (a tuple arrives a list; what msgpack cannot carry, such
+    # as an integer of 2^64, is never sent), and refused over `max_bytes` whatever it holds.
+    wire: bool = False
+    max_bytes: Optional[int] = None
+    # Whole messages beyond one field's mutations: (class, field, message, whether it is valid).
+    others: Callable[[Any], Iterator[tuple[str, str, Any, bool]]] = lambda value: iter(())
+    # A real server's state once every mutation went through it: what is wrong with it (None: nothing).
+    afterwards: Optional[Callable[[], Optional[str]]] = None
 
 
 def _refusing(parse: Callable[[Any], Any], *errors: type) -> Callable[[Any], bool]:
@@ -207,7 +234,7 @@ def _invite_seed() -> dict:
         from hivemind.utils.crypto import RSAPrivateKey
         owner, peer = (Identity(RSAPrivateKey(), path="", ephemeral=False) for _ in range(2))
         invite = Invite.sign(owner, "run", peer.peer_id, days=1.0)
-        _invite_parts.update(owner=owner, peer=peer.peer_id,
+        _invite_parts.update(owner=owner, peer=peer.peer_id, peer_identity=peer, invite=invite,
                              fields={name: getattr(invite, name) for name in INVITE_FIELDS})
     return dict(_invite_parts["fields"])
 
@@ -281,6 +308,837 @@ MESSAGE_TYPES = [
 ]
 MESSAGE_TYPES.append(MessageType("invite", "owner", _invite_seed, _invite_parse,
                                  {name: _as_signed(name) for name in INVITE_FIELDS}))
+# ---- stream messages, sent to the real servers (and read by the real clients) in this process -----------------
+# Each server below is the real one (DirectStreams, StateServer, DataServer, GroupPush, StageServer), listening on
+# 127.0.0.1 and served as SwarmNode serves a stream: every message goes over a socket, the answer is read to its end,
+# and once every mutation went through, the server must still answer an honest request and hold nothing it was sent.
+# A client (a joiner reading a holder's header, a data fetcher, a stage hop) reads a scripted answer instead. They
+# are made on first use in a run, and stopped at its end (_shutdown).
+STALL = 5.0  # s a server or client may take over one message here before it counts as stalled
+PUSHED_BOUND = 16  # (round, attempt) keys whose pushed groups a peer keeps (group_push.PUSHED_KEYS)
+REASONS_BOUND = 16  # reasons a server counts its refusals by: more means it counts what the senders wrote
+_live: dict = {}
+
+
+class Misbehaved(Exception):
+    """A server or client did with a message what its protocol does not say (answered other bytes, kept what it
+    refused, gave no answer in time): a violation whatever the message."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A message sent otherwise than the seed: by another peer than its sender (`by`), after another one the
+    receiver took first (`after`), as bytes that are no msgpack (`raw`: the frame's body), or followed by other
+    frames (`frames`)."""
+
+    message: Any = None
+    by: Optional[str] = None
+    after: Any = None
+    raw: Optional[bytes] = None
+    frames: Optional[tuple[bytes, ...]] = None
+
+
+def _variant(value: Any) -> Variant:
+    return value if isinstance(value, Variant) else Variant(message=value)
+
+
+def _on_the_wire(value: Any) -> Any:
+    """`value` as its receiver decodes it; TypeError, ValueError or OverflowError if msgpack cannot carry it."""
+    if isinstance(value, Variant):
+        return replace(value, message=None if value.raw is not None else _on_the_wire(value.message),
+                       after=None if value.after is None else _on_the_wire(value.after))
+    return msgpack.unpackb(msgpack.packb(value))
+
+
+def _body(variant: Variant) -> bytes:
+    return variant.raw if variant.raw is not None else msgpack.packb(variant.message)
+
+
+def _frame(data: bytes) -> bytes:
+    return FRAME_HEADER.pack(len(data)) + data
+
+
+def _frames_of(data: bytes) -> list[bytes]:
+    """The frames an answer is made of."""
+    frames, at = [], 0
+    while at < len(data):
+        start = at + FRAME_HEADER.size
+        end = start + FRAME_HEADER.unpack_from(data, at)[0] if start <= len(data) else start
+        if end > len(data):
+            raise Misbehaved("answered a frame cut short")
+        frames.append(data[start:end])
+        at = end
+    return frames
+
+
+def _raw_frames(max_bytes: int) -> Iterator[tuple[str, str, Any, bool]]:
+    """Frames that hold no message: empty, not msgpack, msgpack cut short, or longer than the receiver reads."""
+    for raw in (b"", b"\xc1", b"\x93\x01", b"\xa5abc"):
+        yield "wrong type", "<frame>", Variant(raw=raw), False
+    yield "overlong", "<frame>", Variant(raw=b"\xc0" * (max_bytes + 1)), False
+
+
+def _loop() -> asyncio.AbstractEventLoop:
+    if "loop" not in _live:
+        _live.update(loop=asyncio.new_event_loop(), closers=[])
+    return _live["loop"]
+
+
+def _run(coroutine: Any) -> Any:
+    """`coroutine` run on this run's loop; Misbehaved if it takes over STALL s."""
+    async def bounded() -> Any:
+        try:
+            return await asyncio.wait_for(coroutine, STALL)
+        except asyncio.TimeoutError:
+            raise Misbehaved(f"no answer within {STALL:g} s") from None
+    return _loop().run_until_complete(bounded())
+
+
+def _shutdown() -> None:
+    """Stop this run's servers, their loop and threads, and remove their files."""
+    loop = _live.get("loop")
+    if loop is not None:
+        for close in reversed(_live["closers"]):
+            close()
+
+        async def settle() -> None:
+            pending = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            await asyncio.sleep(0)
+
+        loop.run_until_complete(settle())
+        loop.run_until_complete(loop.shutdown_default_executor())
+        loop.close()
+    _live.clear()
+
+
+class LocalServer:
+    """`handle(remote, reader, writer)` served on 127.0.0.1 as SwarmNode serves a stream: the remote is the peer id
+    the caller names (authenticated, on a real node), the stream is closed once the handler returns, and what the
+    handler raises closes it too. `errors`: what it raises to refuse a request; another exception is a violation."""
+
+    def __init__(self, handle: Callable, errors: tuple[type, ...]):
+        self.handle, self.errors = handle, errors
+        self.listener: Optional[asyncio.base_events.Server] = None
+        self.remote, self.raised, self.done = "", None, asyncio.Event()
+        self.serving: set[asyncio.Task] = set()  # (held: asyncio holds a stalled handler's task only weakly)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self.serving.add(task)
+        try:
+            await self.handle(self.remote, reader, writer)
+        except Exception as e:  # noqa: BLE001 - judged by ask()
+            self.raised = e
+        except asyncio.CancelledError:  # (the run ends: a handler that stalled is stopped)
+            return
+        finally:
+            try:  # (read what the handler left, so that closing sends no reset that loses its answer)
+                await asyncio.wait_for(reader.read(), 1.0)
+            except (asyncio.TimeoutError, ConnectionError):
+                pass
+            writer.close()
+            self.done.set()
+            self.serving.discard(task)
+
+    async def ask(self, remote: str, request: bytes) -> tuple[bytes, Optional[Exception]]:
+        """`request` sent by `remote`, then its answer to the end: (answer, the handler's refusal or None)."""
+        if self.listener is None:
+            self.listener = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+            _live["closers"].append(self.listener.close)
+        self.remote, self.raised, self.done = remote, None, asyncio.Event()
+        reader, writer = await asyncio.open_connection(*self.listener.sockets[0].getsockname()[:2])
+        try:
+            writer.write(request)
+            writer.write_eof()
+            answer = await reader.read()
+        finally:
+            writer.close()
+        await self.done.wait()
+        if self.raised is not None and not isinstance(self.raised, self.errors):
+            raise self.raised
+        if self.raised is not None and answer:
+            raise Misbehaved(f"answered, then refused ({type(self.raised).__name__}: {self.raised})")
+        return answer, self.raised
+
+
+class _Sink:
+    """The request side of a scripted stream: what the client writes goes nowhere."""
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    async def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Scripted:
+    """What a client needs of a SwarmNode: every stream it opens answers `answer`, then ends."""
+
+    peer_id = "QmClient"
+
+    def __init__(self, answer: bytes):
+        self.answer = answer
+
+    async def open_stream(self, peer_id: str, protocol: str, *args: Any) -> tuple[asyncio.StreamReader, _Sink]:
+        reader = asyncio.StreamReader()
+        reader.feed_data(self.answer)
+        reader.feed_eof()
+        return reader, _Sink()
+
+
+_keys: list = []
+
+
+def _key(index: int):
+    """This process's identity number `index` (made once: an RSA key takes a moment)."""
+    while len(_keys) <= index:
+        _keys.extend(_identities(1))
+    return _keys[index]
+
+
+def _equal_to(expected: Callable[[], Any]) -> Callable[[Any], bool]:
+    return lambda x: type(x) is type(expected()) and x == expected()
+
+
+# The direct-stream handshake (dht/direct.py): the frame an opener sends over TLS, before the receiver's ACCEPTED.
+DIRECT_PROTOCOL = "swarm.run.fuzz"
+
+
+def _direct() -> dict:
+    if "direct" not in _live:
+        from swarm.dht.direct import DirectStreams, _signed_message
+        receiver, served, raised = DirectStreams(_key(0), ["127.0.0.1"], [], 0, listen=True), [], []
+        _run(receiver.start())
+        _live["closers"].append(receiver.close)
+
+        async def handler(remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            served.append(remote)
+            writer.write(b"served")
+            await writer.drain()
+            writer.close()
+
+        authenticate = receiver._authenticate
+
+        async def recorded(reader: asyncio.StreamReader) -> Any:  # (the receiver only logs why it refused)
+            try:
+                return await authenticate(reader)
+            except Exception as e:
+                raised.append(e)
+                raise
+
+        receiver.handlers[DIRECT_PROTOCOL], receiver._authenticate = handler, recorded
+
+        def sign(fingerprint: bytes, protocol: str, ack: bool) -> bytes:
+            return _key(0).private_key.sign(_signed_message(fingerprint, protocol, ack))
+
+        signatures = {ack: sign(receiver.fingerprint, DIRECT_PROTOCOL, ack) for ack in (True, False)}
+        _live["direct"] = {"receiver": receiver, "served": served, "raised": raised, "sign": sign,
+                           "signatures": signatures}
+    return _live["direct"]
+
+
+def handshake_seed() -> dict:
+    return {"peer": _key(0).peer_id, "key": _key(0).public_key.decode(), "protocol": DIRECT_PROTOCOL, "ack": True,
+            "signature": _direct()["signatures"][True]}
+
+
+def _gives_opener(key: Any) -> bool:
+    """An RSA public key (OpenSSH form) whose peer id is the opener's: its key, however written."""
+    from swarm.dht.validation import peer_id_of
+    try:
+        return isinstance(key, str) and peer_id_of(key) == _key(0).peer_id
+    except Exception:  # noqa: BLE001 - no key at all
+        return False
+
+
+HANDSHAKE_RULES = {"peer": _equal_to(lambda: _key(0).peer_id), "key": _gives_opener,
+                   "protocol": _equal_to(lambda: DIRECT_PROTOCOL), "signature": lambda x: isinstance(x, bytes),
+                   "ack": lambda x: True}
+
+
+def handshake_whole(value: dict) -> bool:
+    """The signature is the opener's over this receiver's certificate and the protocol, under the domain of an
+    opener that waits for ACCEPTED if it says "ack": True, of one before ACCEPTED otherwise."""
+    return value["signature"] == _direct()["signatures"][value.get("ack") is True]
+
+
+def handshake_others(seed: dict) -> Iterator[tuple[str, str, Any, bool]]:
+    direct, other = _direct(), _key(1)
+    before_ack = {name: value for name, value in seed.items() if name != "ack"}
+    yield "valid", "ack", {**before_ack, "signature": direct["signatures"][False]}, True  # an opener of before ACCEPTED
+    yield "inconsistent", "ack", {**seed, "signature": direct["signatures"][False]}, False
+    yield "inconsistent", "key", {**seed, "peer": other.peer_id, "key": other.public_key.decode()}, False
+    yield "inconsistent", "peer", {**seed, "peer": other.peer_id}, False
+    yield "replayed", "signature", {**seed, "signature": direct["sign"](b"\x00" * 32, DIRECT_PROTOCOL, True)}, False
+    yield "inconsistent", "protocol", {**seed, "protocol": "swarm.run.other", "signature": direct["sign"](
+        direct["receiver"].fingerprint, "swarm.run.other", True)}, False  # signed, but not a protocol it serves
+    yield from _raw_frames(MAX_AUTH_BYTES)
+
+
+async def _open_direct(port: int, data: bytes) -> bytes:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context, server_hostname="")
+    try:
+        writer.write(data)
+        return await reader.read()
+    except (ConnectionError, ssl.SSLError):  # cut: refused
+        return b""
+    finally:
+        writer.close()
+
+
+def _handshake_parse(value: Any) -> bool:
+    """Whether the receiver handed the stream to its handler as the opener's (ACCEPTED first if it asked)."""
+    from swarm.dht.direct import ACCEPTED, DirectError
+    direct, variant = _direct(), _variant(value)
+    receiver, served = direct["receiver"], len(direct["served"])
+    direct["raised"].clear()
+    answer = _run(_open_direct(receiver.port, _frame(_body(variant))))
+    for e in direct["raised"]:
+        if not isinstance(e, (DirectError, ValueError)):
+            raise e
+    if receiver.slots.count:
+        raise Misbehaved(f"{receiver.slots.count} handshake slots held after the handshake")
+    if len(direct["served"]) == served:
+        if answer:
+            raise Misbehaved(f"refused the stream after answering {answer[:16]!r}")
+        return False
+    ack = isinstance(variant.message, dict) and variant.message.get("ack") is True
+    if direct["served"][-1] != _key(0).peer_id or answer != (ACCEPTED if ack else b"") + b"served":
+        raise Misbehaved(f"served the stream as {direct['served'][-1]}, answering {answer[:16]!r} first")
+    return True
+
+
+def _handshake_afterwards() -> Optional[str]:
+    from swarm.dht.direct import DirectStreams
+    direct = _direct()
+    receiver, opener = direct["receiver"], DirectStreams(_key(1), [], [], 0, listen=False)
+
+    async def hello(peer_id: str) -> tuple[dict, list[str]]:
+        return receiver.hello(), ["127.0.0.1"]
+
+    async def honest() -> bytes:
+        await opener.start()
+        opened = await opener.open(_key(0).peer_id, DIRECT_PROTOCOL, hello)
+        if opened is None:
+            return b"<no direct stream>"
+        reader, writer = opened
+        try:
+            return await reader.read()
+        finally:
+            writer.close()
+
+    answer = _run(honest())
+    if answer != b"served" or direct["served"][-1] != _key(1).peer_id:
+        return f"an honest opener got {answer!r} afterwards"
+    return f"{receiver.slots.count} handshake slots held" if receiver.slots.count or receiver.slots.pending else None
+
+
+# State requests and answers (peer/state): a joiner asks a holder for a byte range of its state, or for the outer
+# steps it logged; the holder answers a header (then the bytes).
+def _state() -> dict:
+    if "state" not in _live:
+        from swarm.config import OuterRecipe
+        from swarm.peer.diloco import DiLoCo, OuterStep
+        from swarm.peer.state.serve import StateServer
+        diloco = DiLoCo(torch.nn.Linear(4, 4), OuterRecipe())
+        step = OuterStep(0, diloco.digest(), "a" * 16, tokens=8, average=torch.ones(diloco.numel))
+        diloco.replay_log.append(step)
+        server = StateServer(diloco)
+        _live["state"] = {"server": server, "step": step, "snapshot": _run(server.current()),
+                          "local": LocalServer(server.handle, (ValueError,))}
+    return _live["state"]
+
+
+def state_request_seed() -> dict:
+    return {"offset": 0, "length": 64, "sha256": _state()["snapshot"].header["sha256"]}
+
+
+def state_request_whole(value: dict) -> bool:
+    """A range of another state than the holder's (a sha256 it does not hold) is not served; an empty one is."""
+    snapshot = _state()["snapshot"]
+    return value.get("sha256") in (None, snapshot.header["sha256"]) or value.get("length", 0) == 0 or \
+        value.get("offset", 0) >= len(snapshot.payload)
+
+
+def _state_request_parse(value: Any) -> bool:
+    """Whether the holder answered its header and the bytes asked for (its header alone: it does not serve them)."""
+    state, variant = _state(), _variant(value)
+    answer, refused = _run(state["local"].ask("QmJoiner", _frame(_body(variant))))
+    if refused is not None:
+        return False
+    frames, snapshot = _frames_of(answer), state["snapshot"]
+    if not frames or msgpack.unpackb(frames[0]) != snapshot.header:
+        raise Misbehaved("answered no header, or another state's")
+    if len(state["server"]._kept) > 2:
+        raise Misbehaved(f"keeps {len(state['server']._kept)} past snapshots")
+    offset, length = variant.message.get("offset", 0), variant.message.get("length", 0)
+    asked, sent = snapshot.payload[offset:offset + length], b"".join(frames[1:])
+    if sent and sent != asked:
+        raise Misbehaved("answered other bytes than those asked for")
+    return sent == asked
+
+
+def state_request_others(seed: dict) -> Iterator[tuple[str, str, Any, bool]]:
+    yield "valid", "sha256", {**seed, "sha256": None}, True  # whatever state it holds
+    yield "inconsistent", "sha256", {**seed, "sha256": "0" * 64}, False  # a state it no longer holds
+    yield from _raw_frames(1024)
+
+
+def _state_afterwards() -> Optional[str]:
+    size = len(_state()["snapshot"].payload)
+    return None if _state_request_parse({"offset": 0, "length": size, "sha256": None}) else \
+        "refused an honest joiner the whole state afterwards"
+
+
+def replay_request_seed() -> dict:
+    step = _state()["step"]
+    return {"replay_from": step.round, "digest": step.digest, "to": step.after, "bodies": True}
+
+
+def _replay_parse(value: Any) -> bool:
+    """Whether the holder listed the step it logged, then sent its bytes unless asked for the listing only (an
+    empty listing: it logged no step from that state to that one)."""
+    state, variant = _state(), _variant(value)
+    answer, refused = _run(state["local"].ask("QmJoiner", _frame(_body(variant))))
+    if refused is not None:
+        return False
+    frames, step = _frames_of(answer), state["step"]
+    listing = msgpack.unpackb(frames[0]) if frames else None
+    if listing in ({"steps": []}, state["snapshot"].header) and len(frames) == 1:
+        return False  # (no step from there; or, without replay_from, no replay asked: the header of an empty range)
+    body = step.average.numpy().tobytes() if variant.message.get("bodies", True) else b""
+    if listing != {"steps": [{"round": step.round, "digest": step.digest, "after": step.after, "tokens": step.tokens,
+                              "chunks": None}]} or b"".join(frames[1:]) != body:
+        raise Misbehaved(f"listed or sent other steps than its log holds: {_short(listing)}")
+    return True
+
+
+def replay_request_others(seed: dict) -> Iterator[tuple[str, str, Any, bool]]:
+    yield "valid", "bodies", {**seed, "bodies": False}, True  # the listing only
+    yield "inconsistent", "to", {**seed, "to": "b" * 16}, False  # params its log does not reach
+    yield from _raw_frames(1024)
+
+
+def _replay_afterwards() -> Optional[str]:
+    return None if _replay_parse(replay_request_seed()) else "refused an honest replay afterwards"
+
+
+def _state_answer_parse(value: Any) -> bool:
+    """Whether a joiner takes a holder's answer as its header (download._request, as a download first asks)."""
+    from swarm.peer.state.download import _request
+    try:
+        _run(_request(Scripted(_frame(_body(_variant(value)))), "QmHolder", "run", 0, 0, None, STALL))
+    except (ValueError, asyncio.IncompleteReadError):
+        return False
+    return True
+
+
+# Data requests and answers (data/share.py): a fetcher asks a holder for a range of a dataset file.
+class _Manifest:
+    """What DataServer reads of a manifest: its files, id and bytes."""
+
+    def __init__(self, entry):
+        self.files, self.id = [entry], hashlib.sha256(b"manifest").hexdigest()
+
+    def to_bytes(self) -> bytes:
+        return b"manifest"
+
+
+def _data() -> dict:
+    if "data" not in _live:
+        from swarm.data.dataset import FileStore
+        from swarm.data.share import DataServer
+        directory = Path(tempfile.mkdtemp(prefix="fuzz-protocol-"))
+        _loop()
+        _live["closers"].append(lambda: shutil.rmtree(directory, ignore_errors=True))
+        store, content = FileStore(directory / "held"), bytes(range(256)) * 5
+        entry = store.add(content)
+        server = DataServer(_Manifest(entry), store)
+        _live["data"] = {"server": server, "entry": entry, "content": content, "fetched": FileStore(directory / "got"),
+                         "local": LocalServer(server.handle, (ValueError,))}
+    return _live["data"]
+
+
+def data_request_seed() -> dict:
+    return {"sha256": _data()["entry"].sha256, "offset": 0}
+
+
+def _data_request_parse(value: Any) -> bool:
+    """Whether the holder answered the file's size and its range from `offset` ({"size": None}: not served)."""
+    data, variant = _data(), _variant(value)
+    answer, refused = _run(data["local"].ask("QmFetcher", _frame(_body(variant))))
+    if data["server"].answering:
+        raise Misbehaved("still counts a request it answered")
+    if refused is not None:
+        return False
+    frames = _frames_of(answer)
+    header = msgpack.unpackb(frames[0]) if frames else None
+    if header == {"size": None} and len(frames) == 1:
+        return False
+    offset = variant.message["offset"]
+    if header != {"size": data["entry"].size} or \
+            b"".join(frames[1:]) != data["content"][offset:offset + DATA_RANGE_BYTES]:
+        raise Misbehaved(f"answered {_short(header)} and other bytes than the range asked for")
+    return True
+
+
+def data_request_others(seed: dict) -> Iterator[tuple[str, str, Any, bool]]:
+    yield "inconsistent", "sha256", {**seed, "sha256": _Manifest(None).id}, False  # listed, but not held
+    yield "inconsistent", "sha256", {**seed, "sha256": "0" * 64}, False
+    yield from _raw_frames(1024)
+
+
+def _data_afterwards() -> Optional[str]:
+    server = _data()["server"]
+    if not _data_request_parse(data_request_seed()):
+        return "refused an honest fetcher afterwards"
+    return f"counts refusals by {len(server.refused)} reasons" if len(server.refused) > REASONS_BOUND else None
+
+
+def _data_answer_parse(value: Any) -> bool:
+    """Whether a fetcher takes a holder's answer to its request and reads the file's bytes after it (DataFetcher:
+    whether the bytes are the file's it checks once all are in)."""
+    from swarm.data.share import DataFetcher
+    data, variant = _data(), _variant(value)
+    frames = variant.frames if variant.frames is not None else (data["content"],)
+    fetcher = DataFetcher(Scripted(_frame(_body(variant)) + b"".join(map(_frame, frames))), "run", "dataset",
+                          data["fetched"], stall=STALL)
+    incoming = data["fetched"].incoming(data["entry"].sha256)
+    try:
+        held = _run(fetcher._from("QmHolder", data["entry"], incoming))
+    except (ValueError, asyncio.IncompleteReadError):
+        return False
+    finally:
+        incoming.discard()
+    if held and incoming.size != data["entry"].size:
+        raise Misbehaved(f"took {incoming.size} bytes of a {data['entry'].size}-byte file as the whole")
+    return held
+
+
+def data_answer_others(seed: dict) -> Iterator[tuple[str, str, Any, bool]]:
+    content = _data()["content"]
+    yield "inconsistent", "size", {"size": None, "busy": "64 requests are being answered"}, False
+    yield "inconsistent", "<bytes>", Variant(message=seed, frames=(content[:-1],)), False
+    yield "overlong", "<bytes>", Variant(message=seed, frames=(content + b"x",)), False
+    yield from _raw_frames(1024)
+
+
+# Group pushes (averaging/group_push.py): a leader sends its group straight to the members.
+def _push() -> dict:
+    if "push" not in _live:
+        push = GroupPush(None, "run", verified=True)
+        _live["push"] = {"push": push, "local": LocalServer(push._on_stream, (ValueError,))}
+    return _live["push"]
+
+
+def push_seed() -> dict:
+    return {"round": ROUND, "attempt": ATTEMPT, "final": final_seed()}
+
+
+def _rounds_led(by_leader: bool, count: int, start: int = ROUND + 1) -> list[int]:
+    """`count` rounds from `start` on whose group of MEMBERS LEADER leads (`by_leader`), or another member does."""
+    rounds = range(start, start + 64 * count)
+    return [r for r in rounds if (leader_of(MEMBERS, r, ATTEMPT) == LEADER) == by_leader][:count]
+
+
+def _push_parse(value: Any) -> bool:
+    """Whether the member took the group as its sender's for that round and attempt (it answers "ok")."""
+    pushed, variant = _push(), _variant(value)
+    push, sender = pushed["push"], variant.by or LEADER
+    before = {key: dict(finals) for key, finals in push._finals.items()}
+    answer, refused = _run(pushed["local"].ask(sender, _frame(_body(variant))))
+    if len(push._arrived) > PUSHED_BOUND or len(push._finals) > PUSHED_BOUND:
+        raise Misbehaved(f"keeps pushed groups of {len(push._finals)} (round, attempt) keys")
+    if refused is not None:
+        if {key: dict(finals) for key, finals in push._finals.items()} != before:
+            raise Misbehaved("a refused push changed the groups it holds")
+        return False
+    if _frames_of(answer) != [b"ok"] or \
+            sender not in push.finals(variant.message["round"], variant.message["attempt"], set()):
+        raise Misbehaved(f"answered {answer[:16]!r} without holding the group")
+    return True
+
+
+def push_others(seed: dict) -> Iterator[tuple[str, str, Any, bool]]:
+    yield "inconsistent", "<sender>", Variant(message=seed, by=next(m for m in MEMBERS if m != LEADER)), False
+    yield "replayed", "round", {**seed, "round": _rounds_led(True, 1)[0]}, True  # (its members check it again)
+    yield "replayed", "round", {**seed, "round": _rounds_led(False, 1)[0]}, False  # another member leads it
+    yield from _raw_frames(MAX_PUSH_BYTES)
+
+
+def _push_afterwards() -> Optional[str]:
+    """Groups pushed for 3x the keys a member keeps, all of them the sender's to lead: it keeps the newest."""
+    push = _push()["push"]
+    for round_no in _rounds_led(True, 3 * PUSHED_BOUND, start=1000):
+        if not _push_parse({**push_seed(), "round": round_no}):
+            return f"refused an honest push of round {round_no} afterwards"
+    return f"keeps pushed groups of {len(push._finals)} keys" if len(push._finals) > PUSHED_BOUND else None
+
+
+# The owner's revocation list (dht/admission.py), as node.read_revocations reads it under the run's revocations key.
+REVOCATION_FIELDS = ("owner", "run_id", "issued", "revoked", "signature")
+
+
+def _revocations() -> dict:
+    _invite_seed()
+    if "revocations" not in _invite_parts:
+        from swarm.dht.admission import MAX_REVOKED, Revocation, _sign
+        owner, peer, now = _invite_parts["owner"], _invite_parts["peer"], time.time()
+        older = Revocation.sign(owner, "run", ["QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"], now=now - 60)
+        newer = Revocation.sign(owner, "run", [peer], previous=older, now=now)
+        unsigned = Revocation(owner.peer_id, "run", newer.issued + 1,
+                              {f"QmFuzz{i:040d}": int(now) for i in range(MAX_REVOKED + 1)})
+        lists = {"older": older, "newer": newer,
+                 "too_many": replace(unsigned, signature=_sign(owner, unsigned.message())),
+                 "other_run": Revocation.sign(owner, "other", [peer], now=now),
+                 "other_owner": Revocation.sign(_invite_parts["peer_identity"], "run", [peer], now=now)}
+        _invite_parts["revocations"] = {name: {"owner": r.owner, "run_id": r.run_id, "issued": r.issued, "revoked": [
+            list(item) for item in sorted(r.revoked.items())], "signature": r.signature} for name, r in lists.items()}
+    return _invite_parts["revocations"]
+
+
+def revocation_seed() -> dict:
+    return dict(_revocations()["newer"])
+
+
+def _revoked_rule(x: Any) -> bool:
+    """The owner signs the set of (peer id, time) pairs: listed in any order, or twice, it is the same word."""
+    from swarm.dht.admission import MAX_REVOKED
+    return isinstance(x, list) and len(x) <= MAX_REVOKED and all(
+        isinstance(e, list) and len(e) == 2 and type(e[0]) is str and type(e[1]) is int for e in x) and \
+        dict(map(tuple, x)) == dict(map(tuple, _revocations()["newer"]["revoked"]))
+
+
+REVOCATION_RULES = {**{name: _equal_to(lambda name=name: _revocations()["newer"][name])
+                       for name in REVOCATION_FIELDS}, "revoked": _revoked_rule}
+
+
+def _packed_list(fields: Any) -> bytes:
+    return msgpack.packb([fields[name] for name in REVOCATION_FIELDS if name in fields]
+                         if isinstance(fields, dict) else fields)
+
+
+def _revocation_parse(value: Any) -> bool:
+    """Whether a node of the owner's private run follows the list (Admission.follow_entries, as node.read_revocations
+    calls it): then, and only then, it refuses the peer the list revokes."""
+    from swarm.dht.admission import REVOCATION_FIELD, Admission
+    variant, owner, peer, invite = (_variant(value), *(_invite_parts[k] for k in ("owner", "peer", "invite")))
+    admission, token = Admission(owner.peer_id, owner.public_key.decode(), "run"), invite.token()
+    if not admission.admits(peer, token):
+        raise Misbehaved("refuses an invite before any list")
+    if variant.after is not None:
+        admission.follow_entries({owner.owned_subkey: {REVOCATION_FIELD: _packed_list(variant.after)}})
+    held = admission.revocation
+    packed = variant.raw if variant.raw is not None else _packed_list(variant.message)
+    changed = admission.follow_entries({variant.by or owner.owned_subkey: {REVOCATION_FIELD: packed}})
+    revoked = admission.revocation is not None and admission.revocation.voids(invite) is not None
+    if admission.admits(peer, token) == revoked or admission.admits(peer) == revoked:
+        raise Misbehaved("admits a peer its list revokes, or refuses one no list revokes")
+    if changed == (admission.revocation is held):
+        raise Misbehaved("says it followed a list and holds the one before, or the other way round")
+    return changed
+
+
+def revocation_others(seed: dict) -> Iterator[tuple[str, str, Any, bool]]:
+    lists = _revocations()
+    yield "valid", "issued", Variant(message=seed, after=lists["older"]), True  # newer than the list held
+    yield "replayed", "issued", Variant(message=lists["older"], after=seed), False  # older than the list held
+    yield "replayed", "-", Variant(message=seed, after=seed), False  # the list held, again
+    yield "inconsistent", "run_id", lists["other_run"], False  # the owner's, for another of its runs
+    yield "inconsistent", "owner", lists["other_owner"], False  # another key's
+    yield "huge", "revoked", lists["too_many"], False  # the owner's, over MAX_REVOKED peers
+    yield "inconsistent", "<writer>", Variant(message=seed, by=_invite_parts["peer_identity"].owned_subkey), False
+    for raw in (b"", b"\xc1", msgpack.packb([1, 2, 3, 4, 5])):
+        yield "wrong type", "<list>", Variant(raw=raw), False
+
+
+# Pipeline frames (peer/pipeline): a microbatch's header, activations and targets to a stage server, and its answer.
+PIPE_HIDDEN, PIPE_VOCAB, PIPE_TOKENS = 4, 10, 64
+
+
+class _LastStage(torch.nn.Module):
+    """A last stage of one linear layer (what StageWorker needs: `first`, `last` and a module)."""
+
+    first, last = False, True
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(PIPE_HIDDEN, PIPE_VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+def _stage() -> dict:
+    if "stage" not in _live:
+        from swarm.peer.pipeline.server import StageServer
+        from swarm.peer.pipeline.worker import StageWorker
+        stage = _LastStage()
+        worker = StageWorker(stage, torch.optim.SGD(stage.parameters(), lr=0.0), lambda: 0.0, grad_clip=1.0)
+        server = StageServer(worker, PIPE_HIDDEN, PIPE_TOKENS, PIPE_VOCAB, _loop())
+        _live["closers"].append(lambda: server._thread is not None and server._thread.shutdown())
+        _live["stage"] = {"server": server, "activations": get_codec("none").encode(torch.ones(2 * PIPE_HIDDEN)),
+                          "targets": np.zeros(2, np.int32).tobytes(),
+                          "local": LocalServer(server.handle, (ValueError,))}
+    return _live["stage"]
+
+
+def stage_request_seed() -> dict:
+    return {"shape": [1, 2, PIPE_HIDDEN], "codec": "none", "scale": 1.0, "eval": False}
+
+
+STAGE_REQUEST_RULES = {
+    "shape": lambda x: list_of(integer(1, 1 << 64), length=3)(x) and x[2] == PIPE_HIDDEN and x[0] * x[1] <= PIPE_TOKENS,
+    "codec": lambda x: isinstance(x, str) and x in ("none", "fp16", "bf16", "int8"),
+    "scale": lambda x: isinstance(x, float) and 0 < x <= 1, "eval": is_bool}
+
+
+def _stage_request_parse(value: Any) -> bool:
+    """Whether the stage server computed the microbatch: a loss, then (unless it is a validation microbatch) the
+    gradient of its activations; {"error": reason} is a refusal."""
+    stage, variant = _stage(), _variant(value)
+    frames = variant.frames if variant.frames is not None else (stage["activations"], stage["targets"])
+    answer, refused = _run(stage["local"].ask(variant.by or "QmUpstream",
+                                              _frame(_body(variant)) + b"".join(map(_frame, frames))))
+    if stage["server"].waiting:
+        raise Misbehaved(f"holds {sum(stage['server'].waiting.values())} microbatches it answered")
+    if refused is not None:
+        return False
+    answered = _frames_of(answer)
+    header = msgpack.unpackb(answered[0]) if answered else None
+    if isinstance(header, dict) and set(header) == {"error"} and isinstance(header["error"], str) and \
+            len(answered) == 1:
+        return False
+    evaluate = variant.message.get("eval") is True
+    if not (isinstance(header, dict) and isinstance(header.get("loss"), float) and math.isfinite(header["loss"])
+            and len(answered) == (1 if evaluate else 2)
+            and (evaluate or decode(answered[1]).numel() == 2 * PIPE_HIDDEN)):
+        raise Misbehaved(f"answered {_short(header)} in {len(answered)} frames")
+    return True
+
+
+def _non_finite(payload: bytes, value: float) -> bytes:
+    """A raw fp32 payload whose last value is `value` (no codec encodes NaN or inf)."""
+    return payload[:-4] + np.float32(value).tobytes()
+
+
+def stage_request_others(seed: dict) -> Iterator[tuple[str, str, Any, bool]]:
+    stage, none = _stage(), get_codec("none")
+
+    def sent(activations: bytes, targets: bytes = stage["targets"]) -> Variant:
+        return Variant(message=seed, frames=(activations, targets))
+
+    yield "valid", "<activations>", sent(get_codec("fp16").encode(torch.ones(2 * PIPE_HIDDEN))), True
+    for special in (math.nan, math.inf):
+        yield "nan/inf", "<activations>", sent(_non_finite(stage["activations"], special)), False
+    yield "inconsistent", "<activations>", sent(none.encode(torch.ones(2 * PIPE_HIDDEN - 1))), False
+    yield "inconsistent", "<activations>", sent(none.encode(torch.ones(2 * PIPE_HIDDEN + 1))), False
+    yield "wrong type", "<activations>", sent(b"\x00" * 40), False
+    yield "overlong", "<activations>", sent(b"\x00" * (payload_bound(2 * PIPE_HIDDEN) + 1)), False
+    yield "huge", "<targets>", sent(stage["activations"], np.full(2, PIPE_VOCAB, np.int32).tobytes()), False
+    yield "negative", "<targets>", sent(stage["activations"], np.full(2, -1, np.int32).tobytes()), False
+    yield "inconsistent", "<targets>", sent(stage["activations"], np.zeros(1, np.int32).tobytes()), False
+    yield "overlong", "<targets>", sent(stage["activations"], np.zeros(3, np.int32).tobytes()), False
+    yield from _raw_frames(PIPE_HEADER_BYTES)
+
+
+def _stage_afterwards() -> Optional[str]:
+    server = _stage()["server"]
+    if not _stage_request_parse(stage_request_seed()):
+        return "refused an honest microbatch afterwards"
+    if len(server.refused) > REASONS_BOUND:
+        return f"counts its refusals by {len(server.refused)} reasons, as the senders wrote them (memory without bound)"
+    return None
+
+
+def _stage_answer_parse(value: Any) -> bool:
+    """Whether a stage hop (routing.call_stage) takes a stage peer's answer: its loss, then the gradient of the
+    activations it was sent."""
+    from swarm.peer.pipeline.routing import WireMeter, call_stage
+    variant, x = _variant(value), torch.ones(1, 2, PIPE_HIDDEN)
+    frames = variant.frames if variant.frames is not None else \
+        (get_codec("none").encode(torch.full((2 * PIPE_HIDDEN,), 0.5)),)
+    node = Scripted(_frame(_body(variant)) + b"".join(map(_frame, frames)))
+    try:
+        grad, loss = _run(call_stage(node, "QmStage", "swarm.run.stage.1-2", x, torch.zeros(1, 2, dtype=torch.long),
+                                     "none", WireMeter(), STALL))[:2]
+    except (PipelineError, ValueError, asyncio.IncompleteReadError):
+        return False
+    if grad is None or grad.shape != x.shape or loss != variant.message["loss"]:
+        raise Misbehaved(f"took a loss of {loss!r} and a gradient of {None if grad is None else tuple(grad.shape)}")
+    return True
+
+
+def stage_answer_others(seed: dict) -> Iterator[tuple[str, str, Any, bool]]:
+    none, values = get_codec("none"), torch.full((2 * PIPE_HIDDEN,), 0.5)
+
+    def gradient(*frames: bytes) -> Variant:
+        return Variant(message=seed, frames=frames)
+
+    yield "valid", "<gradient>", gradient(get_codec("fp16").encode(values)), True
+    for special in (math.nan, math.inf):
+        yield "nan/inf", "<gradient>", gradient(_non_finite(none.encode(values), special)), False
+    yield "inconsistent", "<gradient>", gradient(none.encode(values[:-1])), False
+    yield "wrong type", "<gradient>", gradient(b"\x00" * 40), False
+    yield "overlong", "<gradient>", gradient(b"\x00" * (payload_bound(2 * PIPE_HIDDEN) + 1)), False
+    yield "omit", "<gradient>", gradient(), False
+    yield "inconsistent", "error", {"error": "busy: 8 microbatches are here already; try another peer"}, False
+    yield "inconsistent", "error", {**seed, "error": "x"}, False
+    yield "inconsistent", "error", {**seed, "error": None}, False
+    yield from _raw_frames(PIPE_HEADER_BYTES)
+
+
+MESSAGE_TYPES += [
+    MessageType("handshake", "stranger", handshake_seed, _handshake_parse, HANDSHAKE_RULES,
+                may_omit=frozenset({"ack"}), whole=handshake_whole, wire=True, max_bytes=MAX_AUTH_BYTES,
+                others=handshake_others, afterwards=_handshake_afterwards),
+    MessageType("state_request", "stranger", state_request_seed, _state_request_parse,
+                {"offset": integer(0, 1 << 64), "length": integer(0, 1 << 64), "sha256": lambda x: True},
+                # (no range given: none sent; no sha256: the state it holds now)
+                may_omit=frozenset({"offset", "length", "sha256"}), whole=state_request_whole, wire=True,
+                max_bytes=1024, others=state_request_others, afterwards=_state_afterwards),
+    MessageType("replay_request", "stranger", replay_request_seed, _replay_parse,
+                {"replay_from": _equal_to(lambda: _state()["step"].round),
+                 "digest": _equal_to(lambda: _state()["step"].digest), "to": _equal_to(lambda: _state()["step"].after),
+                 "bodies": lambda x: True},  # (bytes follow unless it is false: the listing only)
+                may_omit=frozenset({"bodies"}), wire=True, max_bytes=1024, others=replay_request_others,
+                afterwards=_replay_afterwards),
+    MessageType("state_answer", "holder", lambda: dict(_state()["snapshot"].header), _state_answer_parse,
+                {**{name: integer(0, 1 << 64) for name in ("round", "tokens_seen", "size")},
+                 "sha256": lambda x: isinstance(x, str), "digest": lambda x: isinstance(x, str)},
+                wire=True, max_bytes=64 << 10, others=lambda seed: _raw_frames(64 << 10)),
+    MessageType("data_request", "stranger", data_request_seed, _data_request_parse,
+                {"sha256": _equal_to(lambda: _data()["entry"].sha256), "offset": integer(0, 1 << 64)},
+                wire=True, max_bytes=1024, others=data_request_others, afterwards=_data_afterwards),
+    MessageType("data_answer", "holder", lambda: {"size": _data()["entry"].size}, _data_answer_parse,
+                {"size": _equal_to(lambda: _data()["entry"].size)}, wire=True, max_bytes=1024,
+                others=data_answer_others),
+    MessageType("group_push", "leader", push_seed, _push_parse,
+                {"round": integer(0, 1 << 40), "attempt": integer(0, 1 << 40),
+                 "final": lambda x: isinstance(x, dict) and _expected(MESSAGE_TYPES[1], x)},
+                whole=lambda v: leader_of(v["final"]["members"], v["round"], v["attempt"]) == LEADER, wire=True,
+                max_bytes=MAX_PUSH_BYTES, others=push_others, afterwards=_push_afterwards),
+    MessageType("revocation", "owner", revocation_seed, _revocation_parse, REVOCATION_RULES, wire=True,
+                others=revocation_others),
+    MessageType("stage_request", "stage peer", stage_request_seed, _stage_request_parse, STAGE_REQUEST_RULES,
+                may_omit=frozenset({"scale", "eval"}),  # (a whole batch's microbatch; one to train on)
+                whole=lambda v: v["shape"][0] * v["shape"][1] == 2,  # (the frames after it hold 2 tokens)
+                wire=True, max_bytes=PIPE_HEADER_BYTES, others=stage_request_others, afterwards=_stage_afterwards),
+    MessageType("stage_answer", "stage peer", lambda: {"loss": 2.5}, _stage_answer_parse,
+                {"loss": lambda x: isinstance(x, float) and math.isfinite(x) and x >= 0},  # (a cross-entropy)
+                whole=lambda v: "error" not in v, wire=True, max_bytes=PIPE_HEADER_BYTES, others=stage_answer_others),
+]
+
+
+AFTERWARDS = "afterwards"  # (not a mutation: a server's state once every mutation went through it)
 TERM_TYPE = "verify_term"  # a list, not a mapping: mutated position by position below
 ALL_TYPES = [t.name for t in MESSAGE_TYPES] + [TERM_TYPE, "matchmaking_entry", "matchmaking_final"]
 
@@ -330,6 +1188,8 @@ class Outcome:
 
 
 def _expected(kind: MessageType, value: dict) -> bool:
+    if kind.max_bytes is not None and len(msgpack.packb(value)) > kind.max_bytes:
+        return False
     for name, rule in kind.fields.items():
         if name not in value:
             if name not in kind.may_omit:
@@ -346,17 +1206,49 @@ def _expected(kind: MessageType, value: dict) -> bool:
         return False
 
 
-def _judge(kind: MessageType, mutation: str, name: str, value: Any) -> Outcome:
-    expected = _expected(kind, value) if isinstance(value, dict) else False
+def _judge(kind: MessageType, mutation: str, name: str, value: Any,
+           expected: Optional[bool] = None) -> Optional[Outcome]:
+    """The outcome of one message (`expected`: whether it is valid, if its rules cannot tell); None for one that no
+    peer can send (msgpack cannot carry it)."""
+    if kind.wire:
+        try:
+            value = _on_the_wire(value)
+        except (TypeError, ValueError, OverflowError):
+            return None
+    if expected is None:
+        expected = _expected(kind, value) if isinstance(value, dict) else False
     try:
         accepted = kind.parse(value)
     except Exception as e:  # noqa: BLE001 - what the fuzzer looks for
         return Outcome(kind.name, mutation, name, f"{type(e).__name__}: {str(e)[:120]}")
+    shown = _short(value.get(name, "<omitted>") if isinstance(value, dict) else value)
     if accepted and not expected:
-        return Outcome(kind.name, mutation, name, f"accepted {name}={_short(value.get(name, '<omitted>'))}")
+        return Outcome(kind.name, mutation, name, f"accepted {name}={shown}")
     if expected and not accepted:
-        return Outcome(kind.name, mutation, name, f"refused a valid {name}={_short(value.get(name, '<omitted>'))}")
+        return Outcome(kind.name, mutation, name, f"refused a valid {name}={shown}")
     return Outcome(kind.name, mutation, name, None)
+
+
+def _afterwards(kind: MessageType) -> Outcome:
+    try:
+        violation = kind.afterwards()
+    except Exception as e:  # noqa: BLE001
+        violation = f"{type(e).__name__}: {str(e)[:120]}"
+    return Outcome(kind.name, AFTERWARDS, "<server>", violation)
+
+
+@contextmanager
+def _quiet(names: tuple[str, ...]):
+    """These loggers say only errors meanwhile (each refusal is a line: thousands of them)."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def _short(value: Any) -> str:
@@ -365,25 +1257,36 @@ def _short(value: Any) -> str:
 
 
 def schema_level(only: set[str]) -> list[Outcome]:
+    """Every mutation of every message type in `only`; the servers of stream messages are started for it and
+    stopped at its end."""
     _peer_states()
-    outcomes = []
-    for kind in MESSAGE_TYPES:
-        if kind.name not in only:
-            continue
-        seed = kind.seed()
-        outcomes.append(_judge(kind, "valid", "-", seed))
-        for name in list(seed) + ["unknown_field"]:
-            if name in seed:
-                outcomes.append(_judge(kind, "omit", name, {k: v for k, v in seed.items() if k != name}))
-            for mutation, value in mutations_of(seed.get(name, "x")):
-                outcomes.append(_judge(kind, mutation, name, {**seed, name: value}))
-        for name, value in kind.inconsistent(seed):
-            outcomes.append(_judge(kind, "inconsistent", name, {**seed, name: value}))
-        for wrong in ([], "x", None, 3, [seed]):
-            outcomes.append(_judge(kind, "wrong type", "<message>", wrong))
+    outcomes: list[Optional[Outcome]] = []
+    with _quiet(("swarm.dht.direct", "swarm.peer.state", "swarm.data.share", "swarm.averaging.group_push",
+                 "swarm.peer.pipeline")):
+        try:
+            for kind in MESSAGE_TYPES:
+                if kind.name not in only:
+                    continue
+                seed = kind.seed()
+                outcomes.append(_judge(kind, "valid", "-", seed))
+                for name in list(seed) + ["unknown_field"]:
+                    if name in seed:
+                        outcomes.append(_judge(kind, "omit", name, {k: v for k, v in seed.items() if k != name}))
+                    for mutation, value in mutations_of(seed.get(name, "x")):
+                        outcomes.append(_judge(kind, mutation, name, {**seed, name: value}))
+                for name, value in kind.inconsistent(seed):
+                    outcomes.append(_judge(kind, "inconsistent", name, {**seed, name: value}))
+                for mutation, name, value, valid in kind.others(seed):
+                    outcomes.append(_judge(kind, mutation, name, value, expected=valid))
+                for wrong in ([], "x", None, 3, [seed]):
+                    outcomes.append(_judge(kind, "wrong type", "<message>", wrong))
+                if kind.afterwards is not None:
+                    outcomes.append(_afterwards(kind))
+        finally:
+            _shutdown()
     if TERM_TYPE in only:
         outcomes.extend(_term_level())
-    return outcomes
+    return [o for o in outcomes if o is not None]
 
 
 def _term_level() -> list[Outcome]:
@@ -561,6 +1464,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     outcomes = schema_level(only)
     if not args.no_matchmaking:
         outcomes += matchmaking_level(only)
+    checks = [o for o in outcomes if o.mutation == AFTERWARDS]
     table: dict[tuple[str, str], Counter] = {}
     for o in outcomes:
         table.setdefault((o.message, o.mutation), Counter())["tried"] += 1
@@ -571,7 +1475,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     violations = [o for o in outcomes if o.violation]
     for o in violations[:40]:
         print(f"VIOLATION {o.message} {o.mutation} {o.field}: {o.violation}")
-    print(json.dumps({"mutations": len(outcomes), "violations": len(violations),
+    print(json.dumps({"mutations": len(outcomes) - len(checks), "server_checks": len(checks),
+                      "violations": len(violations),
                       "message_types": sorted({o.message for o in outcomes}),
                       "seconds": round(time.monotonic() - started, 1)}))
     return 1 if violations else 0

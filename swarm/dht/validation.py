@@ -15,6 +15,7 @@ from typing import Mapping, Optional
 
 import base58
 import multihash
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind.dht.crypto import RSASignatureValidator
@@ -111,7 +112,10 @@ def _parse_identity(data: bytes, path: str) -> RSAPrivateKey:
 def peer_id_of(public_key: str) -> str:
     """The libp2p peer id of an RSA public key in OpenSSH form (sha256 multihash of its protobuf), as p2pd
     computes it. Raises ValueError if the key does not parse."""
-    key = serialization.load_ssh_public_key(public_key.encode())
+    try:
+        key = serialization.load_ssh_public_key(public_key.encode())
+    except UnsupportedAlgorithm as e:  # (a key type cryptography does not know, e.g. "SSH-RSA")
+        raise ValueError(str(e)) from None
     if not isinstance(key, rsa.RSAPublicKey):
         raise ValueError("not an RSA public key")
     der = key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)

@@ -86,7 +86,7 @@ async def call_stage(node: SwarmNode, peer: str, protocol: str, x: torch.Tensor,
                 raise PipelineError(f"stage peer {peer[-8:]} refused the microbatch: "
                                     f"{answer.get('error') if isinstance(answer, dict) else answer!r}")
             loss = answer.get("loss")
-            if not isinstance(loss, float) or not np.isfinite(loss):
+            if not isinstance(loss, float) or not np.isfinite(loss) or loss < 0:  # (a cross-entropy)
                 raise PipelineError(f"stage peer {peer[-8:]} answered a loss of {loss!r}")
             if evaluate:
                 return None, loss

@@ -93,8 +93,8 @@ async def _request(node: SwarmNode, holder: str, run_id: str, offset: int, lengt
     request = {"offset": offset, "length": length, "sha256": sha256}
     async with request_stream(node, holder, run_id, request, stall) as reader:
         header = msgpack.unpackb(await asyncio.wait_for(recv_frame(reader, 64 << 10), stall))
-        if not isinstance(header, dict) or not all(isinstance(header.get(k), int) and header[k] >= 0
-                                                   for k in ("size", "round", "tokens_seen")) or \
+        if not isinstance(header, dict) or not all(isinstance(header.get(k), int) and not isinstance(header[k], bool)
+                                                   and header[k] >= 0 for k in ("size", "round", "tokens_seen")) or \
                 not isinstance(header.get("sha256"), str) or not isinstance(header.get("digest"), str):
             raise ValueError("malformed state header")
         if length == 0 or (sha256 is not None and header["sha256"] != sha256):
