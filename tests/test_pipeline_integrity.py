@@ -252,6 +252,39 @@ def test_a_stage_server_refuses_a_senders_activations_x1000(p2p_network):
     assert server.check.is_excluded(senders[2].peer_id) and server.refused["activations"] == 3
 
 
+def test_a_validation_microbatch_is_not_judged_against_the_senders_training_activations(p2p_network):
+    """A validation microbatch trains nothing on the server, so its activations are held to nothing but the sender's
+    standing (a left-out sender is refused): one x1000 its training ones is answered with its loss, twice in a row,
+    and leaves no strike (on the old server, a first stage's validation activations taken from the round's new
+    params came 160x its training ones, were refused, and the round had no validation loss)."""
+    from test_pipeline import BOUNDS, HIDDEN, RUN, VOCAB, _batch, _model, _worker
+    from swarm.model.stages import make_stages
+    from swarm.peer.pipeline.server import StageServer
+
+    loop, node = p2p_network
+    peer, sender = node(), node()
+    server = StageServer(_worker(make_stages(_model(), BOUNDS)[1]), HIDDEN, max_tokens=64, vocab_size=VOCAB,
+                         loop=loop.loop)
+    loop.run(peer.add_stream_handler(stage_protocol(RUN, *BOUNDS[1]), server.handle), timeout=30)
+    stage0 = make_stages(_model(), BOUNDS)[0]
+
+    def hop(k: int, factor: float, evaluate: bool):
+        batch = _batch(k)
+        with torch.no_grad():
+            x = stage0(batch[:, :-1]) * factor
+        return loop.run(routing.call_stage(sender, peer.peer_id, stage_protocol(RUN, *BOUNDS[1]), x, batch[:, 1:],
+                                           "none", routing.WireMeter(), 20, evaluate=evaluate), timeout=30)
+
+    for k in range(4):
+        hop(k, 1.0, evaluate=False)
+    for k in range(2):
+        grad, loss = hop(10 + k, 1000.0, evaluate=True)[:2]
+        assert grad is None and math.isfinite(loss)
+    hop(20, 1.0, evaluate=False)
+    assert not server.check.is_excluded(sender.peer_id) and server.refused["activations"] == 0
+    assert server.worker.microbatches == 5
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_stage_peer_process_sending_back_x1000_gradients_is_left_out_and_the_swarm_trains_on(swarm):

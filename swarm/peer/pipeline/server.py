@@ -89,7 +89,7 @@ class StageServer:
                     None if isinstance(scale, float) and 0.0 < scale <= 1.0 else f"scale {scale!r} is not in (0, 1]") \
                     or (None if isinstance(evaluate, bool) else f"eval {evaluate!r} is not true or false")
                 if problem is not None:
-                    self.refused[problem] += 1
+                    self.refused["header"] += 1  # (by kind: the problem quotes what the sender wrote)
                     await send_frame(writer, msgpack.packb({"error": problem}))
                     return
                 b, t, h = shape
@@ -117,7 +117,7 @@ class StageServer:
                     self.refused["malformed"] += 1
                     await send_frame(writer, msgpack.packb({"error": "activations or targets malformed"}))
                     return
-                problem = self._judge(remote, x)
+                problem = self._judge(remote, x, judged=not evaluate)
                 if problem is not None:
                     self.refused["activations"] += 1
                     await send_frame(writer, msgpack.packb({"error": problem}))
@@ -147,13 +147,18 @@ class StageServer:
                 if not self.waiting[remote]:
                     del self.waiting[remote]
 
-    def _judge(self, remote: str, x: torch.Tensor) -> Optional[str]:
-        """Why the activations `x` from `remote` are refused (None: they are not): it is left out, or they are far
-        above what it sent before (integrity.AnswerCheck with REQUEST_RULES, which leaves it out at its STRIKES-th
-        refusal in a row)."""
+    def _judge(self, remote: str, x: torch.Tensor, judged: bool = True) -> Optional[str]:
+        """Why the activations `x` from `remote` are refused (None: they are not): it is left out, or (`judged`: a
+        training microbatch) they are far above what it sent before (integrity.AnswerCheck with REQUEST_RULES, which
+        leaves it out at its STRIKES-th refusal in a row). A validation microbatch trains nothing here, so whatever
+        it holds costs only its sender's own validation loss: it is neither judged nor kept as the sender's history
+        (a first stage's validation activations, from the round's new global params, once came 160x its training
+        ones, and the refusal cost that round's validation loss)."""
         left_out = self.check.excluded.get(remote)
         if self.check.is_excluded(remote):
             return f"activations refused: you are left out ({left_out[1]})"
+        if not judged:
+            return None
         why = self.check.judge(remote, {"activations": rms(x)})
         if why is None:
             return None
