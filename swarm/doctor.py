@@ -1,6 +1,7 @@
-"""What `swarm-peer doctor` checks, and `join` at start-up: the bootstrap step by step, whether the swarm can dial
-this peer back, the clock, the identity, ports, disk and memory. Each check returns a `Check` whose one-line message
-says the cause and the fix; `diagnose` runs them all, `join_checked` is join's part of them around its node's start.
+"""What `swarm-peer doctor` checks, and `join` at start-up: the bootstrap step by step, the router's port mappings,
+whether the swarm can dial this peer back, the clock, the identity, ports, disk and memory. Each check returns a
+`Check` whose one-line message says the cause and the fix; `diagnose` runs them all, `join_checked` is join's part of
+them around its node's start.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ from swarm.checks import Check, check_checkpoint_dir, load_resolved, resource_ch
 from swarm.config import Recipe, RecipeError
 from swarm.settings import PeerSettings
 from swarm.dht.admission import Admission, AdmissionError
-from swarm.dht.dialback import (OPEN, DialBack, DialBackError, dial_back, forwarded, reachable, serve_dialback,
-                                 tcp_target)
+from swarm.dht.dialback import DialBack, DialBackError, dial_back, reachable, serve_dialback, tcp_target
 from swarm.dht.direct import listen_hosts
 from swarm.dht.lifeline import identity_held_here
 from swarm.dht.node import HOLDER_EXIT_SECONDS, NetworkOptions, NodeError, SwarmNode
@@ -26,6 +26,7 @@ from swarm.dht.recipes import fetch_run
 from swarm.dht.validation import Identity, IdentityError
 from swarm.dht.view import FRESH_SECONDS
 from swarm.events import EventLog
+from swarm.reachability import announcing, check_reachability, map_if_asked, to_announce
 from swarm.runtime import LoopThread
 
 logger = logging.getLogger("swarm.doctor")
@@ -194,56 +195,6 @@ def check_admission(admission: Optional[Admission], run_id: str, identity_path: 
                  {"private": True, "peer_id": identity.peer_id})
 
 
-# ---- the swarm's view of us -------------------------------------------------------------------------------------
-def check_reachability(answer: DialBack | DialBackError, libp2p: Sequence[str], direct: Sequence[str],
-                       nat_traversal: bool = False) -> Check:
-    """The dial-back's verdict and what join does about it: go on as it is; announce the address the swarm saw this
-    peer at, where its port answered (a forwarded port or a mapping: details' `announce`); switch to client mode
-    (under `nat_traversal`, rely on relays) when nothing answered; "not known" only when nothing could be dialled."""
-    if isinstance(answer, DialBackError):
-        return Check("reachability", False, f"not checked: {answer}: ask another peer (pass it first in "
-                                            "--initial-peers), or run with --client-mode if unsure",
-                     {"error": str(answer)})
-    details = {"outcomes": answer.outcomes, "observed": list(answer.observed), "server": answer.server}
-    verdict = reachable(answer, libp2p)
-    seen = answer.dialled(answer.seen(libp2p))  # our ports, tried at the IP the server saw us at
-
-    def said(maddrs: Sequence[str]) -> str:
-        return "; ".join(f"{m} {answer.outcomes.get(m, 'not dialled')}" for m in maddrs)
-
-    if verdict is None:
-        return Check("reachability", False, f"not known: peer {answer.server} saw this peer at "
-                                            f"{', '.join(answer.observed)} and could dial none of {said(libp2p)}: "
-                                            "announce the address the swarm sees (--announce-maddrs)", details)
-    if verdict is False:
-        fix = ("join relies on relays (--nat-traversal), which carry less; for direct connections" if nat_traversal
-               else "join switches to client mode; to serve others too,")
-        port = tcp_target(libp2p[0])[1] if libp2p and tcp_target(libp2p[0]) else "PORT"
-        public = tcp_target(seen[0])[0] if seen else "PUBLIC_IP"
-        tried = f"it is seen at {', '.join(answer.observed)}, where {said(seen)}" if seen else said(libp2p)
-        return Check("reachability", False, f"the swarm cannot dial this peer ({tried}): {fix} forward TCP port "
-                                            f"{port} to this machine and announce its public address "
-                                            f"(--announce-maddrs /ip4/{public}/tcp/{port})",
-                     {**details, "reachable": False})
-    announce = forwarded(answer, libp2p)
-    # The direct-stream port is announced at the libp2p addresses' hosts: at the IP seen, once join announces that.
-    closed = [m for m in (answer.seen(direct) if announce else direct) if answer.outcomes.get(m) != OPEN]
-    slower = f"({said(closed)}): bulk data goes through libp2p (slower); fix --direct-port and forward it"
-    if announce:
-        return Check("reachability", True, f"peer {answer.server[-8:]} saw this peer at "
-                                           f"{', '.join(answer.observed)} and dialled back {', '.join(announce)} "
-                                           f"there (a forwarded port or the router's mapping), not "
-                                           f"{', '.join(libp2p)}: join announces {', '.join(announce)}"
-                                           + (f"; the direct-stream port does not answer there {slower}"
-                                              if closed else ""),
-                     {**details, "reachable": True, "announce": announce})
-    if closed:
-        return Check("reachability", False, f"libp2p is reachable but the direct-stream port is not {slower}",
-                     {**details, "reachable": True})
-    return Check("reachability", True, f"peer {answer.server[-8:]} dialled back {', '.join(answer.opened(libp2p))}",
-                 {**details, "reachable": True})
-
-
 def check_clock(offset: float, server: str, tolerance: float = CLOCK_TOLERANCE) -> Check:
     """`offset`: the swarm's clock minus ours, seconds."""
     details = {"offset_s": round(offset, 3), "server": server}
@@ -257,12 +208,12 @@ def check_clock(offset: float, server: str, tolerance: float = CLOCK_TOLERANCE) 
 
 # ---- running them -----------------------------------------------------------------------------------------------
 def swarm_checks(answer: DialBack | DialBackError, libp2p: Sequence[str], direct: Sequence[str],
-                 settings: PeerSettings) -> list[Check]:
-    """Reachability, clock and version, from a dial-back answer."""
+                 settings: PeerSettings, mapped: bool = False) -> list[Check]:
+    """Reachability, clock and version, from a dial-back answer (`mapped`: see check_reachability)."""
     if settings.network.client_mode:
         checks = [Check("reachability", True, "client mode: nobody dials this peer, nothing to check")]
     else:
-        checks = [check_reachability(answer, libp2p, direct, settings.network.nat_traversal)]
+        checks = [check_reachability(answer, libp2p, direct, settings.network.nat_traversal, mapped)]
     if isinstance(answer, DialBack):
         checks.append(check_clock(answer.offset, answer.server))
         version = check_version(answer.version, answer.server)
@@ -289,9 +240,11 @@ def diagnose(settings: PeerSettings) -> list[Check]:
             except NodeError as e:
                 checks.append(Check("handshake", False, str(e), fatal=True))
         if node is not None:
+            mapping = map_if_asked(node, settings, loop)
+            checks += [mapping] if mapping is not None else []
             answer, libp2p, direct = loop.run(dial_back(node, node.initial_peer_ids,
                                                         announce=not settings.network.client_mode), timeout=60)
-            checks += swarm_checks(answer, libp2p, direct, settings)
+            checks += swarm_checks(answer, libp2p, direct, settings, bool(node.port_mappings))
             try:
                 swarm_recipe, dataset = loop.run(fetch_run(node, RECIPE_SECONDS), timeout=2 * RECIPE_SECONDS)
             except (RecipeError, TimeoutError) as e:
@@ -313,11 +266,13 @@ def diagnose(settings: PeerSettings) -> list[Check]:
 
 def join_checked(settings: PeerSettings, loop: LoopThread, events: EventLog) -> tuple[SwarmNode, PeerSettings]:
     """join's start: ports and the bootstrap's TCP and libp2p before the node starts (a problem there stops join
-    with its line, as NodeError); right after it joined, the dial-back: a peer the swarm dialled only at the IP it
-    saw it at (a forwarded port, a mapping) restarts its node announcing that address, and one the swarm cannot dial
-    restarts it in client mode (under --nat-traversal it relies on relays instead); then clock, version, disk and
-    memory, which only warn. Each check is logged (problems one line each) and emitted as a `check` event. Returns
-    the node and the settings it runs with (client_mode, or the addresses announced, set if it switched)."""
+    with its line, as NodeError); right after it joined, the port mappings (see NetworkOptions.maps_ports: the
+    router's answer in one line) and the dial-back: a peer the swarm dialled only at the IP it saw it at (a
+    forwarded port, a mapping) restarts its node announcing that address, keeping its mappings, and one the swarm
+    cannot dial restarts it in client mode (under --nat-traversal it relies on relays instead), without them; then
+    clock, version, disk and memory, which only warn. Each check is logged (problems one line each) and emitted as
+    a `check` event. Returns the node, holding the mappings it keeps (removed at its shutdown), and the settings it
+    runs with (client_mode, or the addresses announced, set if it switched)."""
     passed: list[str] = []
 
     def report(check: Check) -> Check:
@@ -344,21 +299,29 @@ def join_checked(settings: PeerSettings, loop: LoopThread, events: EventLog) -> 
         report(check)
     node = _start_node(settings)
     client = settings.network.client_mode
+    mapping = map_if_asked(node, settings, loop)
+    if mapping is not None:
+        logger.info("port mapping: %s", mapping.message)  # (what the router granted, or why nothing, at any rate)
+        report(mapping)
+    mapped = bool(node.port_mappings)
     answer, libp2p, direct = loop.run(dial_back(node, node.initial_peer_ids, announce=not client), timeout=60)
-    for check in swarm_checks(answer, libp2p, direct, settings):
+    for check in swarm_checks(answer, libp2p, direct, settings, mapped):
         report(check)
-    announce = forwarded(answer, libp2p) if not client and isinstance(answer, DialBack) else []
+    announce = to_announce(answer, libp2p, mapped) if not client and isinstance(answer, DialBack) else []
+    if not announce and node.port_mappings:  # the swarm dials what we announce: nobody would use them
+        for held in node.port_mappings:
+            held.release()
+        node.port_mappings = []
     if announce:  # its message said so: announce where the swarm dialled us, on the ports it dialled
-        node.shutdown()
-        settings = _announcing(settings, announce, libp2p, node.direct.port if node.direct is not None else None)
-        node = _start_node(settings)
+        settings = announcing(settings, announce, libp2p, node.direct.port if node.direct is not None else None)
+        node = _restarted(node, settings)
         answer, libp2p, direct = loop.run(dial_back(node, node.initial_peer_ids), timeout=60)
         report(check_reachability(answer, libp2p, direct, settings.network.nat_traversal))
     if not client and not settings.network.nat_traversal and isinstance(answer, DialBack) \
             and reachable(answer, libp2p) is False:
-        node.shutdown()  # its message said so: from here on we open every connection ourselves
+        # its message said so: from here on we open every connection ourselves, and nobody dials a mapping
         settings = settings.model_copy(update={"network": settings.network.model_copy(update={"client_mode": True})})
-        node = _start_node(settings)
+        node = _restarted(node, settings, keep_mappings=False)
     if not settings.network.client_mode:
         loop.run(serve_dialback(node, __version__), timeout=30)
     try:
@@ -371,24 +334,21 @@ def join_checked(settings: PeerSettings, loop: LoopThread, events: EventLog) -> 
     return node, settings
 
 
-def _announcing(settings: PeerSettings, announce: Sequence[str], listening: Sequence[str],
-                direct_port: Optional[int]) -> PeerSettings:
-    """`settings` announcing `announce` (addresses the dial-back reached at the IP it saw us at), and listening on
-    the ports it reached there: each port 0 of --host-maddrs (and --direct-port) fixed to the one the node got
-    (from `listening`, the addresses it announced), since a forwarded port or a mapping leads to that one."""
-    got = [target for target in map(tcp_target, listening) if target is not None]
-    host_maddrs = []
-    for maddr in settings.network.host_maddrs:
-        parts = maddr.strip("/").split("/")  # (tcp_target takes no port 0)
-        if len(parts) == 4 and parts[0] in ("ip4", "ip6") and parts[2:] == ["tcp", "0"]:
-            family = [p for h, p in got if (":" in h) == (parts[0] == "ip6")]
-            port = next((p for h, p in got if h == parts[1]), next(iter(family), None))
-            maddr = maddr if port is None else f"/{parts[0]}/{parts[1]}/tcp/{port}"
-        host_maddrs.append(maddr)
-    network = settings.network.model_copy(update={
-        "host_maddrs": tuple(host_maddrs), "announce_maddrs": tuple(announce),
-        "direct_port": settings.network.direct_port or direct_port or 0})
-    return settings.model_copy(update={"network": network})
+def _restarted(node: SwarmNode, settings: PeerSettings, keep_mappings: bool = True) -> SwarmNode:
+    """`node` shut down and a new one started with `settings`, holding `node`'s port mappings if `keep_mappings`
+    (the ports stay the same: see _announcing), else with them removed."""
+    mappings = node.port_mappings if keep_mappings else []
+    if keep_mappings:
+        node.port_mappings = []  # (not removed by its shutdown)
+    node.shutdown()
+    try:
+        restarted = _start_node(settings)
+    except BaseException:
+        for mapping in mappings:
+            mapping.release()
+        raise
+    restarted.port_mappings = mappings
+    return restarted
 
 
 def _start_node(settings: PeerSettings) -> SwarmNode:

@@ -29,9 +29,16 @@ class NetworkSettings(_Section):
     identity_path: Optional[str] = Field(
         None, json_schema_extra={"metavar": "FILE"},
         description="private key file: keeps the same peer id (and multiaddr) across restarts; created if missing")
+    port_mapping: Literal["auto", "on", "off"] = Field(
+        "auto", description="ask the home router to forward this peer's ports: p2pd maps the libp2p port (UPnP or "
+                            "NAT-PMP) and join maps the same ports by NAT-PMP, the direct-stream port too, renews "
+                            "them while the peer runs and removes them at exit; join announces the router's address "
+                            "only once the swarm dialled it back there. auto (default): on unless every --host-maddrs "
+                            "address is loopback. Nothing is mapped with --client-mode or --announce-maddrs; a "
+                            "bootstrap only has p2pd map its port")
     nat_traversal: bool = Field(
-        False, description="enable UPnP port mapping, AutoNAT and circuit relays (off by default; local swarms and "
-                           "tests do not need them)")
+        False, description="enable AutoNAT and circuit relays (off by default; local swarms and tests do not need "
+                           "them)")
     relay_service: bool = Field(
         False, description="serve as a circuit relay for other peers (e.g. on a public bootstrap, for peers behind "
                            "NAT): off by default, since a relay carries anyone's traffic at its own bandwidth's cost")

@@ -9,8 +9,13 @@ root, `ip` and `iptables`; `nat_unavailable()` says why not, for a skip.
         home = net.home("home1")               # 192.168.71.2 behind router 10.232.0.11
         net.process(home, ["join", ...], ...)  # a `python -m swarm` child inside that namespace
 
-Addresses and names stay inside the namespaces this object makes; `__exit__` deletes them all (which also ends
-their links and rules).
+A router may also run miniupnpd (`net.home(name, upnp=True)`): it maps ports for its LAN host on request, by UPnP
+IGD and NAT-PMP, as most home routers offer; `upnp_unavailable()` says why it cannot run. miniupnpd maps nothing
+while its WAN address is private (it takes the router for one behind a carrier's NAT), so such a harness needs a hub
+of public addresses: `Internet(subnet=PUBLIC_SUBNET)`.
+
+Addresses and names stay inside the namespaces this object makes; `__exit__` stops the daemons it started and
+deletes the namespaces (which also ends their links and rules).
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -26,6 +33,9 @@ from typing import Optional
 from conftest import SwarmProcess
 
 HUB_SUBNET = "10.232.0"  # the internet (scripts/allreduce_bench.py's harness uses 10.231.0.0/24)
+# A globally routed range (no RFC 1918, shared, test or benchmark range), for miniupnpd's WAN: nothing leaves the
+# namespaces, so whose range it is outside does not matter here.
+PUBLIC_SUBNET = "11.232.0"
 LAN_SUBNET = "192.168.{}"  # home K's LAN: 192.168.(70+K).0/24, its router .1 on it, its host .2
 PREFIX = "swn"  # namespace names: swn<pid>-<name>; test_netns.py looks for its own "swh" ones
 
@@ -69,18 +79,29 @@ class Router:
     lan: str
     forwarded: tuple[int, ...] = ()
     host: Optional[Host] = field(default=None, repr=False)
+    upnp_log: Optional[Path] = None  # miniupnpd's output, where it runs
+
+    def redirects(self) -> list[str]:
+        """The port mappings miniupnpd holds, as the nftables rules it wrote (`... dport P dnat ip to HOST:P`)."""
+        rules = _run("ip", "netns", "exec", self.name, "nft", "list", "chain", "inet", "filter",
+                     "prerouting_miniupnpd")
+        return [line.strip() for line in rules.splitlines() if " dnat " in line]
 
 
 class Internet:
     """The hub and everything attached to it; a context manager that removes every namespace it made."""
 
-    def __init__(self, tag: Optional[str] = None):
+    def __init__(self, tag: Optional[str] = None, subnet: str = HUB_SUBNET, workdir: Optional[Path] = None):
         self.tag = tag or str(os.getpid() % 100000)
+        self.subnet = subnet  # the hub's /24, as "A.B.C"
+        self.workdir = workdir  # miniupnpd's files (a temporary directory if None)
         self.hub = f"{PREFIX}{self.tag}-hub"
         self.created: list[str] = []
         self.hosts: list[Host] = []
         self.routers: list[Router] = []
+        self.daemons: list[subprocess.Popen] = []
         self._links = 0
+        self._tmp: Optional[str] = None
 
     def _netns(self, name: str) -> str:
         full = f"{PREFIX}{self.tag}-{name}"
@@ -110,15 +131,27 @@ class Internet:
         return self
 
     def __exit__(self, *exc) -> None:
+        for daemon in self.daemons:  # (SIGTERM: miniupnpd removes its rules as it exits)
+            daemon.terminate()
+        for daemon in self.daemons:
+            try:
+                daemon.wait(5)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+                daemon.wait()
+        self.daemons.clear()
         for name in reversed(self.created):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
         self.created.clear()
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
 
     def public(self, name: str) -> Host:
         """A host on the hub with a public address of its own (10.232.0.2, .3, ...)."""
         try:
             namespace = self._netns(name)
-            address = f"{HUB_SUBNET}.{2 + sum(h.router is None for h in self.hosts)}"
+            address = f"{self.subnet}.{2 + sum(h.router is None for h in self.hosts)}"
             self._plug(namespace, "eth0", address)
         except HarnessError:
             self.__exit__(None, None, None)
@@ -126,13 +159,14 @@ class Internet:
         self.hosts.append(Host(namespace, address))
         return self.hosts[-1]
 
-    def home(self, name: str, forwarded: tuple[int, ...] = ()) -> Host:
-        """A host behind its own home router (router K's WAN address 10.232.0.(10+K), LAN 192.168.(70+K).0/24),
-        which masquerades what leaves and lets in only replies and the TCP ports in `forwarded`."""
+    def home(self, name: str, forwarded: tuple[int, ...] = (), upnp: bool = False) -> Host:
+        """A host behind its own home router (router K's WAN address .(10+K) on the hub, LAN 192.168.(70+K).0/24),
+        which masquerades what leaves and lets in only replies and the TCP ports in `forwarded`, and with `upnp`
+        also those miniupnpd maps on its host's request (see _start_miniupnpd)."""
         index = len(self.routers) + 1
         lan = LAN_SUBNET.format(70 + index)
         try:
-            router = Router(self._netns(f"{name}-gw"), f"{HUB_SUBNET}.{10 + index}", f"{lan}.1", tuple(forwarded))
+            router = Router(self._netns(f"{name}-gw"), f"{self.subnet}.{10 + index}", f"{lan}.1", tuple(forwarded))
             self._plug(router.name, "wan", router.wan)
             namespace = self._netns(name)
             _run("ip", "-n", router.name, "link", "add", "lan", "type", "veth", "peer", "name", "eth0", "netns",
@@ -153,10 +187,15 @@ class Internet:
                      "--dport", str(port), "-j", "ACCEPT")
             _run(*in_router, "iptables", "-A", "FORWARD", "-i", "wan", "-o", "lan", "-m", "conntrack", "--ctstate",
                  "ESTABLISHED,RELATED", "-j", "ACCEPT")
+            if upnp:  # what miniupnpd's rules let in (it redirects them: DNAT)
+                _run(*in_router, "iptables", "-A", "FORWARD", "-i", "wan", "-o", "lan", "-m", "conntrack",
+                     "--ctstate", "DNAT", "-j", "ACCEPT")
             _run(*in_router, "iptables", "-A", "FORWARD", "-i", "wan", "-o", "lan", "-j", "DROP")
             # and, as home routers do, no answer at all to a connection attempt on its own closed ports (a dial
             # there times out rather than being refused)
             _run(*in_router, "iptables", "-A", "INPUT", "-i", "wan", "-p", "tcp", "--syn", "-j", "DROP")
+            if upnp:
+                self._start_miniupnpd(router, f"{lan}.0/24")
         except HarnessError:
             self.__exit__(None, None, None)
             raise
@@ -165,6 +204,44 @@ class Internet:
         self.routers.append(router)
         self.hosts.append(host)
         return host
+
+    def _start_miniupnpd(self, router: Router, lan: str) -> None:
+        """miniupnpd in `router`'s namespace, in the foreground (-d), WAN `wan`, LAN `lan`, answering UPnP IGD (SSDP
+        on the LAN) and NAT-PMP, mapping ports 1024-65535 for the LAN only, each to the address that asks (secure
+        mode). Its nftables backend adds rules to chains it expects to exist (what the package's nft_init.sh was
+        meant to create): they are made here, in table inet filter, hooked at forward, prerouting and postrouting."""
+        if self.workdir is None:
+            self._tmp = self._tmp or tempfile.mkdtemp(prefix="nat-harness-")
+        workdir = Path(self.workdir or self._tmp) / router.name
+        workdir.mkdir(parents=True, exist_ok=True)
+        in_router = ["ip", "netns", "exec", router.name]
+        (workdir / "init.nft").write_text(
+            "table inet filter {\n"
+            "  chain miniupnpd { }\n"
+            "  chain prerouting_miniupnpd { }\n"
+            "  chain postrouting_miniupnpd { }\n"
+            "  chain forward { type filter hook forward priority 0; policy accept; jump miniupnpd; }\n"
+            "  chain prerouting { type nat hook prerouting priority -100; policy accept;\n"
+            "    jump prerouting_miniupnpd; }\n"
+            "  chain postrouting { type nat hook postrouting priority 100; policy accept;\n"
+            "    jump postrouting_miniupnpd; }\n"
+            "}\n")
+        _run(*in_router, "nft", "-f", str(workdir / "init.nft"))
+        (workdir / "miniupnpd.conf").write_text("\n".join([
+            "ext_ifname=wan", "listening_ip=lan", "http_port=0", "enable_natpmp=yes", "enable_upnp=yes",
+            "secure_mode=yes", "ipv6_disable=yes", "system_uptime=yes", f"lease_file={workdir / 'leases'}",
+            "uuid=5a1f0c8e-7558-488b-b0de-d460201fe868", f"allow 1024-65535 {lan} 1024-65535",
+            "deny 0-65535 0.0.0.0/0 0-65535", ""]))
+        router.upnp_log = workdir / "miniupnpd.log"
+        with open(router.upnp_log, "w") as log:
+            self.daemons.append(subprocess.Popen(
+                [*in_router, "miniupnpd", "-f", str(workdir / "miniupnpd.conf"), "-P", str(workdir / "miniupnpd.pid"),
+                 "-d"], stdout=log, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 10
+        while "Listening for NAT-PMP" not in router.upnp_log.read_text():
+            if self.daemons[-1].poll() is not None or time.monotonic() > deadline:
+                raise HarnessError(f"miniupnpd did not start: {router.upnp_log.read_text()[-600:]}")
+            time.sleep(0.05)
 
     def process(self, host: Host, argv: list[str], name: str, log_dir: Path) -> "NamespacedProcess":
         """`python -m swarm *argv` inside `host`'s namespace, with an events file (see conftest.SwarmProcess)."""
@@ -203,3 +280,24 @@ def nat_unavailable() -> Optional[str]:
     except HarnessError as e:
         return f"cannot build NAT namespaces here: {e}"
     return None
+
+
+def upnp_unavailable() -> Optional[str]:
+    """None if this machine can run a router with miniupnpd (see nat_unavailable, and the nftables build of
+    miniupnpd with `nft`), else why not: the reason a test skips with."""
+    reason = nat_unavailable()
+    if reason is not None:
+        return reason
+    missing = [tool for tool in ("miniupnpd", "nft") if shutil.which(tool) is None]
+    if missing:
+        return f"{' and '.join(missing)} not installed (apt-get install -y miniupnpd-nftables nftables)"
+    version = subprocess.run(["miniupnpd", "--version"], capture_output=True, text=True).stdout
+    if "nftables" not in version:
+        return f"this miniupnpd is not the nftables build ({version.strip()}): apt-get install -y miniupnpd-nftables"
+    try:
+        with Internet(tag=f"{os.getpid() % 100000}u", subnet=PUBLIC_SUBNET) as net:
+            net.home("probe", upnp=True)
+    except HarnessError as e:
+        return f"cannot run miniupnpd in a router namespace here: {e}"
+    return None
+

@@ -20,7 +20,8 @@ from swarm.dht.dialback import (BURST, MAX_TARGETS, DialBack, DialBackError, Dia
                                 reachable, request_dialback)
 from swarm.checks import Check, check_device_memory
 from swarm.model.memory import estimate_needs
-from swarm.doctor import _announcing, check_clock, check_identity, check_reachability, diagnose
+from swarm.doctor import check_clock, check_identity, diagnose
+from swarm.reachability import announcing, check_reachability, to_announce
 
 TESTS = Path(__file__).parent
 TINY = TESTS / "recipes" / "tiny.yaml"
@@ -179,17 +180,36 @@ def test_the_dial_back_tries_the_ip_it_saw_and_concludes():
     assert list(over_loopback["outcomes"]) == libp2p, "no router between a peer and a server on its machine"
 
 
+def test_join_prefers_its_own_mappings_to_the_random_port_p2pd_mapped_and_announced():
+    """p2pd's -natPortMap maps the libp2p port to a random external one and announces it (the router's address is
+    public); join's NAT-PMP mappings keep the same ports, the direct-stream one too. When both answer, join announces
+    its own (the swarm then reaches the direct-stream port too); without its mappings, p2pd's answering is enough."""
+    p2pd_mapped, lan = "/ip4/11.232.0.11/tcp/44415", "/ip4/192.168.71.2/tcp/33873"
+    libp2p, direct = [p2pd_mapped, lan], ["/ip4/192.168.71.2/tcp/34459"]
+    seen, seen_direct = "/ip4/11.232.0.11/tcp/33873", "/ip4/11.232.0.11/tcp/34459"
+    answer = DialBack("boot", {p2pd_mapped: "open", lan: "not dialled: not the IP this request came from",
+                               direct[0]: "not dialled: not the IP this request came from", seen: "open",
+                               seen_direct: "open"}, ("11.232.0.11",), 0.0, 0.01, "0.2.0")
+    assert to_announce(answer, libp2p) == [] and to_announce(answer, libp2p, mapped=True) == [seen]
+    check = check_reachability(answer, libp2p, direct, mapped=True)
+    assert check.ok and check.details["announce"] == [seen], check
+    assert check.message.endswith(f"dialled back {seen} there (a forwarded port or the router's mapping), not {lan}: "
+                                  f"join announces {seen}"), check
+    unmapped = check_reachability(answer, libp2p, direct)
+    assert not unmapped.ok and "libp2p is reachable but the direct-stream port is not" in unmapped.message, unmapped
+
+
 def test_join_announces_a_forwarded_address_on_the_ports_it_was_dialled_at():
     """The restart that announces the address seen keeps the ports the swarm dialled: port 0 becomes the one the
     node got, a fixed one stays."""
     settings = PeerSettings(initial_peers=(_dead_bootstrap(),), network={
         "host_maddrs": ("/ip4/0.0.0.0/tcp/0", "/ip6/::/tcp/0", "/ip4/192.168.71.2/tcp/7000")})
     listening = ["/ip4/127.0.0.1/tcp/40919", "/ip4/192.168.71.2/tcp/40919", "/ip6/::1/tcp/40921"]
-    network = _announcing(settings, ["/ip4/10.232.0.11/tcp/40919"], listening, 40920).network
+    network = announcing(settings, ["/ip4/10.232.0.11/tcp/40919"], listening, 40920).network
     assert network.host_maddrs == ("/ip4/0.0.0.0/tcp/40919", "/ip6/::/tcp/40921", "/ip4/192.168.71.2/tcp/7000")
     assert network.announce_maddrs == ("/ip4/10.232.0.11/tcp/40919",) and network.direct_port == 40920
     fixed = settings.model_copy(update={"network": settings.network.model_copy(update={"direct_port": 7001})})
-    assert _announcing(fixed, [], listening, 40920).network.direct_port == 7001
+    assert announcing(fixed, [], listening, 40920).network.direct_port == 7001
 
 
 # ---- this machine -----------------------------------------------------------------------------------------------

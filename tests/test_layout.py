@@ -21,6 +21,7 @@ LAYERS = (
     ("swarm.averaging", "swarm.data", "swarm.monitoring"),
     ("swarm.model",),
     ("swarm.checks", "swarm.demo"),
+    ("swarm.reachability",),
     ("swarm.bootstrap", "swarm.doctor"),
     ("swarm.peer",),
     ("swarm.cli", "swarm.simulation"),

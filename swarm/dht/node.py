@@ -7,6 +7,7 @@ The rest of swarm never imports hivemind; it talks to `SwarmNode`.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import time
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from swarm.dht.admission import INVITE_FIELD, Admission, AdmissionValidator, rev
 from swarm.dht.direct import HELLO_PROTOCOL, DirectStreams, listen_hosts
 from swarm.dht.frames import FRAME_HEADER, MAX_FRAME_BYTES, recv_frame, send_frame  # noqa: F401 - re-exported
 from swarm.dht.lifeline import identity_held_here
+from swarm.dht.portmap import PortMapping
 from swarm.dht.process import DHTProcess, rejoin_initial_peers
 from swarm.dht.records import RECIPE_KEY, RECIPE_RULE
 from swarm.dht.validation import Identity, IdentityError, KeyRule, SwarmValidator, make_validators, subkey_owner
@@ -47,16 +49,27 @@ class NetworkOptions:
     host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
     announce_maddrs: tuple[str, ...] = ()
     identity_path: Optional[str] = None  # RSA key: fixes the peer id and signs this node's records
-    nat_traversal: bool = False  # port mapping, AutoNAT, relays: off for local swarms, on for real deployments
+    port_mapping: str = "auto"  # on, off, or auto: on unless every host address is loopback (see maps_ports)
+    nat_traversal: bool = False  # AutoNAT, relays: off for local swarms, on for real deployments
     relay_service: bool = False  # relay others' connections (p2pd would serve anyone whenever relays are on)
     client_mode: bool = False  # cannot accept inbound connections
     direct_streams: bool = True  # bulk streams over our own TLS connections, not through p2pd (libp2p fallback)
     direct_port: int = 0  # TCP port for direct streams (0: any free one; fix it to forward it through a NAT)
 
+    @property
+    def maps_ports(self) -> bool:
+        """Whether this node asks its router to forward its ports (p2pd's -natPortMap, and join's NAT-PMP mappings,
+        swarm/dht/portmap.py): `port_mapping` on, or auto with some host address not loopback (so local swarms never
+        touch a router); never in client mode (nobody dials it) nor with addresses announced in the stead of the
+        listening ones (they are what the swarm dials)."""
+        if self.client_mode or self.announce_maddrs or self.port_mapping == "off":
+            return False
+        return self.port_mapping == "on" or not loopback_only(self.host_maddrs)
+
     def hivemind_kwargs(self) -> dict:
         kwargs: dict[str, Any] = dict(
             host_maddrs=list(self.host_maddrs),
-            nat_port_map=self.nat_traversal,
+            nat_port_map=self.maps_ports,
             auto_nat=self.nat_traversal,
             use_relay=self.nat_traversal or self.relay_service,
             use_auto_relay=self.nat_traversal,
@@ -67,6 +80,21 @@ class NetworkOptions:
         if self.announce_maddrs:
             kwargs["announce_maddrs"] = list(self.announce_maddrs)
         return kwargs
+
+
+def loopback_only(maddrs: Sequence[str]) -> bool:
+    """Whether every one of `maddrs` names a loopback host (127.0.0.0/8, ::1, localhost): nothing outside this
+    machine reaches them."""
+    for maddr in maddrs:
+        parts = maddr.strip("/").split("/")
+        host = parts[1] if len(parts) >= 2 else ""
+        try:
+            if not ipaddress.ip_address(host.split("%", 1)[0]).is_loopback:
+                return False
+        except ValueError:
+            if host != "localhost":
+                return False
+    return True
 
 
 StreamHandler = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -149,6 +177,8 @@ class SwarmNode:
         self._p2p: Optional[P2P] = None
         self._p2p_lock: Optional[asyncio.Lock] = None
         self.direct: Optional[DirectStreams] = None
+        # Ports the router maps to this node (join's, swarm.doctor): renewed on the caller's loop, removed at shutdown.
+        self.port_mappings: list[PortMapping] = []
         if options.direct_streams:
             self.direct = DirectStreams(self.identity, listen_hosts(options.host_maddrs),
                                         listen_hosts(options.announce_maddrs or options.host_maddrs),
@@ -327,6 +357,9 @@ class SwarmNode:
         return (hello if isinstance(hello, dict) else {}), listen_hosts(known)
 
     def shutdown(self) -> None:
+        for mapping in self.port_mappings:  # (the router forwards nothing to a peer that is gone)
+            mapping.release()
+        self.port_mappings = []
         if self.direct is not None:
             self.direct.close()
         try:

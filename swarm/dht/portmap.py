@@ -1,11 +1,13 @@
-"""Ask the home router for a port mapping with NAT-PMP (RFC 6886), which miniupnpd and most routers that speak UPnP
-also speak: the router's external IPv4 address, and a TCP mapping of one of our ports held for a lifetime we renew.
-p2pd maps the libp2p port itself (-natPortMap); this maps the direct-stream port, which p2pd knows nothing of. What
-the router grants is only a claim: the dial-back (dialback.py) checks that the mapped address answers before the
-peer announces it.
+"""Ask the home router for port mappings with NAT-PMP (RFC 6886), which miniupnpd and many routers that speak UPnP
+also speak: the router's external IPv4 address, and TCP mappings of our ports held for a lifetime we renew. p2pd maps
+the libp2p port itself (-natPortMap, UPnP or NAT-PMP) but to a random external port, which it announces some seconds
+after it started; join (swarm/doctor.py) maps the libp2p and direct-stream ports here, asking for the same external
+ports, so that the dial-back (dialback.py), which tries our ports at the IP the swarm saw us at, finds them before
+the peer announces them. What the router grants is only a claim until then.
 
 The router is the default route's gateway (/proc/net/route); requests go to its UDP port 5351 and are retried with
-the RFC's doubling timeout from 250 ms, a few times only: a router that does not answer NAT-PMP costs about 2 s."""
+the RFC's doubling timeout from 250 ms, a few times only: a router that does not answer NAT-PMP costs under 2 s, one
+that refuses the port (ICMP port unreachable) nothing."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 NATPMP_PORT = 5351
 FIRST_WAIT = 0.25  # seconds before the first retransmission; doubled each time (RFC 6886 section 3.1)
-TRIES = 4  # 0.25 + 0.5 + 1 + 2 s: the RFC's nine tries would take 64 s
+TRIES = 3  # 0.25 + 0.5 + 1 s: the RFC's nine tries would take 64 s; a router that answers does so in milliseconds
 LIFETIME = 3600  # seconds a mapping is asked for; renewed at half of what the router granted
 RESULTS = {1: "unsupported version", 2: "not authorized or refused", 3: "network failure",
            4: "out of resources", 5: "unsupported opcode"}
@@ -56,10 +58,13 @@ def default_gateway(route_table: Path = Path("/proc/net/route")) -> Optional[str
 
 class _Exchange(asyncio.DatagramProtocol):
     def __init__(self) -> None:
-        self.answers: asyncio.Queue[bytes] = asyncio.Queue()
+        self.answers: asyncio.Queue[bytes | OSError] = asyncio.Queue()
 
     def datagram_received(self, data: bytes, addr) -> None:
         self.answers.put_nowait(data)
+
+    def error_received(self, exc: OSError) -> None:  # an ICMP error for what we sent: nothing listens there
+        self.answers.put_nowait(exc)
 
 
 async def _ask(gateway: str, request: bytes, opcode: int, size: int, port: int = NATPMP_PORT) -> bytes:
@@ -81,6 +86,9 @@ async def _ask(gateway: str, request: bytes, opcode: int, size: int, port: int =
                     answer = await asyncio.wait_for(protocol.answers.get(), left)
                 except asyncio.TimeoutError:
                     break
+                if isinstance(answer, OSError):
+                    raise PortMapError(f"the router {gateway} does not answer NAT-PMP (UDP port {port}: "
+                                       f"{answer.strerror or type(answer).__name__})")
                 if len(answer) < size or answer[0] != 0 or answer[1] != 128 + opcode:
                     continue  # not an answer to this request: keep waiting
                 (result,) = struct.unpack("!H", answer[2:4])
@@ -123,8 +131,10 @@ class PortMapping:
         self.mapping: Optional[Mapping] = None
         self.error = ""
         self._renewal: Optional[asyncio.Task] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
 
     async def start(self) -> Optional[Mapping]:
+        self._loop = asyncio.get_running_loop()
         self.gateway = self.gateway or default_gateway()
         if self.gateway is None:
             self.error = "no default route: no router to ask"
@@ -150,8 +160,54 @@ class PortMapping:
         if self._renewal is not None:
             self._renewal.cancel()
         if self.mapping is not None and self.gateway is not None:
-            try:
-                await map_tcp(self.gateway, self.internal_port, lifetime=0, port=self.port)
+            try:  # (one exchange: a removal needs no external address)
+                await _ask(self.gateway, struct.pack("!BBHHHI", 0, 2, 0, self.internal_port, 0, 0), 2, 16, self.port)
             except PortMapError:
                 pass  # it lapses at its lifetime anyway
             self.mapping = None
+
+    def release(self, timeout: float = 1.0) -> None:
+        """`close`, from a thread other than the one whose loop started the mapping (a node's shutdown), waiting at
+        most `timeout` s for the router: a mapping it did not remove lapses at the end of its lifetime. From that
+        loop's own thread, the removal is only started."""
+        loop = self._loop
+        if loop is None or loop.is_closed() or not loop.is_running() or self.mapping is None and self._renewal is None:
+            return
+        try:
+            if asyncio.get_running_loop() is loop:
+                loop.create_task(self.close())
+                return
+        except RuntimeError:
+            pass  # no loop runs in this thread: the usual case
+        future = asyncio.run_coroutine_threadsafe(self.close(), loop)
+        try:
+            future.result(timeout)
+        except Exception:  # noqa: BLE001 - a timeout, or a loop closing under us: the mapping lapses
+            future.cancel()
+
+
+async def map_ports(ports: dict[int, str], gateway: Optional[str] = None,
+                    port: int = NATPMP_PORT) -> tuple[list[PortMapping], str]:
+    """Map each TCP port of `ports` (port -> what it serves, e.g. "libp2p") to the same external port, all at once.
+    Returns the mappings granted at the port asked for (renewed until closed) and one line that says what the router
+    granted, or why it granted nothing. A mapping granted at another external port is removed again, and the line
+    says so: the swarm tries our ports at the router's address, so it would go unused."""
+    held = [PortMapping(internal, gateway, port) for internal in ports]
+    await asyncio.gather(*(mapping.start() for mapping in held))
+    router = held[0].gateway if held else gateway
+    said, granted = [], [m for m in held if m.mapping is not None and m.mapping.external_port == m.internal_port]
+    if granted:
+        said.append(f"the router {router} forwards "
+                    + ", ".join(f"{m.mapping.external_ip}:{m.internal_port} ({ports[m.internal_port]})"
+                                for m in granted)
+                    + f" to this machine's same ports for {granted[0].mapping.lifetime} s, renewed while the peer runs")
+    for mapping in held:
+        if mapping.mapping is not None and mapping not in granted:
+            offered = mapping.mapping.external_port
+            await mapping.close()
+            said.append(f"the router {router} offered external port {offered} for the {ports[mapping.internal_port]} "
+                        f"port {mapping.internal_port}, not the same one: the swarm tries our ports at the router's "
+                        "address (announcing another port is not supported), so that mapping was removed")
+    if not said:
+        said.append("none: " + ("; ".join(dict.fromkeys(m.error for m in held)) or "no port to map"))
+    return granted, "; ".join(said)

@@ -106,10 +106,10 @@ class Averager:
         """Why no group formed, in one line: too few peers for averaging.min_group_size is said once (DEBUG while it
         lasts), so a peer waiting for a partner says what it waits for instead of repeating every attempt."""
         need = self.recipe.averaging.min_group_size
-        if self.client_mode and others_seen + 1 >= need and self._nobody_accepts_connections():
+        if self.client_mode and self._nobody_accepts_connections():
             why = ("no peer of the swarm accepts connections: every peer online is in client mode (behind NAT or "
                    "--client-mode), so nobody can reduce the average; this peer averages as soon as one that "
-                   "accepts connections joins (one with a public address, a forwarded port or --nat-traversal)")
+                   "accepts connections joins (with a public address, a forwarded port or a router that maps ports)")
             level = logging.DEBUG if why == self._waiting_said else logging.INFO
             self._waiting_said = why
         elif others_seen + 1 < need:
@@ -124,8 +124,9 @@ class Averager:
         logger.log(level, "round %d: %s; training on", round_no, why)
 
     def _nobody_accepts_connections(self) -> bool:
-        """Whether every other peer training now announces client mode (what our own entry says of us is known)."""
-        return all(record.client for record in self.announcer.live())
+        """Whether some other peer trains now and every one of them announces client mode (ours we know)."""
+        live = self.announcer.live()
+        return bool(live) and all(record.client for record in live)
 
     def match(self, contribution: Contribution, attempt: int) -> tuple[Optional[Any], int]:
         """(the group we average with, or None; how many other peers matchmaking saw).
