@@ -54,6 +54,16 @@ def _join(maddr: str, host, cache_dir, *extra: str, port: int = 0) -> list[str]:
             "1", "--cache-dir", str(cache_dir), *extra]
 
 
+def _bootstrap_in_threes(start, host, tmp_path) -> tuple[dict, str]:
+    """A bootstrap on `host` serving tests/recipes/tiny.yaml with groups of 3 pinned (every group then holds the
+    public peer and both others): (the recipe, its join multiaddr)."""
+    recipe = yaml.safe_load(TINY_RECIPE.read_text())
+    recipe["averaging"]["min_group_size"] = 3
+    (tmp_path / "three.yaml").write_text(yaml.safe_dump(recipe))
+    boot = start(host, ["bootstrap", "--recipe", str(tmp_path / "three.yaml"), "--host-maddrs", host.maddr()], "boot")
+    return recipe, boot.wait_event("listening", 60)["maddrs"][0]
+
+
 @pytest.mark.slow
 def test_peers_behind_home_routers_switch_to_client_mode_and_average(internet, tmp_path, cache_dir):
     """Bootstrap and one peer public, two peers each behind a router that forwards nothing. Both NAT'd peers conclude
@@ -65,12 +75,7 @@ def test_peers_behind_home_routers_switch_to_client_mode_and_average(internet, t
     net, start = internet
     boot_host, public_host = net.public("boot"), net.public("pub")
     homes = [net.home("home1"), net.home("home2")]
-    recipe = yaml.safe_load(TINY_RECIPE.read_text())
-    recipe["averaging"]["min_group_size"] = 3
-    (tmp_path / "three.yaml").write_text(yaml.safe_dump(recipe))
-    boot = start(boot_host, ["bootstrap", "--recipe", str(tmp_path / "three.yaml"), "--host-maddrs",
-                             boot_host.maddr()], "boot")
-    maddr = boot.wait_event("listening", 60)["maddrs"][0]
+    recipe, maddr = _bootstrap_in_threes(start, boot_host, tmp_path)
     assert f"/ip4/{boot_host.address}/" in maddr, maddr
     until, launched = ["--until-round", str(ROUNDS)], time.time()
     natted = [start(home, _join(maddr, home, cache_dir, *until), f"natted{i}") for i, home in enumerate(homes, 1)]
@@ -143,12 +148,7 @@ def test_a_peer_behind_a_upnp_router_maps_its_ports_and_reduces_as_a_full_peer(p
     boot_host, public_host = net.public("boot"), net.public("pub")
     mapped_host, natted_host = net.home("upnp", upnp=True), net.home("natted")
     router = mapped_host.router
-    recipe = yaml.safe_load(TINY_RECIPE.read_text())
-    recipe["averaging"]["min_group_size"] = 3
-    (tmp_path / "three.yaml").write_text(yaml.safe_dump(recipe))
-    boot = start(boot_host, ["bootstrap", "--recipe", str(tmp_path / "three.yaml"), "--host-maddrs",
-                             boot_host.maddr()], "boot")
-    maddr = boot.wait_event("listening", 60)["maddrs"][0]
+    recipe, maddr = _bootstrap_in_threes(start, boot_host, tmp_path)
     until, launched = ["--until-round", str(ROUNDS)], time.time()
     public = start(public_host, _join(maddr, public_host, cache_dir, *until), "public")
     mapped = start(mapped_host, _join(maddr, mapped_host, cache_dir, *until), "mapped")

@@ -32,7 +32,8 @@ def _terminate(peer) -> float:
 def test_a_peer_stops_in_time_when_the_bootstrap_and_every_other_peer_vanish_at_once(swarm):
     bootstrap, maddr = swarm.bootstrap()
     peers = [swarm.peer(maddr, name=f"peer{i}") for i in range(3)]
-    peers[0].wait_event("averaged", 240, round=1)
+    # (round 1 or later: a peer that missed a round's group re-syncs past it, and CI once saw peer0 skip round 1)
+    peers[0].wait_event("averaged", 240, where=lambda e: e["round"] >= 1)
     for process in (bootstrap, *peers[1:]):
         os.kill(process.pid, signal.SIGKILL)  # their helpers follow them (test_lifecycle.py)
     _terminate(peers[0])
