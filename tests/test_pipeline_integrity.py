@@ -295,12 +295,17 @@ def test_a_stage_peer_process_sending_back_x1000_gradients_is_left_out_and_the_s
     from pathlib import Path
     rounds = 2
     _, maddr = swarm.bootstrap(recipe=Path(__file__).parent / "recipes" / "stages.yaml")
-    first, other_first = (swarm.peer(maddr, "--stage", "0", "--until-round", str(rounds), name=name)
-                          for name in ("first", "first2"))
+    # The last stage first: once its three peers train, the first stage's microbatches reach them from its first
+    # batch on (started together, the first stage once found no next-stage peer, and its rounds came due from the
+    # other first-stage peer's tokens before a microbatch reached the liar).
     liar = swarm.peer(maddr, "--stage", "1", "--until-round", str(rounds), "--inject-fault", "scale-grad@0",
                       name="liar")
     honest = [swarm.peer(maddr, "--stage", "1", "--until-round", str(rounds), name=f"last{i}") for i in range(2)]
-    liar_id = liar.wait_event("joined", 120)["peer_id"]
+    for peer in (liar, *honest):
+        peer.wait_event("training", 120)
+    liar_id = liar.events("joined")[0]["peer_id"]
+    first, other_first = (swarm.peer(maddr, "--stage", "0", "--until-round", str(rounds), name=name)
+                          for name in ("first", "first2"))
     first.wait_for("left it out", 180)  # (within round 0: it runs until round 2)
     assert first.wait(300) == 0, first.output()[-3000:]
     for peer in (other_first, *honest):
