@@ -111,15 +111,21 @@ async def external_ip(gateway: str, port: int = NATPMP_PORT) -> str:
 async def map_tcp(gateway: str, internal_port: int, lifetime: int = LIFETIME, external_port: Optional[int] = None,
                   port: int = NATPMP_PORT) -> Mapping:
     """Map TCP `internal_port` on this host (the router sees the request's source address) to an external port,
-    the same one if the router grants it; lifetime 0 removes the mapping."""
-    request = struct.pack("!BBHHHI", 0, 2, 0, internal_port,
-                          internal_port if external_port is None else external_port, lifetime)
+    the same one if the router grants it, with the router's external address."""
     ip = await external_ip(gateway, port)
-    answer = await _ask(gateway, request, 2, 16, port)
+    external, granted = await _map_request(gateway, internal_port,
+                                           internal_port if external_port is None else external_port, lifetime, port)
+    return Mapping(gateway, ip, internal_port, external, granted)
+
+
+async def _map_request(gateway: str, internal_port: int, external_port: int, lifetime: int,
+                       port: int = NATPMP_PORT) -> tuple[int, int]:
+    """One mapping exchange (lifetime 0 removes the mapping): (the external port granted, its lifetime)."""
+    answer = await _ask(gateway, struct.pack("!BBHHHI", 0, 2, 0, internal_port, external_port, lifetime), 2, 16, port)
     internal, external, granted = struct.unpack("!HHI", answer[8:16])
     if internal != internal_port:
         raise PortMapError(f"the router {gateway} answered for port {internal}, not {internal_port}")
-    return Mapping(gateway, ip, internal_port, external, granted)
+    return external, granted
 
 
 class PortMapping:
@@ -161,7 +167,7 @@ class PortMapping:
             self._renewal.cancel()
         if self.mapping is not None and self.gateway is not None:
             try:  # (one exchange: a removal needs no external address)
-                await _ask(self.gateway, struct.pack("!BBHHHI", 0, 2, 0, self.internal_port, 0, 0), 2, 16, self.port)
+                await _map_request(self.gateway, self.internal_port, 0, 0, self.port)
             except PortMapError:
                 pass  # it lapses at its lifetime anyway
             self.mapping = None
