@@ -12,13 +12,15 @@ import sys
 import time
 from pathlib import Path
 
+import msgpack
 import pytest
 
 from swarm.config import load_recipe
 from swarm.settings import PeerSettings
-from swarm.dht.dialback import (BURST, MAX_TARGETS, DialBack, DialBackError, DialBackServer, _parse, forwarded,
-                                reachable, request_dialback)
+from swarm.dht.dialback import (BURST, DIALBACK_PROTOCOL, MAX_TARGETS, DialBack, DialBackCut, DialBackError,
+                                DialBackServer, _parse, dial_back, forwarded, reachable, request_dialback)
 from swarm.checks import Check, check_device_memory
+from swarm.dht.frames import send_frame
 from swarm.model.memory import estimate_needs
 from swarm.doctor import check_clock, check_identity, diagnose
 from swarm.reachability import announcing, check_reachability, to_announce
@@ -92,6 +94,58 @@ def test_dial_back_reports_which_address_answered_and_the_clock_offset():
     clock = check_clock(answer.offset, answer.server)
     assert not clock.ok and "30.0 s behind peer server's" in clock.message and "timedatectl" in clock.message
     assert check_clock(1.0, "server").ok
+
+
+class AnnouncingNode(LoopbackNode):
+    """A LoopbackNode with the calls dial_back makes of the node that asks: its addresses, no direct streams."""
+
+    direct = None
+
+    def __init__(self, peer_id: str, maddrs: list[str]):
+        super().__init__(peer_id)
+        self.maddrs = maddrs
+
+    async def p2p(self):
+        return None
+
+    def visible_maddrs(self) -> list[str]:
+        return self.maddrs
+
+
+def test_a_dial_back_whose_stream_was_cut_is_asked_again_and_a_refusal_is_not():
+    """A node restarted on the same ports (join does so to announce a mapped address) dials from the address the
+    old one dialled from, and its first stream can be cut before the answer: join asks that server again, a second
+    later, and gets its verdict; a server that refused (rate limit, malformed answer) is not asked again."""
+    async def scenario():
+        listener = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+        maddr = f"/ip4/127.0.0.1/tcp/{listener.sockets[0].getsockname()[1]}"
+        server, streams = DialBackServer(LoopbackNode("flaky"), "1.0"), []
+        await server.start()
+        handler = server.node.handlers[DIALBACK_PROTOCOL]
+
+        async def cut_first(remote, reader, writer):
+            streams.append(remote)
+            if streams.count(remote) > 1:  # each requester's first stream is cut
+                await handler(remote, reader, writer)
+
+        server.node.handlers[DIALBACK_PROTOCOL] = cut_first
+        answer, libp2p, _ = await dial_back(AnnouncingNode("restarted", [maddr]), ["flaky"], pause=0.05)
+        cut, _, _ = await dial_back(AnnouncingNode("unlucky", [maddr]), ["flaky"], attempts=1)
+        async def refuse(remote, reader, writer):
+            streams.append(remote)
+            await send_frame(writer, msgpack.packb({"version": "1.0", "observed": [], "error": "rate limited"}))
+
+        server.node.handlers[DIALBACK_PROTOCOL] = refuse
+        refused = len(streams), await dial_back(AnnouncingNode("refused", [maddr]), ["flaky"], pause=0.05)
+        listener.close()
+        return answer, libp2p, cut, refused, streams
+
+    answer, libp2p, cut, (before, refused), streams = asyncio.run(scenario())
+    assert isinstance(answer, DialBack) and answer.opened(libp2p) == libp2p, answer
+    assert streams[:2] == ["restarted", "restarted"], streams
+    assert isinstance(cut, DialBackCut) and "did not answer the dial-back request" in str(cut), cut
+    assert isinstance(refused[0], DialBackError) and not isinstance(refused[0], DialBackCut), refused
+    assert "refused the dial-back request: rate limited" in str(refused[0]) and len(streams) == before + 1, streams
 
 
 def test_dial_back_never_dials_a_third_party_and_is_bounded():

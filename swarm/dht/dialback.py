@@ -37,6 +37,8 @@ REQUEST_SECONDS = 5.0  # to read a request
 MAX_FRAME = 16 << 10
 BURST, REFILL_SECONDS = 10, 6.0  # per requesting IP (a machine may run several peers): 10 at once, then one per 6 s
 MAX_IN_FLIGHT = 16
+ATTEMPTS, RETRY_SECONDS = 3, 1.0  # per server, where the stream was cut (DialBackCut)
+DIAL_BACK_BUDGET = 40.0  # seconds for asking all servers (join waits a minute at most)
 OPEN = "open"  # the outcome of an address that accepted the connection
 
 Clock = Callable[[], float]
@@ -44,6 +46,12 @@ Clock = Callable[[], float]
 
 class DialBackError(RuntimeError):
     """The server could not be asked (it does not offer dial-back, is busy, or answered nonsense)."""
+
+
+class DialBackCut(DialBackError):
+    """The stream to the server could not be opened or ended before the answer: worth another try (a node restarted
+    on the same ports dials from the same address as the one it replaced, and its first connection can meet what is
+    left of the old one's at a router or at the server)."""
 
 
 @dataclass(frozen=True)
@@ -220,7 +228,7 @@ async def request_dialback(node: SwarmNode, server: str, maddrs: Sequence[str], 
         reader, writer = await asyncio.wait_for(node.open_stream(server, DIALBACK_PROTOCOL, admitted_only=False),
                                                 timeout)
     except Exception as e:  # noqa: BLE001 - libp2p says "protocol not supported" in several ways
-        raise DialBackError(f"peer {server} does not answer dial-back requests ({str(e)[:120] or type(e).__name__};"
+        raise DialBackCut(f"peer {server} does not answer dial-back requests ({str(e)[:120] or type(e).__name__};"
                             " an older swarm-peer?)") from None
     try:
         sent = clock()
@@ -228,7 +236,7 @@ async def request_dialback(node: SwarmNode, server: str, maddrs: Sequence[str], 
         answer = msgpack.unpackb(await asyncio.wait_for(recv_frame(reader, MAX_FRAME), timeout))
         received = clock()
     except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as e:
-        raise DialBackError(f"peer {server} did not answer the dial-back request ({e or type(e).__name__})") from None
+        raise DialBackCut(f"peer {server} did not answer the dial-back request ({e or type(e).__name__})") from None
     finally:
         writer.close()
     return _parse(server, answer, sent, received)
@@ -252,10 +260,12 @@ def _parse(server: str, answer: Any, sent: float, received: float) -> DialBack:
                     str(answer.get("version", "")))
 
 
-async def dial_back(node: SwarmNode, servers: Sequence[str], announce: bool = True) -> \
-        tuple[DialBack | DialBackError, list[str], list[str]]:
+async def dial_back(node: SwarmNode, servers: Sequence[str], announce: bool = True, attempts: int = ATTEMPTS,
+                    pause: float = RETRY_SECONDS) -> tuple[DialBack | DialBackError, list[str], list[str]]:
     """Ask the first of `servers` that answers to dial back our announced addresses (none unless `announce`: the
-    answer still carries the clock and version): (answer or the last error, libp2p addresses, direct ones)."""
+    answer still carries the clock and version): (answer or the last error, libp2p addresses, direct ones). A
+    server whose stream was cut is asked up to `attempts` times, `pause` seconds apart; one that refused, once; no
+    new request starts after DIAL_BACK_BUDGET seconds."""
     await node.p2p()  # starts the direct-stream server, so its port is known
     libp2p = [m.rsplit("/p2p/", 1)[0] for m in node.visible_maddrs()] if announce else []
     direct = []
@@ -263,11 +273,20 @@ async def dial_back(node: SwarmNode, servers: Sequence[str], announce: bool = Tr
         hosts = node.direct.announce_hosts or [t[0] for t in map(tcp_target, libp2p) if t is not None]
         direct = [f"/{'ip6' if ':' in h else 'ip4'}/{h}/tcp/{node.direct.port}" for h in dict.fromkeys(hosts)]
     answer: DialBack | DialBackError = DialBackError("no initial peer to ask")
+    deadline = time.monotonic() + DIAL_BACK_BUDGET
     for server in servers:
-        try:
-            return await request_dialback(node, server, libp2p + direct), libp2p, direct
-        except DialBackError as e:
-            answer = e
+        for attempt in range(attempts):
+            if time.monotonic() > deadline:
+                return answer, libp2p, direct
+            try:
+                return await request_dialback(node, server, libp2p + direct), libp2p, direct
+            except DialBackCut as e:
+                answer = e
+                if attempt + 1 < attempts:
+                    await asyncio.sleep(pause)
+            except DialBackError as e:
+                answer = e
+                break
     return answer, libp2p, direct
 
 
