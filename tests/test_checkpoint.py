@@ -80,3 +80,58 @@ def test_kill_during_write_leaves_a_loadable_checkpoint(tmp_path):
         latest = load_latest(directory)
         assert latest is not None and latest.round >= 1
         assert latest.tensors["params.w"].shape == (8_000_000,)
+
+
+def test_checkpoints_are_written_beside_training_one_at_a_time_and_a_failed_write_keeps_the_last(tmp_path, caplog,
+                                                                                                 monkeypatch):
+    """The writer reads the state in place on its own thread: `write` returns before the file is on disk, the next
+    outer step waits for the write (so the file holds one state, whole), the next write waits for the one before,
+    and a write that fails says so in one line and leaves the previous checkpoint the newest (issue 39)."""
+    import threading
+
+    from safetensors.torch import load_file
+
+    from swarm.config import OuterRecipe
+    from swarm.events import EventLog
+    from swarm.monitoring.metrics import PeerMetrics
+    from swarm.peer.diloco import DiLoCo
+    from swarm.peer.state import checkpoint as module
+
+    diloco = DiLoCo(torch.nn.Linear(64, 64), OuterRecipe(lr=0.7, momentum=0.9))
+    diloco.outer_step(torch.full((diloco.numel,), 0.01), tokens=4)
+    events = EventLog(tmp_path / "events.jsonl")
+    writer = module.CheckpointWriter(tmp_path / "ckpt", keep=3, series_every=0, metrics=PeerMetrics(), events=events)
+    gate, real = threading.Event(), module.save_checkpoint
+
+    def slow(*args, **kwargs):
+        assert gate.wait(10)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "save_checkpoint", slow)
+    expected = {k: v.clone() for k, v in diloco.state_tensors().items()}
+    writer.write(diloco, {"error_feedback.residual": torch.ones(3)}, {"digest": diloco.digest()})
+    assert writer.last_round == 1 and list_checkpoints(tmp_path / "ckpt") == []  # returned before writing
+    step = threading.Thread(target=diloco.outer_step, args=(torch.full((diloco.numel,), 0.01), 4))
+    step.start()
+    step.join(0.3)
+    assert step.is_alive() and diloco.round == 1, "the outer step did not wait for the write"
+    gate.set()
+    step.join(10)
+    assert diloco.round == 2
+    written = load_file(str(tmp_path / "ckpt" / "round-00000001" / "state.safetensors"))
+    assert all(torch.equal(written[k], v) for k, v in expected.items()) and torch.equal(
+        written["error_feedback.residual"], torch.ones(3))
+    assert load_latest(tmp_path / "ckpt").round == 1
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(module, "save_checkpoint", full)
+    writer.write(diloco, {}, {})
+    writer.close()
+    events.close()
+    assert load_latest(tmp_path / "ckpt").round == 1
+    failed = [r.getMessage() for r in caplog.records if "not written" in r.getMessage()]
+    assert len(failed) == 1 and "round 2" in failed[0] and "No space left" in failed[0], failed
+    said = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["round"]) for e in said] == [("checkpoint", 1)]

@@ -82,10 +82,12 @@ def test_the_replay_log_keeps_the_latest_unbroken_steps_within_a_states_bytes():
     n = diloco.numel
     for step in range(3):  # fp32 averages: 4 bytes a param, so the 8 bytes of a state hold 2 of them
         diloco.outer_step(torch.full((n,), 0.5 * (step + 1)), tokens=10)
+    diloco.hashed()  # (a step is logged once its end state is hashed, beside training)
     assert [s.round for s in diloco.replay_log] == [1, 2]
     wire = [(0, n, b"x" * n)]  # as an all-reduce that sent a byte a param delivered it (not decoded here)
     for step in range(8):
         diloco.outer_step(torch.full((n,), 0.1), tokens=10, wire=wire)
+    diloco.hashed()
     assert [s.round for s in diloco.replay_log] == [3, 4, 5, 6, 7, 8, 9, 10]
     assert all(s.wire == tuple(wire) and s.average is None for s in diloco.replay_log)
     assert [s.after for s in diloco.replay_log][:-1] == [s.digest for s in diloco.replay_log][1:], "unbroken"
@@ -97,6 +99,7 @@ def test_the_replay_log_keeps_the_latest_unbroken_steps_within_a_states_bytes():
     for step in range(5):  # --replay-log-mb: 3 bytes a param hold 3 steps of a byte a param; 0 holds none
         for d in (small, none):
             d.outer_step(torch.full((n,), 0.1), tokens=10, wire=wire)
+    small.hashed(), none.hashed()
     assert [s.round for s in small.replay_log] == [2, 3, 4] and not none.replay_log
 
 
@@ -109,6 +112,7 @@ def test_a_refused_replay_leaves_global_and_local_params_as_they_were():
     for step in range(2):
         ahead.outer_step(torch.full((n,), 0.25 * (step + 1)), tokens=10)
     behind.outer_step(torch.full((n,), 0.25), tokens=10)
+    ahead.hashed()
     with torch.no_grad():
         for p in behind.local_params:
             p.add_(1.0)  # a round of local training in progress
@@ -154,3 +158,75 @@ def test_partition_covers_everything_once(numel, parts):
     assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
     sizes = [end - start for start, end in bounds]
     assert max(sizes) - min(sizes) <= 1
+
+
+def test_the_digest_is_hashed_beside_training_and_a_heartbeat_never_waits_for_it(monkeypatch):
+    """After an outer step the state is hashed on a thread of its own: `identity()` (what a heartbeat announces)
+    answers at once with the last (round, digest) known, `digest()` waits for the current one, the replay log gets
+    the step with its end digest, and the next change of the state waits for the hash (issue 39)."""
+    import threading
+
+    from swarm.peer import diloco as module
+
+    release, hashing = threading.Event(), threading.Event()
+    real = module.state_digest
+
+    def slow(params, momenta, round_no):
+        if round_no == 1:
+            hashing.set()
+            assert release.wait(10)
+        return real(params, momenta, round_no)
+
+    monkeypatch.setattr(module, "state_digest", slow)
+    diloco = DiLoCo(_model(), OuterRecipe(lr=0.7, momentum=0.9))
+    before = diloco.digest()
+    diloco.outer_step(torch.full((diloco.numel,), 0.1), tokens=5)  # returns while round 1 is being hashed
+    assert hashing.wait(10) and diloco.identity() == (0, before) and not diloco.replay_log
+    changed = threading.Thread(target=diloco.outer_step, args=(torch.full((diloco.numel,), 0.1), 5))
+    changed.start()
+    changed.join(0.3)
+    assert changed.is_alive() and diloco.round == 1  # the next outer step waits for the hash of round 1
+    release.set()
+    changed.join(10)
+    assert diloco.round == 2 and diloco.identity() == (2, diloco.digest())
+    assert [(s.round, s.digest) for s in diloco.replay_log] == [(0, before), (1, diloco.replay_log[1].digest)]
+    assert diloco.replay_log[0].after == diloco.replay_log[1].digest != before
+    momenta = [diloco.outer_optimizer.state[p]["momentum_buffer"] for p in diloco.global_params]
+    assert diloco.digest() == real(diloco.global_params, momenta, 2)
+
+
+def test_a_background_reader_holds_off_every_change_of_the_state():
+    """A checkpoint being written reads the params in place: an outer step, a mixing group's state or a loaded
+    state waits for it, so what it writes is one state, whole."""
+    import concurrent.futures
+    import threading
+
+    diloco = DiLoCo(_model(), OuterRecipe())
+    executor, reading, seen = concurrent.futures.ThreadPoolExecutor(1), threading.Event(), []
+    proceed = threading.Event()
+
+    def read():
+        reading.set()
+        assert proceed.wait(10)
+        seen.append(torch.cat([p.view(-1) for p in diloco.state_views().values()]).clone())
+
+    diloco.read_in_background(read, executor)
+    assert reading.wait(10)
+    first = torch.cat([p.view(-1) for p in diloco.state_views().values()]).clone()
+    changes = [lambda: diloco.outer_step(torch.ones(diloco.numel), 1),
+               lambda: diloco.load_flat_state(torch.zeros(2 * diloco.numel)),
+               lambda: diloco.load_state_tensors(diloco.state_tensors(), 3, 0)]
+    for change in changes:
+        thread = threading.Thread(target=change)
+        thread.start()
+        thread.join(0.2)
+        assert thread.is_alive(), "a change of the state did not wait for the reader"
+        proceed.set()
+        thread.join(10)
+        assert not thread.is_alive()
+        proceed.clear()
+        diloco.read_in_background(read, executor)
+        assert reading.wait(10)
+    proceed.set()
+    diloco.settle()
+    assert torch.equal(seen[0], first)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -192,10 +193,45 @@ def test_the_round_line_counts_its_group(caplog, group_size, said):
     from swarm.monitoring.metrics import PeerMetrics
     from swarm.peer.report import report_round
 
+    timeline = {"phases": {"matchmaking": 0.4}, "compute_seconds": 0.5, "hash_seconds": 0.0}
     with caplog.at_level(logging.INFO, logger="swarm.peer"):
         report_round(_averaged(group_size), 1.0, metrics=PeerMetrics(), events=EventLog(), uses_ring=False,
-                     wire_per_param=2.0, round_now=4, loss=3.0, val_loss=None, digest="d" * 16)
+                     wire_per_param=2.0, round_now=4, loss=3.0, val_loss=None, digest="d" * 16, timeline=timeline)
     assert said in caplog.text and "1 peers" not in caplog.text
+
+
+def test_the_round_line_times_each_phase_and_matchmaking_means_matchmaking(tmp_path, caplog):
+    """The round's timeline (issue 39): the averager's phases, then the training thread's laps, in the log line,
+    the `averaged` event and the metrics; "matchmaking" is matchmaking's own time, not all that was not the
+    all-reduce."""
+    import json
+
+    from swarm.events import EventLog
+    from swarm.monitoring.metrics import PeerMetrics
+    from swarm.peer.report import Timeline, report_round
+    from swarm.peer.training import StepClock
+
+    clock = StepClock()
+    clock.stepped(2.5, 64)
+    timeline = Timeline({"announce": 0.25, "matchmaking": 1.5, "allreduce": 3.0})
+    timeline.add("checkpoint", 0.75)
+    time.sleep(0.05)
+    timeline.lap("outer_step")
+    done = timeline.done(clock, SimpleNamespace(digest_seconds=0.125))
+    assert done["compute_seconds"] == 2.5 and clock.round_compute() == 0.0 and done["hash_seconds"] == 0.125
+    assert 0.05 <= done["phases"]["outer_step"] < 1 and done["phases"]["validation"] == 0.0, done
+    metrics, events = PeerMetrics(), EventLog(tmp_path / "events.jsonl")
+    with caplog.at_level(logging.INFO, logger="swarm.peer"):
+        report_round(_averaged(2), 9.0, metrics=metrics, events=events, uses_ring=False, wire_per_param=2.0,
+                     round_now=4, loss=3.0, val_loss=None, digest="d" * 16, timeline=done)
+    events.close()
+    line = next(r.getMessage() for r in caplog.records if "averaged with 2 peers" in r.getMessage())
+    assert "matchmaking 1.5 s" in line and "round 9.0 s: compute 2.5 s, announce 0.2 s" in line, line
+    assert "checkpoint 0.8 s" in line and ("outer step 0.0 s" in line or "outer step 0.1 s" in line), line
+    event = json.loads((tmp_path / "events.jsonl").read_text().splitlines()[-1])
+    assert event["phases"]["matchmaking"] == 1.5 and event["phases"]["allreduce"] == 3.0, event
+    assert event["round_seconds"] == 9.0 and event["compute_seconds"] == 2.5, event
+    assert metrics.round_phase_seconds.labels(phase="checkpoint")._value.get() == 0.75
 
 
 def test_a_sync_from_one_holder_counts_one_peer():

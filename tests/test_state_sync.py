@@ -466,7 +466,7 @@ def test_a_joiner_whose_holders_moved_on_asks_at_once_for_the_state_the_view_vou
                               resync_bytes=SimpleNamespace(labels=lambda how: SimpleNamespace(inc=lambda *a: None)))
     events = SimpleNamespace(emit=lambda *a, **k: setattr(counts, "value", counts.value + 1))
     monkeypatch.setattr(catch_up, "sync_state", sync)
-    diloco = SimpleNamespace(round=0, numel=10, digest=lambda: "d3")
+    diloco = SimpleNamespace(round=0, numel=10, digest=lambda: "d3", settle=lambda: 0.0)
     joiner = catch_up.CatchUp(loop=Loop(), node=None, run_id="r", diloco=diloco,
                               rounds=rounds, announcer=Announcer(), metrics=metrics, events=events,
                               on_synced=lambda: None)

@@ -48,6 +48,11 @@ class PeerMetrics:
         self.allreduce_seconds = Histogram("swarm_allreduce_seconds", "Duration of successful all-reduces",
                                            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300), registry=r)
         self.round_seconds = Gauge("swarm_round_duration_seconds", "Wall time of the last outer round", registry=r)
+        self.round_phase_seconds = Gauge(
+            "swarm_round_phase_seconds", "Seconds the last outer round spent in each phase besides computing "
+            "(announce, matchmaking, allreduce, outer_step, validation, digest, checkpoint)", ["phase"], registry=r)
+        self.round_compute_seconds = Gauge("swarm_round_compute_seconds",
+                                           "Seconds the last outer round spent in inner steps", registry=r)
         self.group_size = Gauge("swarm_group_size", "Peers in the last averaging group", registry=r)
         self.bytes_sent = Counter("swarm_allreduce_bytes_sent_total", "All-reduce payload bytes sent (on the wire, "
                                   "after compression)", registry=r)

@@ -70,15 +70,24 @@ class Averager:
 
     def _reduce(self, contribution: Contribution, attempt: int) -> Outcome:
         round_no, retries, started = contribution.round_no, 0, time.monotonic()
+        phases = dict.fromkeys(("announce", "matchmaking", "allreduce"), 0.0)
+
+        def timed(phase: str, began: float) -> None:
+            phases[phase] += time.monotonic() - began
+
         while True:
             if self.stopping is not None and self.stopping.is_set():  # a stop that came after its cancellations
                 raise concurrent.futures.CancelledError()
             if self.moved_on(round_no):
                 return NotAveraged(contribution, attempt)  # the training thread re-syncs
             attempt = self.rounds.begin_attempt(round_no, attempt, self.announcer.attempts(round_no))
+            began = time.monotonic()
             self.announcer.refresh_now(self.loop)
+            timed("announce", began)
             self.faults.maybe_die("matchmaking", round_no)
+            began = time.monotonic()
             group, others_seen = self.match(contribution, attempt)
+            timed("matchmaking", began)
             if group is None:
                 # Peers that put us in their group hear at once that we are not coming.
                 self.loop.run(self.allreduce.decide(round_no, attempt, None), timeout=10, interruptible=True)
@@ -87,9 +96,13 @@ class Averager:
                 self.events.emit("no_group", round=round_no, attempt=attempt)
                 return NotAveraged(contribution, attempt, alone=not others_seen)
             self._waiting_said = ""
+            began = time.monotonic()
             try:
-                return Averaged(contribution, attempt, self.run(group, contribution), group, started)
+                result = self.run(group, contribution)
+                timed("allreduce", began)
+                return Averaged(contribution, attempt, result, group, started, phases)
             except (AllReduceError, TimeoutError) as e:
+                timed("allreduce", began)
                 reason = getattr(e, "reason", "timeout")
                 self.metrics.averaging_failures.labels(reason=reason).inc()
                 logger.warning("round %d: averaging failed (%s): %s", round_no, reason, e)

@@ -41,7 +41,7 @@ from swarm.peer.shared_data import load_data
 from swarm.peer.pipeline.part import Part
 from swarm.peer.stop import Stop
 from swarm.peer.stream import DataStream
-from swarm.peer.report import report_round, write_trace
+from swarm.peer.report import Timeline, report_round, write_trace
 from swarm.peer.training import StepClock, learning_rate, make_inner_optimizer, schedule_tokens, validation_loss
 from swarm.runtime import LoopThread
 
@@ -61,7 +61,7 @@ class Peer:
         self.announcer: Optional[Announcer] = None
         self.allreduce: Optional[GroupAllReduce] = None
         self.rounds: Optional[Rounds] = None
-        self._last_checkpoint_round, self.move_to = -1, move_to  # move_to: a stage to host (rebalancing), not pinned
+        self.checkpoints, self.move_to = None, move_to  # move_to: a stage to host (rebalancing), not pinned
         self._seen_view: Optional[list[PeerRecord]] = None  # the swarm view the data stream last looked at
 
     # ---- start-up ------------------------------------------------------------------------------------------
@@ -110,6 +110,8 @@ class Peer:
                              int(s.replay_log_mb * 1e6))
         self.error_feedback = ErrorFeedback()
         self.inner_optimizer = make_inner_optimizer(self.part.module, r.inner)
+        self.checkpoints = ckpt.CheckpointWriter(s.checkpoints.dir, s.checkpoints.keep, s.checkpoints.series,
+                                                 self.metrics, self.events) if s.checkpoints.dir else None
         logger.info("model: %.2fM parameters, %d blocks, on %s; replay log up to %.2f MB", self.diloco.numel / 1e6,
                     self.n_blocks, self.device, self.diloco.log_bytes / 1e6)
         self.events.emit("model", parameters=self.diloco.numel, blocks=self.n_blocks, device=str(self.device),
@@ -199,11 +201,11 @@ class Peer:
 
     # ---- what we announce ----------------------------------------------------------------------------------
     def _record(self) -> PeerRecord:
-        snap = self.rounds.snapshot()
+        snap, (round_no, digest) = self.rounds.snapshot(), self.diloco.identity()  # (never waits for a hash)
         return PeerRecord(
             peer_id=self.node.peer_id, state=snap.state, version=__version__, run_id=self.recipe.run_id,
-            round=self.diloco.round, tokens_in_round=snap.tokens_in_round, block_start=self.block_range[0],
-            block_end=self.block_range[1], digest=self.diloco.digest(), device=self.device.type,
+            round=round_no, tokens_in_round=snap.tokens_in_round, block_start=self.block_range[0],
+            block_end=self.block_range[1], digest=digest, device=self.device.type,
             device_name=self.device_info.name, device_memory=self.device_info.memory_bytes,
             tokens_per_s=self.tokens_per_s, capacity=self.tokens_per_s if self.part.whole else self.part.capacity(),
             bandwidth_up=self.link.up, bandwidth_down=self.link.down,
@@ -247,10 +249,7 @@ class Peer:
             if self.part.in_flight and not self._inner_step(batches, settle=True):  # (a first stage's batches)
                 continue
             if self.rounds.in_flight:  # the last average is still in flight: wait for it (time not computing)
-                waited = time.monotonic()
-                self._conclude(self.rounds.wait())
-                logger.info("round due while the last average was in flight: waited %.2f s for it",
-                            time.monotonic() - waited)
+                self._conclude(self.rounds.wait(due=True))
                 continue
             contribution = self._prepare()
             if contribution is not None:
@@ -262,7 +261,7 @@ class Peer:
         self.part.finish(self.stop.event, self.events)  # (a serving stage answers the stage before until it ends)
         self.rounds.close()
         logger.info("compute utilisation %.1f%% (time in inner steps / wall time)", 100 * self.clock.utilization())
-        if self.settings.checkpoints.dir and self.diloco.round > 0 and self._last_checkpoint_round != self.diloco.round:
+        if self.checkpoints is not None and self.diloco.round > 0 and self.checkpoints.last_round != self.diloco.round:
             self._checkpoint()
         return self.rounds.rounds_done
 
@@ -351,8 +350,9 @@ class Peer:
 
     def _apply(self, averaged: Averaged) -> None:
         contribution, result, group = averaged.contribution, averaged.result, averaged.group
-        n = self.diloco.numel
+        n, timeline = self.diloco.numel, Timeline(averaged.phases)
         average, mixed_state = result.average[:n], result.average[n:] if group.mix else None
+        timeline.add("checkpoint", self.diloco.settle())  # (the last checkpoint's write, if it is still going)
         self.error_feedback.update(contribution.pseudo_gradient, result.delivered[:n])
         global_before = self.diloco.flat_global() if self.settings.trace_dir else None
         progress_since = None if contribution.snapshot is None else self.diloco.flat_local() - contribution.snapshot
@@ -361,24 +361,29 @@ class Peer:
             self.metrics.mixing_rounds.inc()
         # With several groups, each sees only its own tokens: count the swarm's (its estimate) in the schedule.
         tokens = result.total_weight * group.swarm_size / max(result.group_size, 1)
-        self.diloco.outer_step(average, int(round(tokens)), result.wire, log=not group.mix)
+        self.diloco.outer_step(average, int(round(tokens)), result.wire, log=not group.mix)  # (hashed meanwhile)
         round_seconds = self.rounds.landed(averaged)  # right after the step, so no record counts tokens twice
+        timeline.lap("outer_step")
         self.last_group_size = max(result.group_size, group.swarm_size)
         self.announcer.averaged_with(group.members, group.swarm_size)  # its majority must hold any state we follow
         self.link.update(result.bytes_sent, result.bytes_received, result.seconds)
         self.val_loss = validation_loss(self.model, self.eval_batches, self.device) if self.part.whole else \
             self.part.validation_loss(self.eval_batches, self.device)  # (a first stage's, through the pipeline)
+        timeline.lap("validation")
         if progress_since is not None:
             self.diloco.add_to_local(progress_since)  # overlap: keep the steps made while averaging
+        digest = self.diloco.digest()
+        timeline.lap("digest")  # (what the training thread waited for the hash, which ran beside validation)
+        if self.checkpoints is not None and self.diloco.round % self.recipe.checkpoint_every == 0:
+            self._checkpoint()
+        timeline.lap("checkpoint")
         report_round(averaged, round_seconds, metrics=self.metrics, events=self.events,
                      uses_ring=self.allreduce.uses_ring(group), round_now=self.diloco.round, loss=self.loss,
-                     val_loss=self.val_loss, digest=self.diloco.digest(),
+                     val_loss=self.val_loss, digest=digest, timeline=timeline.done(self.clock, self.diloco),
                      wire_per_param=self.allreduce.codec.bytes_per_param(max(n // result.group_size, 1)))
         if self.settings.trace_dir:
             write_trace(self.settings.trace_dir, self.node.peer_id, averaged, global_before, average, mixed_state,
-                        self.diloco.flat_global(), self.loss, self.val_loss, self.diloco.digest())
-        if self.settings.checkpoints.dir and self.diloco.round % self.recipe.checkpoint_every == 0:
-            self._checkpoint()
+                        self.diloco.flat_global(), self.loss, self.val_loss, digest)
         if progress_since is None:
             self.announcer.refresh_now(self.loop)
         else:
@@ -387,8 +392,7 @@ class Peer:
             self.announcer.refresh_soon(self.loop)
 
     def _drop_local_progress(self) -> None:
-        """Our state was replaced by the swarm's: what we owed the old one (error feedback) and the inner
-        optimizer's moments are of a model we no longer train."""
+        """Our state was replaced by the swarm's: error feedback and inner moments are of a model we left."""
         self.error_feedback.reset()
         self.inner_optimizer = make_inner_optimizer(self.part.module, self.recipe.inner)
 
@@ -406,18 +410,12 @@ class Peer:
         self.rounds.dropped()
 
     def _checkpoint(self) -> None:
-        tensors = self.diloco.state_tensors()
-        tensors.update({f"error_feedback.{k}": v for k, v in self.error_feedback.state_dict().items()})
-        path = ckpt.save_checkpoint(
-            self.settings.checkpoints.dir, self.diloco.round, self.diloco.tokens_seen, tensors,
-            {"digest": self.diloco.digest(), "recipe": self.recipe.digest(), "stage": self.part.index,
-             "loss": self.loss, "val_loss": self.val_loss, "inner_steps": self.inner_steps, **self.stream.meta(),
-             "version": __version__},
-            keep=self.settings.checkpoints.keep, series_every=self.settings.checkpoints.series)
-        self._last_checkpoint_round = self.diloco.round
-        self.metrics.checkpoint_written(self.diloco.round)
-        logger.info("checkpoint written: %s", path)
-        self.events.emit("checkpoint", round=self.diloco.round, path=str(path))
+        """Have the state of now written in the background, read in place (see CheckpointWriter)."""
+        extra = {f"error_feedback.{k}": v for k, v in self.error_feedback.state_dict().items()}
+        self.checkpoints.write(self.diloco, extra, {
+            "digest": self.diloco.digest(), "recipe": self.recipe.digest(), "stage": self.part.index,
+            "loss": self.loss, "val_loss": self.val_loss, "inner_steps": self.inner_steps, **self.stream.meta(),
+            "version": __version__})
 
     # ---- shutdown ------------------------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -436,6 +434,8 @@ class Peer:
                 self.loop.run(self.announcer.announce_offline(), timeout=self.stop.time_left(3.0))
             except Exception:  # noqa: BLE001 - the record expires on its own
                 logger.debug("could not announce offline", exc_info=True)
+        if self.checkpoints is not None:
+            self.checkpoints.close()  # (the newest state we have is written before we go)
         if self.node is not None:
             if self.node.direct is not None:
                 logger.info("streams opened: %d direct, %d through libp2p", self.node.direct.opened["direct"],

@@ -16,11 +16,46 @@ from safetensors.torch import save_file
 logger = logging.getLogger("swarm.peer")
 
 
+PHASES = ("announce", "matchmaking", "allreduce", "outer_step", "validation", "digest", "checkpoint")
+PHASE_NAMES = {"allreduce": "all-reduce", "outer_step": "outer step"}
+
+
+class Timeline:
+    """The seconds a round spent in each phase besides computing (PHASES; the averager's three, then the training
+    thread's), timed as laps from one to the next."""
+
+    def __init__(self, phases: dict[str, float]):
+        self.phases = dict.fromkeys(PHASES, 0.0) | dict(phases)
+        self._since = time.monotonic()
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.phases[phase] += seconds
+        self._since = time.monotonic()
+
+    def lap(self, phase: str) -> None:
+        """Count the time since the last lap toward `phase`."""
+        now = time.monotonic()
+        self.phases[phase] += now - self._since
+        self._since = now
+
+    def done(self, clock, diloco) -> dict:
+        """The round's timeline: phases, its compute (the StepClock's since the last round), and what the state's
+        hash took on its own thread (`hash`: beside validation, its wait counts as `digest`)."""
+        return {"phases": {k: round(v, 3) for k, v in self.phases.items()},
+                "compute_seconds": round(clock.round_compute(), 3), "hash_seconds": round(diloco.digest_seconds, 3)}
+
+
 def report_round(averaged, round_seconds: float, *, metrics, events, uses_ring: bool, wire_per_param: float,
-                 round_now: int, loss: Optional[float], val_loss: Optional[float], digest: str) -> None:
+                 round_now: int, loss: Optional[float], val_loss: Optional[float], digest: str,
+                 timeline: dict) -> None:
     """Metrics, the log line and the `averaged` event of an applied round (`averaged`: rounds.Averaged);
-    `round_now` is our round after its outer step and `wire_per_param` the codec's bytes a value."""
+    `round_now` is our round after its outer step, `wire_per_param` the codec's bytes a value and `timeline`
+    Timeline.done's."""
     result, group, round_no = averaged.result, averaged.group, averaged.contribution.round_no
+    phases = timeline["phases"]
+    for phase, seconds in phases.items():
+        metrics.round_phase_seconds.labels(phase=phase).set(seconds)
+    metrics.round_compute_seconds.set(timeline["compute_seconds"])
     metrics.round_peers.set(group.swarm_size)
     if group.mix:
         wire_per_param = (wire_per_param + 2 * 4.0) / 3  # params and momentum travel as fp32
@@ -29,19 +64,20 @@ def report_round(averaged, round_seconds: float, *, metrics, events, uses_ring: 
     metrics.outer_round.set(round_now)
     metrics.val_loss.set(float("nan") if val_loss is None else val_loss)  # a stage's peer evaluates nothing
     metrics.round_seconds.set(round_seconds)
-    matchmaking = time.monotonic() - averaged.started - result.seconds
+    rest = ", ".join(f"{PHASE_NAMES.get(phase, phase)} {seconds:.1f} s" for phase, seconds in phases.items()
+                     if phase not in ("matchmaking", "allreduce"))
     logger.info("round %d: averaged %s%s in %.2f s (%.1f MB sent, %d tokens), matchmaking %.1f s; "
-                "val loss %s, train loss %.4f, digest %s", round_no,
+                "val loss %s, train loss %.4f, digest %s; round %.1f s: compute %.1f s, %s", round_no,
                 "alone" if result.group_size == 1 else f"with {result.group_size} peers",
                 f" (one of the groups of {group.swarm_size} peers, params mixed)" if group.mix else
                 f" (one of the groups of {group.swarm_size} peers)" if group.swarm_size > result.group_size
                 else " along a ring" if uses_ring else "", result.seconds, result.bytes_sent / 1e6,
-                int(result.total_weight), matchmaking, "-" if val_loss is None else f"{val_loss:.4f}",
-                loss or float("nan"), digest)
+                int(result.total_weight), phases["matchmaking"], "-" if val_loss is None else f"{val_loss:.4f}",
+                loss or float("nan"), digest, round_seconds, timeline["compute_seconds"], rest)
     events.emit("averaged", round=round_no, group_size=result.group_size, swarm_size=group.swarm_size, mix=group.mix,
                 ring=uses_ring, members=list(group.members), seconds=round(result.seconds, 3),
                 bytes_sent=result.bytes_sent, total_weight=result.total_weight, val_loss=val_loss, loss=loss,
-                digest=digest)
+                digest=digest, round_seconds=round(round_seconds, 3), **timeline)
 
 
 def write_trace(directory: str | Path, peer_id: str, averaged, global_before: torch.Tensor, average: torch.Tensor,

@@ -46,6 +46,9 @@ class Averaged:
     result: Any  # AllReduceResult
     group: Any  # matchmaking.Group
     started: float  # monotonic time the averaging began (matchmaking included)
+    # Seconds spent in each phase of the averaging, over all its attempts: "announce" (our record refreshed
+    # before matchmaking), "matchmaking", "allreduce" (with the reducers' checks, which run inside it)
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -178,17 +181,22 @@ class Rounds:
             return None
         return self.wait()
 
-    def wait(self) -> Optional[Outcome]:
-        """Block until the average in flight is done and return its outcome (None if there is none)."""
+    def wait(self, due: bool = False) -> Optional[Outcome]:
+        """Block until the average in flight is done and return its outcome (None if there is none). `due`: our
+        next round came due meanwhile, and the time waited (not computing) is said."""
         if self._pending is None:
             return None
         future, contribution = self._pending
-        self._pending = None
+        self._pending, waited = None, self.clock()
         try:
             return future.result()
         except Exception:  # noqa: BLE001 - a bug in the averaging must not lose the round's tokens
             logger.exception("round %d: averaging raised", contribution.round_no)
             return NotAveraged(contribution, self.next_attempt)
+        finally:
+            if due:
+                logger.info("round due while the last average was in flight: waited %.2f s for it",
+                            self.clock() - waited)
 
     def start_training(self) -> None:
         with self._lock:

@@ -66,7 +66,7 @@ class StepClock:
     def __init__(self, window: float = 2.0, clock=time.monotonic):
         self.window, self.clock = window, clock
         self.started = self.window_start = clock()
-        self.compute_seconds = 0.0
+        self.compute_seconds = self._at_round = 0.0
         self.window_tokens = 0
 
     def stepped(self, seconds: float, tokens: int) -> Optional[float]:
@@ -79,6 +79,11 @@ class StepClock:
         rate = self.window_tokens / elapsed
         self.window_start, self.window_tokens = self.clock(), 0
         return rate
+
+    def round_compute(self) -> float:
+        """Seconds in inner steps since the last call (a round's)."""
+        seconds, self._at_round = self.compute_seconds - self._at_round, self.compute_seconds
+        return seconds
 
     def utilization(self) -> float:
         return self.compute_seconds / max(self.clock() - self.started, 1e-9)

@@ -51,6 +51,7 @@ class CatchUp:
         Holders that answered with a newer state (the swarm took a round while we read its announcements: in a
         swarm of short rounds, every time) are asked again at once for the state the view vouches for now, up to
         MOVED_ON_TRIES times: a joiner that waited a second between tries could stay a round behind for good."""
+        self.diloco.settle()  # (the replay, on the event loop, reads our digest: never wait for it there)
         self.rounds.set_state("syncing")
         deadline = sync_deadline(8 * self.diloco.numel)  # params and outer momentum, fp32
         for tries_left in range(MOVED_ON_TRIES - 1, -1, -1):

@@ -3,6 +3,9 @@
 temp-dir + fsync + rename, so a crash mid-write leaves the previous checkpoint loadable; a corrupted checkpoint
 is detected on load and skipped in favour of the previous one.
 
+A peer writes them on a thread of its own (`CheckpointWriter`), one at a time, from the state in place: the next
+change of the state (the next outer step) waits for the write, not the training in between.
+
 Besides the newest few, a directory keeps a series of intermediate checkpoints, as Pythia and OLMo publish them:
 log-spaced early (rounds 1, 2, 4, 8, ...) and then every `series_every` rounds, each with its round, tokens seen
 and losses in its metadata, and all of them listed in `checkpoints.json`.
@@ -10,17 +13,19 @@ and losses in its metadata, and all of them listed in `checkpoints.json`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import logging
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 logger = logging.getLogger(__name__)
 PREFIX = "round-"
@@ -52,6 +57,41 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+          torch.bool: "BOOL"}
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
+    """Write `tensors` in the safetensors format (what safetensors' load_file reads), straight from their memory
+    (safetensors' own save_file makes a bytes copy of every tensor first: the whole state once more), hashing
+    as it writes, and fsync; returns the file's sha256."""
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in sorted(tensors.items())}
+    header, offset = {}, 0
+    for name, tensor in tensors.items():
+        if tensor.dtype not in DTYPES:
+            raise ValueError(f"tensor {name}: dtype {tensor.dtype} has no safetensors name here")
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": DTYPES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset,
+                                                                                                    offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # (the data starts 8-byte aligned, as safetensors writes it)
+    digest = hashlib.sha256()
+    with open(path, "wb") as file:
+        for part in (len(text).to_bytes(8, "little"), text):
+            digest.update(part)
+            file.write(part)
+        for tensor in tensors.values():
+            if tensor.numel():
+                data = tensor.view(-1).view(torch.uint8).numpy()
+                digest.update(data)
+                file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+    return digest.hexdigest()
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -71,10 +111,8 @@ def save_checkpoint(directory: str | Path, round_no: int, tokens_seen: int, tens
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     tensor_path = staging / "state.safetensors"
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tensor_path))
-    with open(tensor_path, "rb+") as file:
-        os.fsync(file.fileno())
-    full_meta = {**meta, "round": round_no, "tokens_seen": tokens_seen, "sha256": _sha256(tensor_path)}
+    sha256 = write_safetensors(tensor_path, tensors)
+    full_meta = {**meta, "round": round_no, "tokens_seen": tokens_seen, "sha256": sha256}
     with open(staging / "meta.json", "w") as file:
         json.dump(full_meta, file, indent=1, sort_keys=True)
         file.flush()
@@ -89,6 +127,57 @@ def save_checkpoint(directory: str | Path, round_no: int, tokens_seen: int, tens
             shutil.rmtree(old, ignore_errors=True)
     _write_index(directory)
     return final
+
+
+class CheckpointWriter:
+    """Writes a peer's checkpoints on a thread of its own, one at a time, reading the global state in place (its
+    next change waits for the write: DiLoCo.read_in_background). Once a checkpoint is on disk it is logged, and
+    so are the `checkpoint` event and the metrics (PeerMetrics.checkpoint_written); a write that fails is said in
+    one line and the previous checkpoint stays."""
+
+    def __init__(self, directory: str | Path, keep: int, series_every: int, metrics, events):
+        self.directory, self.keep, self.series_every = Path(directory), keep, series_every
+        self.metrics, self.events = metrics, events
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+        self._pending: Optional[concurrent.futures.Future] = None
+        self.last_round = -1  # the round of the last checkpoint handed to the writer
+
+    def write(self, diloco, extra: dict[str, torch.Tensor], meta: dict) -> float:
+        """Start writing `diloco`'s state of now, with `extra` tensors (never changed in place afterwards) and
+        `meta`; returns the seconds this thread waited for the previous write to finish."""
+        waited = self.wait()
+        round_no, tokens_seen = diloco.round, diloco.tokens_seen
+        self.last_round = round_no
+        tensors = {**diloco.state_views(), **extra}
+
+        def write() -> None:
+            started = time.monotonic()
+            try:
+                path = save_checkpoint(self.directory, round_no, tokens_seen, tensors, meta, keep=self.keep,
+                                       series_every=self.series_every)
+            except Exception as e:  # noqa: BLE001 - a full disk must not take the peer down
+                logger.error("checkpoint of round %d not written (%s); the previous one stays: free space in %s or "
+                             "pass another --checkpoint-dir", round_no, e, self.directory)
+                return
+            seconds = time.monotonic() - started
+            self.metrics.checkpoint_written(round_no)
+            logger.info("checkpoint written: %s (%.1f s, in the background)", path, seconds)
+            self.events.emit("checkpoint", round=round_no, path=str(path), seconds=round(seconds, 3))
+
+        self._pending = diloco.read_in_background(write, self._executor)
+        return waited
+
+    def wait(self, timeout: Optional[float] = None) -> float:
+        """Wait for the write in progress, if any (at most `timeout` seconds); the seconds waited."""
+        started = time.monotonic()
+        if self._pending is not None:
+            concurrent.futures.wait([self._pending], timeout)
+        return time.monotonic() - started
+
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Finish the write in progress (a stop waits for it: it is the newest state we have), then stop."""
+        self.wait(timeout)
+        self._executor.shutdown(wait=False)
 
 
 def _round_of(path: Path) -> int:

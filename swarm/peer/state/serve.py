@@ -50,7 +50,7 @@ class StateServer:
     async def current(self) -> Snapshot:
         """The snapshot of the state as it is now (serialised once per round, off the event loop)."""
         async with self._lock:
-            key = (self.diloco.round, self.diloco.digest())
+            key = self.diloco.identity()  # (never waits for a hash: the snapshot of a moment ago is as good)
             cached = self._snapshot
             if cached is None or (cached.header["round"], cached.header["digest"]) != key or \
                     time.monotonic() - cached.last_used > SNAPSHOT_SECONDS:
@@ -124,6 +124,7 @@ class StateServer:
         if not isinstance(round_no, int) or isinstance(round_no, bool) or not isinstance(digest, str) or \
                 not isinstance(target, str):
             raise ValueError(f"malformed replay request from {remote}: {request!r}")
+        await asyncio.get_running_loop().run_in_executor(None, self.diloco.hashed)  # (the latest step is logged)
         steps = _up_to(self.diloco.steps_since(round_no, digest)[:MAX_REPLAY_STEPS], target)
         bodies = [[memoryview(payload) for _, _, payload in step.wire] if step.wire is not None else
                   [memoryview(step.average.numpy()).cast("B")] for step in steps] if request.get("bodies", True) else []
