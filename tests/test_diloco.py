@@ -230,3 +230,31 @@ def test_a_background_reader_holds_off_every_change_of_the_state():
     proceed.set()
     diloco.settle()
     assert torch.equal(seen[0], first)
+
+
+def test_validation_takes_at_most_its_share_of_a_peers_time():
+    """A small model's validation (milliseconds) runs after every round, however short; one that takes seconds (a
+    92M model's ten on one CPU thread) waits until enough time has passed for it to stay within VALIDATION_SHARE."""
+    from swarm.peer.training import VALIDATION_SHARE, ValidationBudget
+
+    now = [0.0]
+    budget = ValidationBudget(clock=lambda: now[0])
+
+    def costing(seconds: float):
+        def loss() -> float:
+            now[0] += seconds
+            return 1.0
+        return loss
+
+    measured = []
+    for _ in range(10):  # rounds of 0.2 s, a validation of 0.05 s (under VALIDATION_FREE): every round
+        now[0] += 0.2
+        measured.append(budget.measure(costing(0.05)))
+    assert measured == [1.0] * 10
+    measured = []
+    for _ in range(12):  # the same rounds, a validation of 6 s: one round in two at a 5% share
+        now[0] += 60
+        measured.append(budget.measure(costing(6.0)))
+    assert VALIDATION_SHARE == 0.05 and measured.count(1.0) in (5, 6) and measured[0] == 1.0, measured
+    spent = 6.0 * measured.count(1.0)
+    assert spent <= VALIDATION_SHARE * 12 * 60 + 6.0

@@ -193,9 +193,9 @@ def test_the_round_line_counts_its_group(caplog, group_size, said):
     from swarm.monitoring.metrics import PeerMetrics
     from swarm.peer.report import report_round
 
-    timeline = {"phases": {"matchmaking": 0.4}, "compute_seconds": 0.5, "hash_seconds": 0.0}
+    timeline = {"round_seconds": 1.0, "phases": {"matchmaking": 0.4}, "compute_seconds": 0.5, "hash_seconds": 0.0}
     with caplog.at_level(logging.INFO, logger="swarm.peer"):
-        report_round(_averaged(group_size), 1.0, metrics=PeerMetrics(), events=EventLog(), uses_ring=False,
+        report_round(_averaged(group_size), metrics=PeerMetrics(), events=EventLog(), uses_ring=False,
                      wire_per_param=2.0, round_now=4, loss=3.0, val_loss=None, digest="d" * 16, timeline=timeline)
     assert said in caplog.text and "1 peers" not in caplog.text
 
@@ -211,18 +211,21 @@ def test_the_round_line_times_each_phase_and_matchmaking_means_matchmaking(tmp_p
     from swarm.peer.report import Timeline, report_round
     from swarm.peer.training import StepClock
 
-    clock = StepClock()
+    now = [100.0]
+    clock = StepClock(clock=lambda: now[0])
+    now[0] += 9.0  # a round of 9 s, 2.5 of them in inner steps
     clock.stepped(2.5, 64)
     timeline = Timeline({"announce": 0.25, "matchmaking": 1.5, "allreduce": 3.0})
     timeline.add("checkpoint", 0.75)
     time.sleep(0.05)
     timeline.lap("outer_step")
     done = timeline.done(clock, SimpleNamespace(digest_seconds=0.125))
-    assert done["compute_seconds"] == 2.5 and clock.round_compute() == 0.0 and done["hash_seconds"] == 0.125
+    assert (done["round_seconds"], done["compute_seconds"], done["hash_seconds"]) == (9.0, 2.5, 0.125)
+    assert clock.lap() == (0.0, 0.0), "the next round counts from this report"
     assert 0.05 <= done["phases"]["outer_step"] < 1 and done["phases"]["validation"] == 0.0, done
     metrics, events = PeerMetrics(), EventLog(tmp_path / "events.jsonl")
     with caplog.at_level(logging.INFO, logger="swarm.peer"):
-        report_round(_averaged(2), 9.0, metrics=metrics, events=events, uses_ring=False, wire_per_param=2.0,
+        report_round(_averaged(2), metrics=metrics, events=events, uses_ring=False, wire_per_param=2.0,
                      round_now=4, loss=3.0, val_loss=None, digest="d" * 16, timeline=done)
     events.close()
     line = next(r.getMessage() for r in caplog.records if "averaged with 2 peers" in r.getMessage())

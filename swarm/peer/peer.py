@@ -42,7 +42,8 @@ from swarm.peer.pipeline.part import Part
 from swarm.peer.stop import Stop
 from swarm.peer.stream import DataStream
 from swarm.peer.report import Timeline, report_round, write_trace
-from swarm.peer.training import StepClock, learning_rate, make_inner_optimizer, schedule_tokens, validation_loss
+from swarm.peer.training import (StepClock, ValidationBudget, learning_rate, make_inner_optimizer, schedule_tokens,
+                                 validation_loss)
 from swarm.runtime import LoopThread
 
 logger = logging.getLogger("swarm.peer")
@@ -151,8 +152,7 @@ class Peer:
         self.catch_up = CatchUp(loop=self.loop, node=self.node, run_id=r.run_id, diloco=self.diloco,
                                 rounds=self.rounds, announcer=self.announcer, metrics=self.metrics,
                                 events=self.events, on_synced=self._drop_local_progress)
-        self.loss: Optional[float] = None
-        self.val_loss: Optional[float] = None
+        self.loss, self.val_loss, self.validation = None, None, ValidationBudget()  # (the last measured losses)
         self.tokens_per_s = measure_tokens_per_s(self.model, r.data.batch_size, r.data.seq_len, self.device) \
             if self.part.whole else 0.0  # a stage's pace is the pipeline's: announced once measured
         self.inner_steps, self.last_group_size = 0, 1
@@ -343,10 +343,7 @@ class Peer:
 
     def _conclude(self, outcome: Outcome) -> None:
         """Apply a successful average, or arrange the retry of a failed one (training thread)."""
-        if isinstance(outcome, Averaged):
-            self._apply(outcome)
-        else:
-            self.rounds.failed(outcome)
+        self._apply(outcome) if isinstance(outcome, Averaged) else self.rounds.failed(outcome)
 
     def _apply(self, averaged: Averaged) -> None:
         contribution, result, group = averaged.contribution, averaged.result, averaged.group
@@ -362,13 +359,14 @@ class Peer:
         # With several groups, each sees only its own tokens: count the swarm's (its estimate) in the schedule.
         tokens = result.total_weight * group.swarm_size / max(result.group_size, 1)
         self.diloco.outer_step(average, int(round(tokens)), result.wire, log=not group.mix)  # (hashed meanwhile)
-        round_seconds = self.rounds.landed(averaged)  # right after the step, so no record counts tokens twice
+        self.rounds.landed(averaged)  # right after the step, so no record counts tokens twice
         timeline.lap("outer_step")
         self.last_group_size = max(result.group_size, group.swarm_size)
         self.announcer.averaged_with(group.members, group.swarm_size)  # its majority must hold any state we follow
         self.link.update(result.bytes_sent, result.bytes_received, result.seconds)
-        self.val_loss = validation_loss(self.model, self.eval_batches, self.device) if self.part.whole else \
-            self.part.validation_loss(self.eval_batches, self.device)  # (a first stage's, through the pipeline)
+        measured = self.validation.measure(lambda: validation_loss(self.model, self.eval_batches, self.device)) \
+            if self.part.whole else self.part.validation_loss(self.eval_batches, self.device)  # (a first stage's)
+        self.val_loss = measured if measured is not None else self.val_loss  # (None: not measured this round)
         timeline.lap("validation")
         if progress_since is not None:
             self.diloco.add_to_local(progress_since)  # overlap: keep the steps made while averaging
@@ -377,9 +375,9 @@ class Peer:
         if self.checkpoints is not None and self.diloco.round % self.recipe.checkpoint_every == 0:
             self._checkpoint()
         timeline.lap("checkpoint")
-        report_round(averaged, round_seconds, metrics=self.metrics, events=self.events,
+        report_round(averaged, metrics=self.metrics, events=self.events,
                      uses_ring=self.allreduce.uses_ring(group), round_now=self.diloco.round, loss=self.loss,
-                     val_loss=self.val_loss, digest=digest, timeline=timeline.done(self.clock, self.diloco),
+                     val_loss=measured, digest=digest, timeline=timeline.done(self.clock, self.diloco),
                      wire_per_param=self.allreduce.codec.bytes_per_param(max(n // result.group_size, 1)))
         if self.settings.trace_dir:
             write_trace(self.settings.trace_dir, self.node.peer_id, averaged, global_before, average, mixed_state,

@@ -39,13 +39,15 @@ class Timeline:
         self._since = now
 
     def done(self, clock, diloco) -> dict:
-        """The round's timeline: phases, its compute (the StepClock's since the last round), and what the state's
-        hash took on its own thread (`hash`: beside validation, its wait counts as `digest`)."""
-        return {"phases": {k: round(v, 3) for k, v in self.phases.items()},
-                "compute_seconds": round(clock.round_compute(), 3), "hash_seconds": round(diloco.digest_seconds, 3)}
+        """The round's timeline: its wall time and compute from the last round's report to this one (StepClock.lap),
+        its phases, and what the state's hash took on its own thread (beside validation: its wait is `digest`)."""
+        wall, compute = clock.lap()
+        return {"round_seconds": round(wall, 3), "compute_seconds": round(compute, 3),
+                "phases": {k: round(v, 3) for k, v in self.phases.items()},
+                "hash_seconds": round(diloco.digest_seconds, 3)}
 
 
-def report_round(averaged, round_seconds: float, *, metrics, events, uses_ring: bool, wire_per_param: float,
+def report_round(averaged, *, metrics, events, uses_ring: bool, wire_per_param: float,
                  round_now: int, loss: Optional[float], val_loss: Optional[float], digest: str,
                  timeline: dict) -> None:
     """Metrics, the log line and the `averaged` event of an applied round (`averaged`: rounds.Averaged);
@@ -62,8 +64,9 @@ def report_round(averaged, round_seconds: float, *, metrics, events, uses_ring: 
     metrics.record_allreduce(result.bytes_sent, result.bytes_received, result.seconds, result.group_size,
                              wire_per_param)
     metrics.outer_round.set(round_now)
-    metrics.val_loss.set(float("nan") if val_loss is None else val_loss)  # a stage's peer evaluates nothing
-    metrics.round_seconds.set(round_seconds)
+    if val_loss is not None:  # (a stage's peer evaluates nothing; a round without one keeps the last: NaN at first)
+        metrics.val_loss.set(val_loss)
+    metrics.round_seconds.set(timeline["round_seconds"])
     rest = ", ".join(f"{PHASE_NAMES.get(phase, phase)} {seconds:.1f} s" for phase, seconds in phases.items()
                      if phase not in ("matchmaking", "allreduce"))
     logger.info("round %d: averaged %s%s in %.2f s (%.1f MB sent, %d tokens), matchmaking %.1f s; "
@@ -73,11 +76,11 @@ def report_round(averaged, round_seconds: float, *, metrics, events, uses_ring: 
                 f" (one of the groups of {group.swarm_size} peers)" if group.swarm_size > result.group_size
                 else " along a ring" if uses_ring else "", result.seconds, result.bytes_sent / 1e6,
                 int(result.total_weight), phases["matchmaking"], "-" if val_loss is None else f"{val_loss:.4f}",
-                loss or float("nan"), digest, round_seconds, timeline["compute_seconds"], rest)
+                loss or float("nan"), digest, timeline["round_seconds"], timeline["compute_seconds"], rest)
     events.emit("averaged", round=round_no, group_size=result.group_size, swarm_size=group.swarm_size, mix=group.mix,
                 ring=uses_ring, members=list(group.members), seconds=round(result.seconds, 3),
                 bytes_sent=result.bytes_sent, total_weight=result.total_weight, val_loss=val_loss, loss=loss,
-                digest=digest, round_seconds=round(round_seconds, 3), **timeline)
+                digest=digest, **timeline)
 
 
 def write_trace(directory: str | Path, peer_id: str, averaged, global_before: torch.Tensor, average: torch.Tensor,

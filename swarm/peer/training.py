@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -50,6 +50,10 @@ def inner_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     return float(loss.detach())
 
 
+VALIDATION_SHARE = 0.05  # of a whole-model peer's wall time, at most, spent on validation losses...
+VALIDATION_FREE = 1.0  # ...unless one takes less than this many seconds: then after every round
+
+
 @torch.no_grad()
 def validation_loss(model: torch.nn.Module, batches: list[torch.Tensor], device: torch.device) -> float:
     model.eval()
@@ -59,6 +63,31 @@ def validation_loss(model: torch.nn.Module, batches: list[torch.Tensor], device:
         model.train()
 
 
+class ValidationBudget:
+    """When a whole-model peer measures the validation loss after a round: when the last one took under
+    VALIDATION_FREE seconds (a small model: every round), or the time since it is enough for its cost to stay
+    within `share` of it (every few rounds for a model whose validation takes seconds, as a 92M model's ten on one
+    CPU thread do)."""
+
+    def __init__(self, share: float = VALIDATION_SHARE, clock=time.monotonic):
+        self.share, self.clock = share, clock
+        self.cost, self.last = 0.0, clock()
+
+    def due(self) -> bool:
+        return self.cost < VALIDATION_FREE or self.cost <= self.share * (self.clock() - self.last)
+
+    def measure(self, loss: Callable[[], Optional[float]]) -> Optional[float]:
+        """`loss()` if due (timing it), else None."""
+        if not self.due():
+            return None
+        started = self.clock()
+        try:
+            return loss()
+        finally:
+            self.last = self.clock()
+            self.cost = self.last - started
+
+
 class StepClock:
     """Time in inner steps against wall time (compute utilisation), and the training speed measured over a window
     of `window` seconds (what a peer announces as its tokens/s)."""
@@ -66,7 +95,8 @@ class StepClock:
     def __init__(self, window: float = 2.0, clock=time.monotonic):
         self.window, self.clock = window, clock
         self.started = self.window_start = clock()
-        self.compute_seconds = self._at_round = 0.0
+        self.compute_seconds = 0.0
+        self._lap = (self.started, 0.0)  # (time, compute seconds) when the last round was reported
         self.window_tokens = 0
 
     def stepped(self, seconds: float, tokens: int) -> Optional[float]:
@@ -80,10 +110,12 @@ class StepClock:
         self.window_start, self.window_tokens = self.clock(), 0
         return rate
 
-    def round_compute(self) -> float:
-        """Seconds in inner steps since the last call (a round's)."""
-        seconds, self._at_round = self.compute_seconds - self._at_round, self.compute_seconds
-        return seconds
+    def lap(self) -> tuple[float, float]:
+        """(wall seconds, seconds in inner steps) since the last call, or since training started: a round's, from
+        one round's report to the next."""
+        now = self.clock()
+        (then, computed), self._lap = self._lap, (now, self.compute_seconds)
+        return now - then, self.compute_seconds - computed
 
     def utilization(self) -> float:
         return self.compute_seconds / max(self.clock() - self.started, 1e-9)
