@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A smoke check of peers on a CUDA GPU (the CPU machines cannot run one): the CUDA-only tests, then a bootstrap and
 # three `--device cuda` peers of tests/recipes/tiny.yaml averaging 3 rounds (verified groups of three), then two
-# peers on the two stages of tests/recipes/rebalance.yaml. Prints each part's outcome; logs go to $OUT (default: a
+# peers on the two stages of tests/recipes/rebalance.yaml, then (SCALE=1, about 10 minutes) two CUDA peers of a
+# 311M-parameter GPT-2-style model through scripts/bench_scale.py. Prints each part's outcome; logs go to $OUT (default: a
 # new temporary directory). Where the machine lacks packages, put their wheels in .whl/ first (they are installed
 # to /tmp/site). Run from the repository root:  bash scripts/gpu_smoke.sh
 set -u
@@ -68,3 +69,9 @@ done
 finish "${pids[@]}"
 kill -TERM $B
 grep -h "checks passed\|on cuda\|done:\|ERROR" "$OUT"/stage?.log | cut -c1-200
+
+if [ "${SCALE:-0}" = 1 ]; then
+  echo "=== two peers of a 311M-parameter model on cuda (scripts/bench_scale.py)"
+  timeout 900 python3 scripts/bench_scale.py --size 350m --device cuda --peers 2 --rounds 3 --round-seconds 60 \
+    --checkpoints --log-dir "$OUT/scale" 2>&1 | tail -8 | cut -c1-400
+fi
