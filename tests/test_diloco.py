@@ -258,3 +258,27 @@ def test_validation_takes_at_most_its_share_of_a_peers_time():
     assert VALIDATION_SHARE == 0.05 and measured.count(1.0) in (5, 6) and measured[0] == 1.0, measured
     spent = 6.0 * measured.count(1.0)
     assert spent <= VALIDATION_SHARE * 12 * 60 + 6.0
+
+
+@pytest.mark.parametrize("momentum, nesterov", [(0.9, True), (0.9, False), (0.0, False)])
+def test_the_outer_step_is_torchs_sgd_bit_for_bit_without_a_models_worth_of_gradients(momentum, nesterov):
+    """The outer update steps one parameter at a time (no whole-model gradients set first: issue 39's memory) and
+    ends bit-identical to torch's SGD.step, momentum buffers included, over several steps."""
+    from swarm.peer.diloco import _outer_update
+
+    torch.manual_seed(0)
+    ours = [torch.randn(7, 5), torch.randn(11)]
+    torchs = [p.clone() for p in ours]
+    optimizers = [torch.optim.SGD(ps, lr=0.7, momentum=momentum, nesterov=nesterov) for ps in (ours, torchs)]
+    for _ in range(3):
+        average, offset = torch.randn(46), 0
+        for param in torchs:
+            param.grad = average[offset:offset + param.numel()].view_as(param).clone()
+            offset += param.numel()
+        optimizers[1].step()
+        optimizers[1].zero_grad(set_to_none=True)
+        _outer_update(ours, optimizers[0], average)
+    assert all(torch.equal(a, b) for a, b in zip(ours, torchs))
+    if momentum:
+        assert all(torch.equal(optimizers[0].state[a]["momentum_buffer"], optimizers[1].state[b]["momentum_buffer"])
+                   for a, b in zip(ours, torchs))

@@ -71,14 +71,28 @@ def _momenta(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> li
     return [optimizer.state.get(p, {}).get("momentum_buffer") for p in params]
 
 
-def _outer_update(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, average: torch.Tensor) -> None:
-    """One outer optimizer step on `params` along the flat averaged pseudo-gradient."""
+def _outer_update(params: list[torch.Tensor], optimizer: torch.optim.SGD, average: torch.Tensor) -> None:
+    """One outer step of `optimizer` (torch's SGD, Nesterov or not) on `params` along the flat averaged
+    pseudo-gradient, one parameter at a time: the same arithmetic as SGD.step on the CPU (bit for bit), without
+    a whole model's worth of gradients set first. The momentum buffers stay in `optimizer.state`."""
+    hyper = optimizer.param_groups[0]
+    lr, momentum, dampening, nesterov = hyper["lr"], hyper["momentum"], hyper["dampening"], hyper["nesterov"]
+    if hyper["weight_decay"] or hyper.get("maximize"):
+        raise ValueError("the outer optimizer takes neither weight decay nor maximize")
     offset = 0
-    for param in params:
-        param.grad = average[offset:offset + param.numel()].view_as(param).to(torch.float32).clone()
-        offset += param.numel()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for param in params:
+            grad = average[offset:offset + param.numel()].view_as(param).to(torch.float32)
+            offset += param.numel()
+            if momentum:
+                state = optimizer.state[param]
+                buffer = state.get("momentum_buffer")
+                if buffer is None:
+                    buffer = state["momentum_buffer"] = torch.clone(grad).detach()
+                else:
+                    buffer.mul_(momentum).add_(grad, alpha=1 - dampening)
+                grad = grad.add(buffer, alpha=momentum) if nesterov else buffer
+            param.add_(grad, alpha=-lr)
 
 
 class DiLoCo:
