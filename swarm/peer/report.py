@@ -24,17 +24,17 @@ class Timeline:
     """The seconds a round spent in each phase besides computing (PHASES; the averager's three, then the training
     thread's), timed as laps from one to the next."""
 
-    def __init__(self, phases: dict[str, float]):
-        self.phases = dict.fromkeys(PHASES, 0.0) | dict(phases)
-        self._since = time.monotonic()
+    def __init__(self, phases: dict[str, float], clock=time.monotonic):
+        self.phases, self.clock = dict.fromkeys(PHASES, 0.0) | dict(phases), clock
+        self._since = clock()
 
     def add(self, phase: str, seconds: float) -> None:
         self.phases[phase] += seconds
-        self._since = time.monotonic()
+        self._since = self.clock()
 
     def lap(self, phase: str) -> None:
         """Count the time since the last lap toward `phase`."""
-        now = time.monotonic()
+        now = self.clock()
         self.phases[phase] += now - self._since
         self._since = now
 
