@@ -183,7 +183,7 @@ def test_a_peer_waiting_for_a_partner_says_so_once(swarm, tmp_path):
 def _averaged(group_size: int):
     result = SimpleNamespace(group_size=group_size, bytes_sent=0, bytes_received=0, seconds=0.1, total_weight=8192)
     group = SimpleNamespace(swarm_size=group_size, mix=False, members=["a"] * group_size)
-    return SimpleNamespace(result=result, group=group, contribution=SimpleNamespace(round_no=3), started=0.0)
+    return SimpleNamespace(result=result, group=group, contribution=SimpleNamespace(round_no=3))
 
 
 @pytest.mark.parametrize("group_size, said", [(1, "averaged alone in"), (3, "averaged with 3 peers in")])

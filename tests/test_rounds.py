@@ -96,7 +96,7 @@ def test_a_landed_round_starts_the_next_at_attempt_zero_and_counts_from_zero():
     rounds.start_training()
     rounds.trained(1000)
     rounds.begin_attempt(0, 2, announced=[1])
-    outcome = rounds.hand_in(contribution(rounds), lambda c, attempt: Averaged(c, 2, None, None, 0.0))
+    outcome = rounds.hand_in(contribution(rounds), lambda c, attempt: Averaged(c, 2, None, None))
     clock.now += 7.5
     assert rounds.landed(outcome) == 7.5
     snap = rounds.snapshot()
@@ -111,7 +111,7 @@ def test_overlap_hands_in_to_the_background_and_announces_the_tokens_apart():
 
     def reduce(c, attempt):
         release.wait(10)
-        return Averaged(c, attempt, None, None, 0.0)
+        return Averaged(c, attempt, None, None)
 
     assert rounds.hand_in(contribution(rounds, snapshot=True), reduce) is None
     snap = rounds.snapshot()
@@ -188,7 +188,7 @@ def test_no_snapshot_ever_counts_a_round_tokens_twice_or_loses_them():
             if i % 20 == 19:  # handing in and failing move tokens but never change their sum: no test lock
                 rounds.hand_in(contribution(rounds, snapshot=True),
                                (lambda c, a: NotAveraged(c, a)) if i % 40 == 19 else
-                               (lambda c, a: Averaged(c, a, None, None, 0.0)))
+                               (lambda c, a: Averaged(c, a, None, None)))
                 outcome = rounds.wait()
                 if isinstance(outcome, Averaged):
                     with lock:
@@ -218,7 +218,7 @@ def test_resync_timing_backs_off_unless_the_holders_only_moved_on():
     assert rounds.resync_due()
     # A re-sync leaves the round: the average in flight is moot, and the new round counts from attempt 0.
     rounds.trained(1000)
-    rounds.hand_in(contribution(rounds, snapshot=True), lambda c, a: Averaged(c, a, None, None, 0.0))
+    rounds.hand_in(contribution(rounds, snapshot=True), lambda c, a: Averaged(c, a, None, None))
     rounds.begin_attempt(0, 4, announced=[])
     rounds.leave_round()
     rounds.resynced()

@@ -6,6 +6,7 @@ so it may run on a background thread; what it decides about attempts and exclusi
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -69,11 +70,15 @@ class Averager:
             return NotAveraged(contribution, attempt)
 
     def _reduce(self, contribution: Contribution, attempt: int) -> Outcome:
-        round_no, retries, started = contribution.round_no, 0, time.monotonic()
-        phases = dict.fromkeys(("announce", "matchmaking", "allreduce"), 0.0)
+        round_no, retries, phases = contribution.round_no, 0, {}
 
-        def timed(phase: str, began: float) -> None:
-            phases[phase] += time.monotonic() - began
+        @contextlib.contextmanager
+        def timed(phase: str):  # (every attempt's time counts toward its phase)
+            began = time.monotonic()
+            try:
+                yield
+            finally:
+                phases[phase] = phases.get(phase, 0.0) + time.monotonic() - began
 
         while True:
             if self.stopping is not None and self.stopping.is_set():  # a stop that came after its cancellations
@@ -81,13 +86,11 @@ class Averager:
             if self.moved_on(round_no):
                 return NotAveraged(contribution, attempt)  # the training thread re-syncs
             attempt = self.rounds.begin_attempt(round_no, attempt, self.announcer.attempts(round_no))
-            began = time.monotonic()
-            self.announcer.refresh_now(self.loop)
-            timed("announce", began)
+            with timed("announce"):
+                self.announcer.refresh_now(self.loop)
             self.faults.maybe_die("matchmaking", round_no)
-            began = time.monotonic()
-            group, others_seen = self.match(contribution, attempt)
-            timed("matchmaking", began)
+            with timed("matchmaking"):
+                group, others_seen = self.match(contribution, attempt)
             if group is None:
                 # Peers that put us in their group hear at once that we are not coming.
                 self.loop.run(self.allreduce.decide(round_no, attempt, None), timeout=10, interruptible=True)
@@ -96,13 +99,11 @@ class Averager:
                 self.events.emit("no_group", round=round_no, attempt=attempt)
                 return NotAveraged(contribution, attempt, alone=not others_seen)
             self._waiting_said = ""
-            began = time.monotonic()
             try:
-                result = self.run(group, contribution)
-                timed("allreduce", began)
-                return Averaged(contribution, attempt, result, group, started, phases)
+                with timed("allreduce"):
+                    result = self.run(group, contribution)
+                return Averaged(contribution, attempt, result, group, phases)
             except (AllReduceError, TimeoutError) as e:
-                timed("allreduce", began)
                 reason = getattr(e, "reason", "timeout")
                 self.metrics.averaging_failures.labels(reason=reason).inc()
                 logger.warning("round %d: averaging failed (%s): %s", round_no, reason, e)

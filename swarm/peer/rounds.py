@@ -45,7 +45,6 @@ class Averaged:
     attempt: int
     result: Any  # AllReduceResult
     group: Any  # matchmaking.Group
-    started: float  # monotonic time the averaging began (matchmaking included)
     # Seconds spent in each phase of the averaging, over all its attempts: "announce" (our record refreshed
     # before matchmaking), "matchmaking", "allreduce" (with the reducers' checks, which run inside it)
     phases: dict[str, float] = field(default_factory=dict)

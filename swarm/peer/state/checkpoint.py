@@ -142,10 +142,10 @@ class CheckpointWriter:
         self._pending: Optional[concurrent.futures.Future] = None
         self.last_round = -1  # the round of the last checkpoint handed to the writer
 
-    def write(self, diloco, extra: dict[str, torch.Tensor], meta: dict) -> float:
+    def write(self, diloco, extra: dict[str, torch.Tensor], meta: dict) -> None:
         """Start writing `diloco`'s state of now, with `extra` tensors (never changed in place afterwards) and
-        `meta`; returns the seconds this thread waited for the previous write to finish."""
-        waited = self.wait()
+        `meta`, once the previous write is done."""
+        self.wait()
         round_no, tokens_seen = diloco.round, diloco.tokens_seen
         self.last_round = round_no
         tensors = {**diloco.state_views(), **extra}
@@ -165,7 +165,6 @@ class CheckpointWriter:
             self.events.emit("checkpoint", round=round_no, path=str(path), seconds=round(seconds, 3))
 
         self._pending = diloco.read_in_background(write, self._executor)
-        return waited
 
     def wait(self, timeout: Optional[float] = None) -> float:
         """Wait for the write in progress, if any (at most `timeout` seconds); the seconds waited."""
