@@ -188,7 +188,8 @@ def test_the_digest_is_hashed_beside_training_and_a_heartbeat_never_waits_for_it
     assert changed.is_alive() and diloco.round == 1  # the next outer step waits for the hash of round 1
     release.set()
     changed.join(10)
-    assert diloco.round == 2 and diloco.identity() == (2, diloco.digest())
+    current = diloco.digest()  # (waits for the hash of round 2, which identity() only reports once done)
+    assert diloco.round == 2 and diloco.identity() == (2, current)
     assert [(s.round, s.digest) for s in diloco.replay_log] == [(0, before), (1, diloco.replay_log[1].digest)]
     assert diloco.replay_log[0].after == diloco.replay_log[1].digest != before
     momenta = [diloco.outer_optimizer.state[p]["momentum_buffer"] for p in diloco.global_params]
