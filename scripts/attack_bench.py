@@ -27,19 +27,30 @@ Scenarios (an attacker is a peer with --inject-fault, which lies in what it send
   future-record      keeps a signed record at the swarm's round claiming 2^40 tokens, dated an hour ahead (attackers.py)
   handshake-flood    holds 64 idle TCP connections to each honest peer's direct-stream port (attackers.py)
 
+Pipelined scenarios run the same tiny model cut into two stages (PIPELINE_RECIPE): 2 honest peers per stage, the
+attackers on stage 1, lying in what they answer the first stage; their baseline is the clean pipelined swarm
+(stage-clean, run first whenever one of them is asked for), and their rows also say when each honest first-stage
+peer left every attacker out (the latest of them: seconds into its training, and in which of its rounds):
+  stage-clean        no attacker, two stages (the baseline of the stage-* rows)
+  stage-scale-grad   a stage-1 peer answers every microbatch with its input-gradients x1000
+  stage-garbage      a stage-1 peer answers with noise of its input-gradients' norm (no statistic shows it)
+
 "lies told" counts the attackers' `attacking` events (scripted) and `fault` events (an injected fault that fired:
 each all-reduce it lies in, each entry, group or accusation it rewrites).
 
     python scripts/attack_bench.py                                 # 4 peers (3 honest), 6 rounds, all scenarios
     python scripts/attack_bench.py --peers 6 --attackers 2 --scenarios scaled,forged-reference   # 2 of 6
     python scripts/attack_bench.py --scenarios clean,scaled --rounds 4 --aggregator mean   # what the mean does
+    python scripts/attack_bench.py --scenarios stage-scale-grad,stage-garbage --rounds 4   # a lying stage peer
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -58,7 +69,9 @@ FAULTS = {name: f"{name}@0" for name in ("scaled", "flipped", "inflated", "lying
                                          "reject-all", "unverified-entry", "foreign-digest", "inflated-swarm-size")}
 SCRIPTED = ("forged-reference", "dribbling-holder", "wipe", "idle-streams", "oversized-frames", "sybils",
             "future-record", "handshake-flood")
-SCENARIOS = ("clean", *FAULTS, *SCRIPTED)
+STAGE_FAULTS = {"stage-scale-grad": "scale-grad@0", "stage-garbage": "garbage-grad@0"}  # a stage-1 peer's lie
+SCENARIOS = ("clean", *FAULTS, *SCRIPTED, "stage-clean", *STAGE_FAULTS)
+STAGED = ("stage-clean", *STAGE_FAULTS)
 RECIPE = """run_id: attack-bench
 model: {hidden_size: 64, intermediate_size: 172, num_layers: 2, num_heads: 4, max_seq_len: 64}
 data: {vocab_size: 512, seq_len: 32, batch_size: 8}
@@ -70,6 +83,22 @@ total_tokens: 1000000
 """
 # Fixed inner steps per round (min_group_size: the honest peers): every scenario trains the same tokens, so the
 # losses compare what the attacker did, not how long rounds took.
+# The same model cut into two stages (tests/recipes/stages.yaml with this bench's codec and aggregator), each stage
+# averaged by its own 2 honest peers (and the attackers of stage 1); a round is the stage's tokens_per_round, so
+# every scenario trains the same tokens. pipeline.duplicate_share is the recipe's default.
+PIPELINE_RECIPE = """run_id: attack-bench-stages
+model: {hidden_size: 64, intermediate_size: 172, num_layers: 2, num_heads: 4, max_seq_len: 64}
+data: {vocab_size: 512, seq_len: 32, batch_size: 8}
+inner: {lr: 0.003, warmup_tokens: 2048}
+averaging: {codec: int8, aggregator: %s, verify_reducers: true, min_group_size: 2, matchmaking_timeout: 30,
+            allreduce_timeout: 30}
+tokens_per_round: 8192
+total_tokens: 1000000
+pipeline: {stages: 2}
+"""
+STAGE_PEERS = 2  # honest peers on each stage
+GRACE_SECONDS = 60.0  # how long the second stage's peers may go on once the first stage's are done
+LEFT_OUT = r"^(\d\d:\d\d:\d\d) .*(?:left out stage peer (\S+)|refused the answer of stage peer (\S+) and left it out)"
 
 
 def _tree_rss(pid: int) -> int:
@@ -171,6 +200,111 @@ def run_scenario(scenario: str, args: argparse.Namespace, workdir: Path) -> dict
             process.wait(10)
 
 
+def run_stage_scenario(scenario: str, args: argparse.Namespace, workdir: Path) -> dict:
+    """A pipelined run: STAGE_PEERS honest peers on each of the two stages and (but in stage-clean) --attackers
+    stage-1 peers answering with STAGE_FAULTS[scenario]. The row's loss is the honest first-stage peers' validation
+    loss (the pipeline's) after the last round."""
+    recipe = workdir / "recipe.yaml"
+    recipe.write_text(PIPELINE_RECIPE % args.aggregator)
+    swarm = [sys.executable, "-m", "swarm"]
+    processes: list[subprocess.Popen] = []
+    try:
+        boot_events = workdir / "bootstrap.events.jsonl"
+        processes.append(_start(swarm + ["bootstrap", "--recipe", str(recipe), "--events-file", str(boot_events)],
+                                workdir / "bootstrap.log"))
+        maddr = _wait_for(boot_events, "listening", processes[0], 60)["maddrs"][0]
+        common = ["join", "--initial-peers", maddr, "--device", "cpu", "--num-threads", "1",
+                  "--cache-dir", args.cache_dir]
+        peers = []  # (process, events, log, stage)
+        for stage in (1, 0):
+            for i in range(STAGE_PEERS):
+                name = f"stage{stage}-honest{i}"
+                events, log = workdir / f"{name}.events.jsonl", workdir / f"{name}.log"
+                peers.append((_start(swarm + common + ["--stage", str(stage), "--until-round", str(args.rounds),
+                                                       "--events-file", str(events)], log), events, log, stage))
+        processes += [process for process, *_ in peers]
+        # The attackers start with the honest peers: a stage-1 peer alone in the swarm first sits in round 0's
+        # matchmaking with the microbatches it holds (up to a minute, on any code), which would be measured instead.
+        attackers = 0 if scenario == "stage-clean" else args.attackers
+        attacker_events = [workdir / f"attacker{i}.events.jsonl" for i in range(attackers)]
+        for i, events in enumerate(attacker_events):
+            processes.append(_start(swarm + common + ["--stage", "1", "--inject-fault", STAGE_FAULTS[scenario],
+                                                      "--events-file", str(events)], workdir / f"attacker{i}.log"))
+        attacker_ids = [_wait_for(events, "joined", process, 180)["peer_id"]
+                        for events, process in zip(attacker_events, processes[-attackers:] if attackers else [])]
+        # Until the first stage's honest peers are done, and the second stage's a minute more at most: a serving
+        # peer whose stage is a round behind when the first stage stops can wait for tokens that never come.
+        peak, deadline = 0, time.monotonic() + args.timeout
+        for stages, wait in (((0,), args.timeout), ((0, 1), GRACE_SECONDS)):
+            until = min(deadline, time.monotonic() + wait)
+            while any(process.poll() is None for process, *_, stage in peers if stage in stages) \
+                    and time.monotonic() < until:
+                peak = max([peak] + [_tree_rss(process.pid) for process, *_ in peers])
+                time.sleep(0.5)
+        finished = [process.poll() == 0 for process, *_ in peers]
+        logs = [read_events(events) for _, events, _, _ in peers]
+        averaged = [[e for e in log if e["event"] == "averaged"] for log in logs]
+        firsts = [(log, rounds, path) for log, rounds, (_, _, path, stage) in zip(logs, averaged, peers) if stage == 0]
+        done = {k: [max((e["round"] + 1 for e in rounds), default=0)
+                    for rounds, (*_, stage) in zip(averaged, peers) if stage == k] for k in (0, 1)}
+        # (a round's validation microbatches find no next-stage peer now and then, the last one most: the stage-1
+        # peers are done; each first-stage peer's last validation loss is taken)
+        val = [max((e for e in rounds if e.get("val_loss") is not None), key=lambda e: e["round"])["val_loss"]
+               for _, rounds, _ in firsts if any(e.get("val_loss") is not None for e in rounds)]
+        # A state only the attackers reached (none of the honest peers averaged into it) that an honest peer synced to.
+        told = [e for path in attacker_events for e in read_events(path)]
+        honest_digests = {e.get("digest") for rounds in averaged for e in rounds}
+        theirs = {e.get("digest") for e in told if e["event"] in ("averaged", "synced")} - honest_digests
+        taken = sum(1 for log in logs for e in log if e["event"] == "synced" and e.get("digest") in theirs)
+        waits = []
+        for log, rounds in zip(logs, averaged):
+            times = [e["time"] for e in log if e["event"] == "training"][:1] + [e["time"] for e in rounds]
+            waits += [b - a for a, b in zip(times, times[1:])]
+        # When each honest first-stage peer left each attacker out: seconds into its training and its round then.
+        exclusions, disputes, honest_left_out = [], 0, 0
+        for log, rounds, path in firsts:
+            started = [e["time"] for e in log if e["event"] == "training"][:1]
+            lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+            disputes += sum("no two stage peers agree" in line for line in lines)
+            honest_left_out += sum(1 for m in map(re.compile(LEFT_OUT).match, lines)
+                                   if m and (m.group(2) or m.group(3)) not in attacker_ids)
+            for attacker_id in attacker_ids:
+                found = [m for m in map(re.compile(LEFT_OUT).match, lines)
+                         if m and attacker_id in (m.group(2), m.group(3))]
+                if not found or not started:
+                    exclusions.append(None)
+                    continue
+                when = _clock_time(found[0].group(1), started[0])
+                exclusions.append((when - started[0], sum(1 for e in rounds if e["time"] <= when)))
+        caught = [e for e in exclusions if e is not None]
+        return {"scenario": scenario, "honest_peers": len(peers), "attackers": attackers, "finished": sum(finished),
+                "attacker_rounds": sum(1 for e in told if e["event"] == "averaged"),
+                "attacks": None,  # (a stage peer's lies are in its answers, which it does not count)
+                "rounds": min(done[0]), "stage1_rounds": min(done[1]),
+                "val_loss": statistics.mean(val) if val else None, "took_attacker_state": taken,
+                "peak_rss_mb": peak / 2**20, "longest_round_s": max(waits, default=None),
+                "left_out_by": f"{len(caught)}/{len(exclusions)}" if exclusions else None,
+                "left_out_after_s": max(s for s, _ in caught) if caught else None,
+                "left_out_in_round": max(r for _, r in caught) if caught else None, "disputes": disputes,
+                "honest_left_out": honest_left_out}
+    finally:
+        for process in processes:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait(10)
+
+
+def _clock_time(clock: str, near: float) -> float:
+    """The epoch time of a log line's HH:MM:SS (local time), the one nearest `near` (an epoch time)."""
+    day = datetime.datetime.fromtimestamp(near)
+    hours, minutes, seconds = map(int, clock.split(":"))
+    candidates = [(day.replace(hour=hours, minute=minutes, second=seconds, microsecond=0)
+                   + datetime.timedelta(days=shift)).timestamp() for shift in (-1, 0, 1)]
+    return min(candidates, key=lambda t: abs(t - near))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated subset of {SCENARIOS}")
@@ -189,28 +323,38 @@ def main() -> None:
         parser.error(f"unknown scenarios {sorted(unknown)}: choose from {', '.join(SCENARIOS)}")
     if not 1 <= args.attackers < args.peers:
         parser.error(f"--attackers {args.attackers}: give 1 to {args.peers - 1} (some peers must be honest)")
-    if "clean" not in scenarios:
-        scenarios.insert(0, "clean")  # every row is compared with it
+    if "stage-clean" not in scenarios and any(scenario in STAGED for scenario in scenarios):
+        scenarios.insert(0, "stage-clean")  # every stage-* row is compared with it
+    if "clean" not in scenarios and any(scenario not in STAGED for scenario in scenarios):
+        scenarios.insert(0, "clean")  # every other row is compared with it
     rows = []
     for scenario in scenarios:
         with tempfile.TemporaryDirectory(prefix=f"attack-{scenario}-") as workdir:
             started = time.monotonic()
-            rows.append({**run_scenario(scenario, args, Path(workdir)), "seconds": time.monotonic() - started})
+            run = run_stage_scenario if scenario in STAGED else run_scenario
+            rows.append({**run(scenario, args, Path(workdir)), "seconds": time.monotonic() - started})
             if args.log_dir:
                 shutil.copytree(workdir, Path(args.log_dir) / f"{len(rows) - 1}-{scenario}", dirs_exist_ok=True)
             print(f"  {scenario}: {rows[-1]}", file=sys.stderr, flush=True)
-    clean = rows[0]["val_loss"]
-    print(f"{args.peers - args.attackers} honest peers and {args.attackers} attacker(s), {args.rounds} rounds, int8, "
+    cleans = {False: next((row["val_loss"] for row in rows if row["scenario"] == "clean"), None),
+              True: next((row["val_loss"] for row in rows if row["scenario"] == "stage-clean"), None)}
+    print(f"{args.peers - args.attackers} honest peers and {args.attackers} attacker(s) (stage-*: {2 * STAGE_PEERS} "
+          f"honest peers, {STAGE_PEERS} a stage, and the attackers on stage 1), {args.rounds} rounds, int8, "
           f"aggregator {args.aggregator}")
     print(f"{'scenario':<20}{'val loss':>10}{'vs clean':>10}{'rounds':>8}{'took its state':>16}{'peak RSS MB':>13}"
-          f"{'longest round s':>17}{'attacker rounds':>17}{'lies told':>11}")
+          f"{'longest round s':>17}{'attacker rounds':>17}{'lies told':>11}{'left out (s, round)':>21}")
     for row in rows:
+        clean = cleans[row["scenario"] in STAGED]
         row["vs_clean"] = (row["val_loss"] / clean - 1) if row["val_loss"] and clean else None
         loss = f"{row['val_loss']:.4f}" if row["val_loss"] else "-"
         versus = f"{row['vs_clean'] * 100:+.2f}%" if row["vs_clean"] is not None else "-"
         longest = f"{row['longest_round_s']:.0f}" if row["longest_round_s"] is not None else "-"
+        left_out = "-" if not row.get("left_out_by") else \
+            f"by {row['left_out_by']}, {row['left_out_after_s']:.0f} s, {row['left_out_in_round']}" \
+            if row["left_out_after_s"] is not None else f"by {row['left_out_by']}"
         print(f"{row['scenario']:<20}{loss:>10}{versus:>10}{row['rounds']:>8}{row['took_attacker_state']:>16}"
-              f"{row['peak_rss_mb']:>13.0f}{longest:>17}{row['attacker_rounds']:>17}{row['attacks']:>11}")
+              f"{row['peak_rss_mb']:>13.0f}{longest:>17}{row['attacker_rounds']:>17}"
+              f"{'-' if row['attacks'] is None else row['attacks']:>11}{left_out:>21}")
     print(json.dumps({"peers": args.peers, "attackers": args.attackers, "rounds": args.rounds,
                       "aggregator": args.aggregator, "rows": rows}))
 

@@ -164,6 +164,13 @@ class PipelineRecipe(_Section):
         30.0, ge=0, le=86400, allow_inf_nan=False,
         description="a peer moves for throughput only once it has hosted its stage this long (its capacity, and "
                     "the others', measured): a peer that just moved does not move on at once")
+    duplicate_share: float = Field(
+        0.05, ge=0, le=1, allow_inf_nan=False,
+        description="the share of its training microbatches a peer also sends to a second peer of the next stage, "
+                    "comparing the two answers (a third peer decides when they disagree; the one outvoted is left "
+                    "out), besides every microbatch a next-stage peer answers until 3 of its answers agreed with "
+                    "another's: the next stage computes this share of the microbatches twice (and trains on both); "
+                    "0: no microbatch is computed twice")
 
     @field_validator("stages", mode="before")
     @classmethod
@@ -231,8 +238,9 @@ class Recipe(_Section):
             del fields["data"]["text_field"]
         if fields["pipeline"]["stages"] != "auto":  # stage_memory only says how many stages auto makes
             del fields["pipeline"]["stage_memory"]
-        for name in ("schedule", "rebalance_seconds", "settle_seconds"):  # (runs of stages before these fields
-            if fields["pipeline"][name] == PipelineRecipe.model_fields[name].default:  # keep their digest)
+        # (runs of stages before these fields keep their digest)
+        for name in ("schedule", "rebalance_seconds", "settle_seconds", "duplicate_share"):
+            if fields["pipeline"][name] == PipelineRecipe.model_fields[name].default:
                 del fields["pipeline"][name]
         if fields["pipeline"]["stages"] == 1:  # and for whole-model runs
             del fields["pipeline"]

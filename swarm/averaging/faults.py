@@ -31,8 +31,9 @@ TAMPERING = ("unverified-entry", "foreign-digest", "inflated-swarm-size")  # wha
 # foreign-digest: its entries declare a state digest of its own (drawn from its real one, so colluders agree);
 # inflated-swarm-size: the groups it leads are published with a swarm size of 2^20 (each member's lr at its floor)
 # A pipeline stage server's answers, from the start (the round is ignored): scale-grad: the input-gradients it sends
-# back x1000; low-loss: its losses / 1000 (swarm.peer.pipeline.server.LIES)
-PIPELINE_LIES = ("scale-grad", "low-loss")
+# back x1000; low-loss: its losses / 1000; garbage-grad: random input-gradients of the honest ones' shape and norm, its
+# losses honest (swarm.peer.pipeline.server.LIES)
+PIPELINE_LIES = ("scale-grad", "low-loss", "garbage-grad")
 LIED_BANDWIDTH = 1e11  # bytes/s: matchmaking.MAX_BANDWIDTH, the most an entry may declare
 LIED_SWARM_SIZE = 1 << 20
 SCALE = 1000.0

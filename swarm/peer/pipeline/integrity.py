@@ -3,11 +3,13 @@
 the median of the measured, and none weighs more than WEIGHT_CAP times the median), never by an announced rate
 alone. `AnswerCheck` keeps each peer's recent answers' statistics and refuses an answer far outside what the other
 peers answer (a strict majority of them) or what the same peer answered before, and leaves out for EXCLUDE_SECONDS a
-peer with STRIKES answers refused in a row. Pure functions and O(1) bookkeeping per microbatch, beyond the norms of
-what it checks."""
+peer with STRIKES answers refused in a row. `decide` compares two peers' answers to one microbatch (a sampled share
+is computed twice, routing.py), with a third peer's when they disagree, and names the peer outvoted. Pure functions
+and O(1) bookkeeping per microbatch, beyond the norms of what it checks."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 import statistics
 import time
@@ -144,14 +146,17 @@ class AnswerCheck:
         self.strikes.pop(peer, None)
         return None
 
+    def exclude(self, peer: str, why: str, now: Optional[float] = None) -> None:
+        """Leave `peer` out for EXCLUDE_SECONDS at once (`why`: the evidence), its history forgotten."""
+        self.excluded[peer] = ((time.monotonic() if now is None else now) + EXCLUDE_SECONDS, why)
+        self.history.pop(peer, None)
+        self.strikes.pop(peer, None)
+
     def _refuse(self, peer: str, now: float, why: str) -> str:
         self.strikes[peer] = self.strikes.get(peer, 0) + 1
         if self.strikes[peer] >= STRIKES:
-            self.excluded[peer] = (now + EXCLUDE_SECONDS, why)
-            self.history.pop(peer, None)
-            self.strikes.pop(peer, None)
+            self.exclude(peer, why, now)
         return why
-
 
 
 def _times(value: float, ref: float) -> str:
@@ -160,3 +165,124 @@ def _times(value: float, ref: float) -> str:
     if value > 0 and ref > value:
         return f"1/{ref / value:.3g} of"
     return "far from"
+
+
+# -- the same microbatch on two peers of a stage, a third deciding ------------------------------------------------
+# Two peers of a stage hold the same params only as a round starts: each then takes inner steps on the microbatches it
+# gets, so their answers to one microbatch drift apart within the round, on a CPU as on a GPU (whose nondeterministic
+# kernels add far less). On the test recipe's last stage (tests/recipes/stages.yaml, AdamW at lr 3e-3), two copies
+# stepped on different batches answered one microbatch with input-gradients of cosine 0.94, 0.55, 0.36 and 0.14 after
+# 1, 8, 16 and 64 steps each from the recipe's init, norms within 1.25x and losses within 0.8; from 100 steps in, 0.95
+# or more over 64 steps. So two answers are held to being the same computation, not the same bits: an answer made up
+# without computing (noise of any norm) has a cosine with the true one of about N(0, 1/n) over its n values, one
+# scaled is off in norm, a sign-flipped one has cosine -1, a made-up loss is off by the loss rule.
+AGREE_SIGMAS = 6.0  # two input-gradients agree when their cosine is at least this many standard deviations of chance
+AGREE_COSINE_CAP = 0.5  # (that bound, 6 / sqrt(n), never above this: tensors of under 144 values)
+AGREE_NORM_FACTOR = 4.0  # and their norms are within this factor of each other
+PROBATION = MIN_ANSWERS  # a peer's answers are all computed twice until this many agreed with another peer's
+# Peers of a stage are one round apart for a while, honestly: one averaged while another waits in matchmaking or
+# re-syncs (for as long as a round, minutes in a real run). An answer claiming a round next to the one two others agree
+# on is left aside then (not compared, not used, nobody blamed); only claims further off count against a peer.
+ROUND_STRIKES = 3  # answers in a row claiming a round 2 or more from the one two others agreed on: left out
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A peer's answer to a training microbatch: the gradient of its activations, the microbatch's loss, and the
+    round of its stage it was computed in (None: the peer did not say)."""
+
+    peer: str
+    grad: torch.Tensor
+    loss: float
+    round: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What two or three answers to one microbatch settle (`decide`). `use`: the answer to apply, None when no two
+    agree (apply none); `agreed`: the peers whose answers agreed; `outvoted`: the peer whose answer disagreed with two
+    that agree, all three of one round (leave it out: `evidence` has the numbers); `odd_round`: a peer that claimed a
+    round the two that agree did not (not compared, not applied); `far_round`: that claim is 2 or more rounds from
+    theirs (a round boundary cannot explain it: a strike against the peer)."""
+
+    use: Optional[Answer]
+    agreed: tuple[str, ...] = ()
+    outvoted: Optional[str] = None
+    odd_round: Optional[str] = None
+    far_round: bool = False
+    evidence: str = ""
+
+
+def microbatch_id(x: torch.Tensor, targets: torch.Tensor) -> str:
+    """A short name for a microbatch that every peer it reached can recompute: sha256 of its activations (fp32) and
+    its targets (int32), 12 hex digits."""
+    digest = hashlib.sha256(x.detach().float().cpu().contiguous().numpy().tobytes())
+    digest.update(targets.to("cpu", torch.int32).contiguous().numpy().tobytes())
+    return digest.hexdigest()[:12]
+
+
+def same_round(a: Answer, b: Answer) -> bool:
+    """Whether `a` and `b` are compared: computed in the same round, or one of them does not say (then it is held to
+    the comparison all the same: leaving the round out buys no escape)."""
+    return a.round is None or b.round is None or a.round == b.round
+
+
+def disagreement(a: Answer, b: Answer) -> Optional[str]:
+    """None when `a` and `b` are answers of the same computation: losses within ANSWER_RULES' loss rule both ways,
+    gradient norms within AGREE_NORM_FACTOR, and a cosine of at least AGREE_SIGMAS / sqrt(values) (at most
+    AGREE_COSINE_CAP). Otherwise how they differ: one phrase that starts with the two gradients' norms."""
+    norm_a, norm_b = float(a.grad.detach().float().norm()), float(b.grad.detach().float().norm())
+    norms = f"gradient norm {norm_a:.4g} against {norm_b:.4g}"
+    rule = ANSWER_RULES["loss"]
+    if rule.disagrees(a.loss, b.loss) or rule.disagrees(b.loss, a.loss):
+        return f"{norms}, loss {a.loss:.4g} against {b.loss:.4g}"
+    if max(norm_a, norm_b) > AGREE_NORM_FACTOR * min(norm_a, norm_b):
+        return f"{norms} ({_times(max(norm_a, norm_b), min(norm_a, norm_b))} the other)"
+    if a.grad.shape != b.grad.shape:
+        return f"{norms}, of shapes {tuple(a.grad.shape)} and {tuple(b.grad.shape)}"
+    if norm_a == 0.0:  # (both zero)
+        return None
+    cosine = float(a.grad.detach().float().flatten() @ b.grad.detach().float().flatten()) / (norm_a * norm_b)
+    least = min(AGREE_SIGMAS / math.sqrt(a.grad.numel()), AGREE_COSINE_CAP)
+    if cosine < least:
+        return f"{norms}, cosine {cosine:.3f} (the same computation's: at least {least:.3f})"
+    return None
+
+
+def decide(primary: Answer, duplicate: Answer, decider: Optional[Answer] = None) -> Verdict:
+    """Settle one microbatch that `primary` and `duplicate` (two peers of a stage) answered, and `decider` (a third)
+    when those two do not agree or claim different rounds. Answers agree when `same_round` and `disagreement` is
+    None. The answer used is one that another agrees with (the primary's first); a peer whose answer disagrees with
+    two that agree with each other, in one round, is outvoted; one whose claimed round differs is left aside. With no
+    two agreeing, or no decider yet, nothing is used."""
+    def agree(a: Answer, b: Answer) -> bool:
+        return same_round(a, b) and disagreement(a, b) is None
+
+    if agree(primary, duplicate):
+        return Verdict(primary, (primary.peer, duplicate.peer))
+    if decider is None:
+        return Verdict(None, evidence=_differ(primary, duplicate))
+    for kept, other in ((primary, duplicate), (duplicate, primary)):
+        if agree(kept, decider) and not agree(other, decider):
+            agreed = (kept.peer, decider.peer)
+            if same_round(other, kept) and same_round(other, decider):
+                return Verdict(kept, agreed, outvoted=other.peer,
+                               evidence=f"{_differ(other, kept)}; {decider.peer}'s agrees with {kept.peer}'s")
+            their_round = kept.round if kept.round is not None else decider.round
+            return Verdict(kept, agreed, odd_round=other.peer, far_round=abs(other.round - their_round) >= 2,
+                           evidence=f"it claimed round {other.round} where {kept.peer} and {decider.peer} agree on "
+                                    f"round {their_round}")
+    if agree(primary, decider):  # (each agrees with the decider, not with the other: nobody is outvoted)
+        return Verdict(primary, (primary.peer, duplicate.peer, decider.peer))
+    return Verdict(None, evidence=f"{_differ(primary, duplicate)}; {_differ(decider, primary)}; "
+                                  f"{_differ(decider, duplicate)}")
+
+
+def _differ(a: Answer, b: Answer) -> str:
+    """How `a` differs from `b`, naming both peers (and their rounds)."""
+    if not same_round(a, b):
+        where = f" (rounds {a.round} and {b.round})"
+    else:
+        round_no = a.round if a.round is not None else b.round
+        where = "" if round_no is None else f" (round {round_no})"
+    return f"{a.peer}'s answer differs from {b.peer}'s{where}: {disagreement(a, b) or 'another round'}"

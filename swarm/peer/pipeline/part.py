@@ -154,7 +154,7 @@ class Part:
         self._next_peers: list[tuple[str, float]] = []
         if self.index + 1 < self.stages:
             self.router = Router(self.node, stage_protocol(self.recipe.run_id, *self.all_bounds[self.index + 1]),
-                                 lambda: self._next_peers)
+                                 lambda: self._next_peers, duplicate_share=self.recipe.pipeline.duplicate_share)
         if self.first:
             k = self.settings.microbatches  # each batch cut into k, and k in flight at all times
             self.stream = MicrobatchStream(self.worker, self.router.send(self.loop), parts=k, window=k,

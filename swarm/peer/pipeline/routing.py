@@ -5,7 +5,10 @@ flight to it (SWARM's stochastic wiring; integrity.py: an announced rate alone b
 against the other peers' and the peer's own (integrity.AnswerCheck: a refused one is not applied, and its peer is
 left out), and retries a failed or refused hop on another peer of that stage, so a peer that dies or lies
 mid-microbatch costs a retry, never the microbatch: the caller learns of a loss only when no peer of the stage
-could take it (PipelineError).
+could take it (PipelineError). A share of the training microbatches (`duplicate_share`, and every one a peer answers
+until PROBATION of its answers agreed with another's) is also sent to a second peer of the stage, and to a third
+when the two answers do not agree (integrity.decide): only an answer another agrees with is applied, and a peer
+outvoted is left out with one warning naming it, the microbatch and the numbers.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import torch
 from swarm.compression import decode, get_codec
 from swarm.dht.frames import recv_frame, send_frame
 from swarm.dht.node import SwarmNode
-from swarm.peer.pipeline.integrity import (ANSWER_RULES, EXCLUDE_SECONDS, AnswerCheck, routing_weights, sensitivity,
+from swarm.peer.pipeline.integrity import (ANSWER_RULES, EXCLUDE_SECONDS, PROBATION, ROUND_STRIKES, Answer,
+                                           AnswerCheck, Verdict, decide, microbatch_id, routing_weights, sensitivity,
                                            smoothed)
 from swarm.peer.pipeline.worker import Downstream, Evaluate, PipelineError
 from swarm.runtime import LoopThread
@@ -63,11 +67,12 @@ class WireMeter:
 
 
 async def call_stage(node: SwarmNode, peer: str, protocol: str, x: torch.Tensor, targets: torch.Tensor,
-                     codec_name: str, meter: WireMeter, timeout: float = HOP_SECONDS,
-                     scale: float = 1.0, evaluate: bool = False) -> tuple[Optional[torch.Tensor], float]:
+                     codec_name: str, meter: WireMeter, timeout: float = HOP_SECONDS, scale: float = 1.0,
+                     evaluate: bool = False) -> tuple[Optional[torch.Tensor], float, Optional[int]]:
     """One hop: `x` (activations, shape (b, t, h)) and `targets` (b, t) to `peer`'s stage, `scale` the microbatch's
     share of its batch; its answer: the gradient of `x` (None with `evaluate`: a validation microbatch, forward
-    only) and the microbatch's loss. Raises on any failure (the caller retries elsewhere)."""
+    only), the microbatch's loss, and the round of its stage it says it computed them in (None: it does not say).
+    Raises on any failure (the caller retries elsewhere)."""
     codec = get_codec(codec_name)
     payload = codec.encode(x.detach().float().reshape(-1).cpu())
     ids = targets.to("cpu", torch.int32).numpy().tobytes()
@@ -85,18 +90,20 @@ async def call_stage(node: SwarmNode, peer: str, protocol: str, x: torch.Tensor,
             if not isinstance(answer, dict) or "error" in answer:
                 raise PipelineError(f"stage peer {peer[-8:]} refused the microbatch: "
                                     f"{answer.get('error') if isinstance(answer, dict) else answer!r}")
-            loss = answer.get("loss")
+            loss, round_no = answer.get("loss"), answer.get("round")
             if not isinstance(loss, float) or not np.isfinite(loss) or loss < 0:  # (a cross-entropy)
                 raise PipelineError(f"stage peer {peer[-8:]} answered a loss of {loss!r}")
+            if round_no is not None and (not isinstance(round_no, int) or isinstance(round_no, bool) or round_no < 0):
+                raise PipelineError(f"stage peer {peer[-8:]} answered a round of {round_no!r}")
             if evaluate:
-                return None, loss
+                return None, loss, round_no
             back = await recv_frame(reader, payload_bound(x.numel()))
             meter.received += len(back)
             grad = decode(back)
             if grad.numel() != x.numel():
                 raise PipelineError(f"stage peer {peer[-8:]} answered a gradient of {grad.numel()} values, not "
                                     f"{x.numel()}")
-            return grad.reshape(x.shape), loss
+            return grad.reshape(x.shape), loss, round_no
         finally:
             writer.close()
 
@@ -120,7 +127,10 @@ class Router:
     microbatch goes to one drawn with probability proportional to its weight (integrity.routing_weights: the
     tokens/s we measured of its hops, smoothed; an unmeasured peer starts at the median) / (1 + its microbatches in
     flight from us), leaving out peers that failed a hop in the last RETRY_AFTER s and those whose answer `check`
-    refused (EXCLUDE_SECONDS), and is retried on another on failure or refusal, up to `attempts` peers."""
+    refused (EXCLUDE_SECONDS), and is retried on another on failure or refusal, up to `attempts` peers. With a
+    `duplicate_share` above 0, that share of the training microbatches, and every one a peer answers until PROBATION
+    of its answers agreed with another peer's, is computed again by a second peer, and by a third when the two do
+    not agree (`_compare`): the next stage computes (and trains on) those microbatches twice or three times."""
 
     node: SwarmNode
     protocol: str
@@ -129,15 +139,22 @@ class Router:
     attempts: int = 3
     timeout: float = HOP_SECONDS
     seed: Optional[int] = None
+    duplicate_share: float = 0.0  # the recipe's pipeline.duplicate_share (0: no microbatch is computed twice)
     meter: WireMeter = field(default_factory=WireMeter)
     in_flight: Counter = field(default_factory=Counter)
-    sent_to: Counter = field(default_factory=Counter)
+    sent_to: Counter = field(default_factory=Counter)  # peer -> microbatches whose answer we took from it first
     failed: dict = field(default_factory=dict)  # peer -> when it last failed a hop
     retries: int = 0
     most_in_flight: int = 0  # the most microbatches we had in flight at once
     measured: dict = field(default_factory=dict)  # peer -> tokens/s of its answered hops (smoothed)
     check: AnswerCheck = field(default_factory=lambda: AnswerCheck(ANSWER_RULES))
     refused: int = 0  # answers refused by `check`
+    verified: Counter = field(default_factory=Counter)  # peer -> its answers that agreed with another peer's
+    odd_rounds: Counter = field(default_factory=Counter)  # peer -> its answers in a row of a round the others' weren't
+    duplicated: int = 0  # hops sent to compare answers (second and third peers)
+    compared: int = 0  # microbatches whose answers were compared
+    disputed: int = 0  # of them, those no two peers agreed on (nothing applied)
+    outvoted: int = 0  # peers left out for disagreeing with two that agree
 
     def __post_init__(self) -> None:
         self._random = random.Random(self.seed)
@@ -194,32 +211,127 @@ class Router:
             if peer is None:
                 break
             tried.add(peer)
-            self.in_flight[peer] += 1
-            self.most_in_flight = max(self.most_in_flight, sum(self.in_flight.values()))
             try:
-                started = time.monotonic()
-                answer = await call_stage(self.node, peer, self.protocol, x, targets, self.codec, self.meter,
-                                          self.timeout, scale, evaluate)
-                self._accept(peer, x, answer, scale)
-                if not evaluate:
-                    self.sent_to[peer] += 1
-                    rate = targets.numel() / max(time.monotonic() - started, 1e-6)
-                    self.measured[peer] = smoothed(self.measured.get(peer), rate)
-                return answer
+                grad, loss, round_no = await self._ask(peer, x, targets, scale, evaluate)
             except Exception as e:  # noqa: BLE001 - any failure of the hop: the next peer
                 last_error = e
-                # (a full queue is no fault: that peer is tried again next time; a refused answer is check's)
-                if not isinstance(e, (StageBusy, AnswerRefused)):
-                    self.failed[peer] = time.monotonic()
                 self.retries += 1
-                if isinstance(e, AnswerRefused):  # (logged with its numbers already)
-                    continue
-                logger.info("stage peer %s failed a microbatch (%s); trying another", peer[-8:],
-                            str(e).splitlines()[0] if str(e) else type(e).__name__)
-            finally:
-                self.in_flight[peer] -= 1
+                self._failed(peer, e)
+                continue
+            if evaluate:
+                return None, loss
+            self.sent_to[peer] += 1
+            first = Answer(peer, grad, loss, round_no)
+            if not self._duplicates(peer):
+                return grad, loss
+            return await self._compare(first, x, targets, scale, tried)
         raise PipelineError(f"no peer of the next stage took the microbatch (tried {len(tried)}"
                             + (f"; last: {last_error}" if last_error else "") + ")")
+
+    async def _ask(self, peer: str, x: torch.Tensor, targets: torch.Tensor, scale: float,
+                   evaluate: bool = False) -> tuple[Optional[torch.Tensor], float, Optional[int]]:
+        """One hop to `peer` (call_stage), its answer accepted by `check` (or AnswerRefused, as when `peer` was left
+        out while the hop was in flight) and its rate measured."""
+        self.in_flight[peer] += 1
+        self.most_in_flight = max(self.most_in_flight, sum(self.in_flight.values()))
+        try:
+            started = time.monotonic()
+            grad, loss, round_no = await call_stage(self.node, peer, self.protocol, x, targets, self.codec,
+                                                    self.meter, self.timeout, scale, evaluate)
+            if self.check.is_excluded(peer):  # (left out while this hop was in flight: by another microbatch's check)
+                raise AnswerRefused(f"stage peer {peer[-8:]} was left out while its answer was in flight")
+            self._accept(peer, x, (grad, loss), scale)
+            if not evaluate:
+                rate = targets.numel() / max(time.monotonic() - started, 1e-6)
+                self.measured[peer] = smoothed(self.measured.get(peer), rate)
+            return grad, loss, round_no
+        finally:
+            self.in_flight[peer] -= 1
+
+    def _failed(self, peer: str, error: BaseException) -> None:
+        """Bookkeeping of a hop to `peer` that failed: left out RETRY_AFTER s, unless its queue was full (no fault:
+        tried again next time) or `check` refused its answer (logged with its numbers already)."""
+        if not isinstance(error, (StageBusy, AnswerRefused)):
+            self.failed[peer] = time.monotonic()
+        if isinstance(error, AnswerRefused):
+            return
+        logger.info("stage peer %s failed a microbatch (%s); trying another", peer[-8:],
+                    str(error).splitlines()[0] if str(error) else type(error).__name__)
+
+    def _duplicates(self, peer: str) -> bool:
+        """Whether `peer`'s answer to this microbatch is compared with another peer's: while fewer than PROBATION of
+        its answers agreed with another's, and then a `duplicate_share` of them, drawn at random."""
+        if self.duplicate_share <= 0:
+            return False
+        return self.verified[peer] < PROBATION or self._random.random() < self.duplicate_share
+
+    async def _another(self, exclude: set[str], x: torch.Tensor, targets: torch.Tensor,
+                       scale: float) -> Optional[Answer]:
+        """The answer of one more peer of the next stage, not one of `exclude`, to the same microbatch; None when
+        there is none to ask, or its hop fails or is refused (one try: the comparison is what is lost)."""
+        peer = self.choose(exclude)
+        if peer is None:
+            return None
+        self.duplicated += 1
+        try:
+            grad, loss, round_no = await self._ask(peer, x, targets, scale)
+        except Exception as e:  # noqa: BLE001 - a hop that failed compares nothing
+            self._failed(peer, e)
+            return None
+        return Answer(peer, grad, loss, round_no)
+
+    async def _compare(self, first: Answer, x: torch.Tensor, targets: torch.Tensor, scale: float,
+                       tried: set[str]) -> tuple[torch.Tensor, float]:
+        """`first`, an accepted answer, against a second peer's to the same microbatch, and a third's when those two
+        do not agree (integrity.decide): returns the answer two agree on. Raises PipelineError, with nothing
+        applied, when no two agree (or only two answered and disagree: nobody can tell who lies). Without a second
+        peer to ask, or when its hop fails, `first` stands."""
+        asked = tried | {first.peer}
+        second = await self._another(asked, x, targets, scale)
+        if second is None:
+            return first.grad, first.loss
+        self.compared += 1
+        verdict = decide(first, second)
+        if verdict.use is None:
+            third = await self._another(asked | {second.peer}, x, targets, scale)
+            verdict = decide(first, second, third) if third is not None else verdict
+        microbatch = microbatch_id(x, targets)
+        self._settle(verdict, microbatch)
+        if verdict.use is None:
+            self.disputed += 1
+            logger.info("pipeline: no two stage peers agree on microbatch %s, nothing applied: %s", microbatch,
+                        verdict.evidence)
+            raise PipelineError(f"no two peers of the next stage agree on the microbatch ({verdict.evidence})")
+        return verdict.use.grad, verdict.use.loss
+
+    def _settle(self, verdict: Verdict, microbatch: str) -> None:
+        """What a comparison of answers says about their peers: agreed (their probation advances), outvoted (left out
+        at once, with the evidence), or of a round the others were not in (not used; left out at ROUND_STRIKES in a
+        row of rounds far from theirs)."""
+        for peer in verdict.agreed:
+            self.verified[peer] += 1
+            self.odd_rounds.pop(peer, None)
+        if verdict.outvoted is not None and not self.check.is_excluded(verdict.outvoted):
+            self.outvoted += 1
+            self._leave_out(verdict.outvoted, f"outvoted on microbatch {microbatch}: {verdict.evidence}")
+        if verdict.odd_round is None:
+            return
+        self.odd_rounds[verdict.odd_round] += verdict.far_round
+        if self.odd_rounds[verdict.odd_round] >= ROUND_STRIKES:
+            self._leave_out(verdict.odd_round, f"{ROUND_STRIKES} answers in a row claiming rounds far from the "
+                                               f"others', the last on microbatch {microbatch}: {verdict.evidence}")
+        else:
+            logger.info("pipeline: stage peer %s's answer to microbatch %s was of another round, not compared: %s",
+                        verdict.odd_round, microbatch, verdict.evidence)
+
+    def _leave_out(self, peer: str, why: str) -> None:
+        if self.check.is_excluded(peer):  # (settled on two microbatches in flight at once: one warning is enough)
+            return
+        self.check.exclude(peer, why)
+        self.measured.pop(peer, None)
+        self.verified.pop(peer, None)
+        self.odd_rounds.pop(peer, None)
+        logger.warning("pipeline: left out stage peer %s for %.0f s: %s", peer, EXCLUDE_SECONDS, why)
 
     def _accept(self, peer: str, x: torch.Tensor, answer: tuple[Optional[torch.Tensor], float], scale: float) -> None:
         """Raise AnswerRefused (one log line with the numbers; `peer` left out) unless `check` accepts the answer."""

@@ -39,8 +39,9 @@ MAX_WAITING_PER_PEER = 4
 DROPPED = "the microbatch's handler gave up on it"  # (timed out or cancelled: its sender has gone elsewhere)
 SKIP_SECONDS = 5.0  # the longest a refused sender's request is read (and forgotten) so that it reads our reason
 # Lies a server can be told to tell (drills and tests of the senders' checks): scale-grad, the gradients it returns
-# x LIE_SCALE; low-loss, the losses it returns / LIE_SCALE (a validation loss written by one peer).
-LIES = ("scale-grad", "low-loss")
+# x LIE_SCALE; low-loss, the losses it returns / LIE_SCALE (a validation loss written by one peer); garbage-grad,
+# gradients of the right shape and norm but random (noise in place of the computation, the loss left honest).
+LIES = ("scale-grad", "low-loss", "garbage-grad")
 LIE_SCALE = 1000.0
 
 
@@ -49,7 +50,9 @@ class StageServer:
     targets; the answer is the gradient of the activations and the loss. Requests larger than `max_tokens` tokens
     of `hidden` values, or of another shape, or with targets outside the vocabulary, are refused with a reason;
     the worker runs in a thread of its own, so the event loop keeps serving. `downstream` (middle stages) is the
-    next hop, called from that thread. `lie` (one of LIES) makes it answer dishonestly, for drills."""
+    next hop, called from that thread. `lie` (one of LIES) makes it answer dishonestly, for drills. `round`, when
+    set, gives our stage's outer round (read on the event loop), which each training answer carries (left out when
+    the round changed while the microbatch ran), so that senders compare only answers of one round."""
 
     def __init__(self, worker: StageWorker, hidden: int, max_tokens: int, vocab_size: int,
                  loop: asyncio.AbstractEventLoop, downstream: Optional["Router"] = None,
@@ -62,6 +65,7 @@ class StageServer:
         if lie is not None and lie not in LIES:
             raise ValueError(f"lie {lie!r} is not one of {', '.join(LIES)}")
         self.lie = lie
+        self.round: Optional[Callable[[], int]] = None
         self.worker, self.hidden, self.max_tokens, self.vocab_size = worker, hidden, max_tokens, vocab_size
         self.loop, self.downstream, self.timeout = loop, downstream, timeout
         # Where the worker runs a microbatch: by default in a thread of the server's own, one at a time; a peer hands
@@ -127,11 +131,14 @@ class StageServer:
                     loss = float(loss) / (LIE_SCALE if self.lie == "low-loss" else 1.0)
                     await send_frame(writer, msgpack.packb({"loss": float(loss)}))
                     return
+                round_before = self.round() if self.round is not None else None
                 grad, loss = await self.execute(x.reshape(b, t, h), targets.reshape(b, t), scale)
-                grad = grad * LIE_SCALE if self.lie == "scale-grad" else grad
+                round_no = self.round() if self.round is not None else None
+                grad = _lie_about(grad, self.lie)
                 loss = float(loss) / (LIE_SCALE if self.lie == "low-loss" else 1.0)
                 back = get_codec(codec).encode(grad.float().reshape(-1))
-                await send_frame(writer, msgpack.packb({"loss": float(loss)}))
+                await send_frame(writer, msgpack.packb({"loss": float(loss), **(
+                    {"round": round_no} if round_no is not None and round_no == round_before else {})}))
                 await send_frame(writer, back)
                 self.meter.sent += len(back)
         except PipelineError as e:
@@ -214,6 +221,16 @@ class StageServer:
             return await self.loop.run_in_executor(self._thread, guarded)
         finally:
             gave_up.set()
+
+
+def _lie_about(grad: torch.Tensor, lie: Optional[str]) -> torch.Tensor:
+    """The gradient a server told to `lie` sends back instead of `grad`."""
+    if lie == "scale-grad":
+        return grad * LIE_SCALE
+    if lie == "garbage-grad":  # noise of the same norm: no statistic of the answer gives it away
+        noise = torch.randn(grad.shape, dtype=torch.float32)
+        return noise * (grad.float().norm() / noise.norm().clamp_min(1e-30))
+    return grad
 
 
 def unless_dropped(downstream: Downstream, dropped: Callable[[], bool]) -> Downstream:
