@@ -28,12 +28,14 @@ Scenarios (an attacker is a peer with --inject-fault, which lies in what it send
   handshake-flood    holds 64 idle TCP connections to each honest peer's direct-stream port (attackers.py)
 
 Pipelined scenarios run the same tiny model cut into two stages (PIPELINE_RECIPE): 2 honest peers per stage, the
-attackers on stage 1, lying in what they answer the first stage; their baseline is the clean pipelined swarm
-(stage-clean, run first whenever one of them is asked for), and their rows also say when each honest first-stage
-peer left every attacker out (the latest of them: seconds into its training, and in which of its rounds):
+attackers on stage 1, lying in what they answer the first stage (or on stage 0, lying in what they send stage 1);
+their baseline is the clean pipelined swarm (stage-clean, run first whenever one of them is asked for), and their
+rows also say when each honest peer of the other stage left every attacker out (the latest of them: seconds into its
+training, and in which of its rounds):
   stage-clean        no attacker, two stages (the baseline of the stage-* rows)
   stage-scale-grad   a stage-1 peer answers every microbatch with its input-gradients x1000
   stage-garbage      a stage-1 peer answers with noise of its input-gradients' norm (no statistic shows it)
+  stage-garbage-act  a stage-0 peer sends noise of its activations' norm in place of its training activations
 
 "lies told" counts the attackers' `attacking` events (scripted) and `fault` events (an injected fault that fired:
 each all-reduce it lies in, each entry, group or accusation it rewrites).
@@ -41,7 +43,7 @@ each all-reduce it lies in, each entry, group or accusation it rewrites).
     python scripts/attack_bench.py                                 # 4 peers (3 honest), 6 rounds, all scenarios
     python scripts/attack_bench.py --peers 6 --attackers 2 --scenarios scaled,forged-reference   # 2 of 6
     python scripts/attack_bench.py --scenarios clean,scaled --rounds 4 --aggregator mean   # what the mean does
-    python scripts/attack_bench.py --scenarios stage-scale-grad,stage-garbage --rounds 4   # a lying stage peer
+    python scripts/attack_bench.py --scenarios stage-scale-grad,stage-garbage,stage-garbage-act   # lying stage peers
 """
 
 from __future__ import annotations
@@ -69,7 +71,9 @@ FAULTS = {name: f"{name}@0" for name in ("scaled", "flipped", "inflated", "lying
                                          "reject-all", "unverified-entry", "foreign-digest", "inflated-swarm-size")}
 SCRIPTED = ("forged-reference", "dribbling-holder", "wipe", "idle-streams", "oversized-frames", "sybils",
             "future-record", "handshake-flood")
-STAGE_FAULTS = {"stage-scale-grad": "scale-grad@0", "stage-garbage": "garbage-grad@0"}  # a stage-1 peer's lie
+STAGE_FAULTS = {"stage-scale-grad": "scale-grad@0", "stage-garbage": "garbage-grad@0",  # a stage-1 peer's lie
+                "stage-garbage-act": "garbage-act@0"}  # a stage-0 peer's
+ATTACKER_STAGE = {"stage-garbage-act": 0}  # (the others': stage 1)
 SCENARIOS = ("clean", *FAULTS, *SCRIPTED, "stage-clean", *STAGE_FAULTS)
 STAGED = ("stage-clean", *STAGE_FAULTS)
 RECIPE = """run_id: attack-bench
@@ -98,7 +102,8 @@ pipeline: {stages: 2}
 """
 STAGE_PEERS = 2  # honest peers on each stage
 GRACE_SECONDS = 60.0  # how long the second stage's peers may go on once the first stage's are done
-LEFT_OUT = r"^(\d\d:\d\d:\d\d) .*(?:left out stage peer (\S+)|refused the answer of stage peer (\S+) and left it out)"
+LEFT_OUT = r"^(\d\d:\d\d:\d\d) .*(?:left out stage peer (\S+)|refused the answer of stage peer (\S+) and left it out" \
+           r"|refused the activations of peer (\S+) and left it out)"
 
 
 def _tree_rss(pid: int) -> int:
@@ -202,8 +207,8 @@ def run_scenario(scenario: str, args: argparse.Namespace, workdir: Path) -> dict
 
 def run_stage_scenario(scenario: str, args: argparse.Namespace, workdir: Path) -> dict:
     """A pipelined run: STAGE_PEERS honest peers on each of the two stages and (but in stage-clean) --attackers
-    stage-1 peers answering with STAGE_FAULTS[scenario]. The row's loss is the honest first-stage peers' validation
-    loss (the pipeline's) after the last round."""
+    peers of ATTACKER_STAGE (stage 1 by default) lying with STAGE_FAULTS[scenario]. The row's loss is the honest
+    first-stage peers' validation loss (the pipeline's) after the last round."""
     recipe = workdir / "recipe.yaml"
     recipe.write_text(PIPELINE_RECIPE % args.aggregator)
     swarm = [sys.executable, "-m", "swarm"]
@@ -228,7 +233,8 @@ def run_stage_scenario(scenario: str, args: argparse.Namespace, workdir: Path) -
         attackers = 0 if scenario == "stage-clean" else args.attackers
         attacker_events = [workdir / f"attacker{i}.events.jsonl" for i in range(attackers)]
         for i, events in enumerate(attacker_events):
-            processes.append(_start(swarm + common + ["--stage", "1", "--inject-fault", STAGE_FAULTS[scenario],
+            stage = str(ATTACKER_STAGE.get(scenario, 1))
+            processes.append(_start(swarm + common + ["--stage", stage, "--inject-fault", STAGE_FAULTS[scenario],
                                                       "--events-file", str(events)], workdir / f"attacker{i}.log"))
         attacker_ids = [_wait_for(events, "joined", process, 180)["peer_id"]
                         for events, process in zip(attacker_events, processes[-attackers:] if attackers else [])]
@@ -245,6 +251,10 @@ def run_stage_scenario(scenario: str, args: argparse.Namespace, workdir: Path) -
         logs = [read_events(events) for _, events, _, _ in peers]
         averaged = [[e for e in log if e["event"] == "averaged"] for log in logs]
         firsts = [(log, rounds, path) for log, rounds, (_, _, path, stage) in zip(logs, averaged, peers) if stage == 0]
+        # (who judges the attackers: the honest peers of the other stage)
+        judged_by = 1 - ATTACKER_STAGE.get(scenario, 1)
+        judges = [(log, rounds, path) for log, rounds, (_, _, path, stage) in zip(logs, averaged, peers)
+                  if stage == judged_by]
         done = {k: [max((e["round"] + 1 for e in rounds), default=0)
                     for rounds, (*_, stage) in zip(averaged, peers) if stage == k] for k in (0, 1)}
         # (a round's validation microbatches find no next-stage peer now and then, the last one most: the stage-1
@@ -262,15 +272,17 @@ def run_stage_scenario(scenario: str, args: argparse.Namespace, workdir: Path) -
             waits += [b - a for a, b in zip(times, times[1:])]
         # When each honest first-stage peer left each attacker out: seconds into its training and its round then.
         exclusions, disputes, honest_left_out = [], 0, 0
-        for log, rounds, path in firsts:
-            started = [e["time"] for e in log if e["event"] == "training"][:1]
+        for _, _, path in firsts:
             lines = path.read_text(errors="replace").splitlines() if path.exists() else []
             disputes += sum("no two stage peers agree" in line for line in lines)
+        for log, rounds, path in judges:
+            started = [e["time"] for e in log if e["event"] == "training"][:1]
+            lines = path.read_text(errors="replace").splitlines() if path.exists() else []
             honest_left_out += sum(1 for m in map(re.compile(LEFT_OUT).match, lines)
-                                   if m and (m.group(2) or m.group(3)) not in attacker_ids)
+                                   if m and (m.group(2) or m.group(3) or m.group(4)) not in attacker_ids)
             for attacker_id in attacker_ids:
                 found = [m for m in map(re.compile(LEFT_OUT).match, lines)
-                         if m and attacker_id in (m.group(2), m.group(3))]
+                         if m and attacker_id in (m.group(2), m.group(3), m.group(4))]
                 if not found or not started:
                     exclusions.append(None)
                     continue

@@ -159,8 +159,8 @@ class PeerSettings(_Section):
                     "matchmaking writes (unverified-entry: entries without a nonce commitment, declaring 1e11 B/s; "
                     "foreign-digest: a state digest no other peer holds; inflated-swarm-size: groups it leads "
                     "published with a swarm size of 2^20), as a pipeline stage answer with input-gradients x1000 "
-                    "(scale-grad), losses / 1000 (low-loss) or noise of the input-gradients' norm (garbage-grad), or "
-                    "break its own "
+                    "(scale-grad), losses / 1000 (low-loss) or noise of the input-gradients' norm (garbage-grad), send "
+                    "noise of its activations' norm (garbage-act, a first stage), or break its own "
                     "training once (diverge: NaN params; explode: an absurd pseudo-gradient), or compute 4x "
                     "slower from that round on (slow: a weaker device, for rebalancing drills)")
 

@@ -11,6 +11,7 @@ real peer processes."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import math
 import re
@@ -20,8 +21,9 @@ import pytest
 import torch
 
 from swarm.peer.pipeline import routing
-from swarm.peer.pipeline.integrity import (ANSWER_RULES, MIN_EVIDENCE, PRIOR_CAP, PROBATION, ROUND_STRIKES, STRIKES,
-                                           WEIGHT_CAP, Answer, AnswerCheck, decide, disagreement, routing_weights)
+from swarm.peer.pipeline.integrity import (ANSWER_RULES, LOSS_SLACK, LOSS_STRIKES, MIN_EVIDENCE, PRIOR_CAP, PROBATION,
+                                           ROUND_STRIKES, STRIKES, WEIGHT_CAP, Answer, AnswerCheck, decide,
+                                           disagreement, routing_weights)
 from swarm.peer.pipeline.routing import Router, stage_protocol
 from swarm.peer.pipeline.worker import PipelineError
 
@@ -291,7 +293,8 @@ def test_honest_copies_of_a_stage_a_round_apart_agree_and_the_lies_do_not():
     (grad_a, loss_a), (grad_b, loss_b) = (answer(stage, probe, train=False) for stage in copies)
     honest_a, honest_b = Answer("a", grad_a, loss_a, 0), Answer("b", grad_b, loss_b, 0)
     cosine = float((grad_a.flatten() @ grad_b.flatten()) / (grad_a.norm() * grad_b.norm()))
-    print(f"two copies 16 steps apart: cosine {cosine:.3f}, norms {float(grad_a.norm()):.4g} {float(grad_b.norm()):.4g}, "
+    print(f"two copies 16 steps apart: cosine {cosine:.3f}, "
+          f"norms {float(grad_a.norm()):.4g} {float(grad_b.norm()):.4g}, "
           f"losses {loss_a:.3f} {loss_b:.3f}")
     assert cosine < 0.9, f"the copies drifted apart (cosine {cosine:.3f}): not the same bits"
     assert disagreement(honest_a, honest_b) is None, (cosine, disagreement(honest_a, honest_b))
@@ -369,6 +372,21 @@ def test_a_peer_claiming_other_rounds_is_never_used_and_left_out_only_when_no_ro
     assert router.check.is_excluded("odd") and hops.answers["odd"] == ROUND_STRIKES
     assert any("left out stage peer odd" in r.getMessage() and "claimed round 9" in r.getMessage()
                for r in caplog.records)
+
+
+def test_the_peer_asked_to_compare_is_one_last_seen_in_the_first_answers_round(monkeypatch, caplog):
+    """Four honest peers, two a round ahead of the other two (one pair averaged, the other waits): every microbatch
+    is compared (duplicate_share 1), and once each peer's round is known from an answer, the second peer asked is
+    one of the first answer's round, so answers are left aside as of another round only while rounds are unknown,
+    nothing is disputed and nobody is left out."""
+    hops = _FakeHops()
+    hops.rounds = {"a": 4, "b": 4, "c": 5, "d": 5}
+    router = _router([(peer, 100.0) for peer in "abcd"], hops, monkeypatch, duplicate_share=1.0)
+    with caplog.at_level(logging.INFO, logger="swarm.peer.pipeline.routing"):
+        _send(router, 40)
+    aside = [r for r in caplog.records if "was of another round" in r.getMessage()]
+    assert router.compared == 40 and router.disputed == 0 and not router.check.excluded
+    assert len(aside) <= 4, [r.getMessage() for r in aside]
 
 
 def test_two_lone_peers_that_disagree_apply_nothing_and_blame_nobody(monkeypatch):
@@ -576,7 +594,8 @@ def test_stage_peer_processes_sending_back_x1000_or_noise_are_left_out_and_the_s
     for peer in (*liars.values(), *honest):
         peer.wait_event("training", 120)
     liar_ids = {fault: liar.events("joined")[0]["peer_id"] for fault, liar in liars.items()}
-    firsts = [swarm.peer(maddr, "--stage", "0", "--until-round", str(rounds), name=name) for name in ("first", "first2")]
+    firsts = [swarm.peer(maddr, "--stage", "0", "--until-round", str(rounds), name=name)
+              for name in ("first", "first2")]
     left_out = r"left it out|left out stage peer"
     for first in firsts:
         for liar_id in liar_ids.values():
@@ -598,3 +617,68 @@ def test_stage_peer_processes_sending_back_x1000_or_noise_are_left_out_and_the_s
         assert all(math.isfinite(e["loss"]) and e["loss"] < 10 for e in averaged if e.get("loss") is not None)
         assert all(math.isfinite(e["val_loss"]) and e["val_loss"] < 10 for e in averaged
                    if e.get("val_loss") is not None), averaged
+
+
+def test_a_last_stage_refuses_a_first_stage_peer_sending_noise_by_the_loss_it_gives_and_applies_none(p2p_network):
+    """Activations that are not the first stage's computation (noise of the honest ones' norm, which the activation
+    rule cannot see) predict nothing: once the stage has learnt, their loss there stays near ln(vocabulary) while
+    the honest senders' falls. A last stage after the first refuses such a microbatch before it applies anything
+    (the sender reads why), leaves its sender out at LOSS_STRIKES in a row with one warning, and the honest senders go
+    on; without `judge_losses` (a middle stage's loss is not its own) nothing is refused."""
+    import torch.nn.functional as F
+    from test_pipeline import BOUNDS, HIDDEN, RUN, VOCAB, _model, _worker
+    from swarm.model.stages import make_stages
+    from swarm.peer.pipeline.server import StageServer
+
+    def learnable(seed: int) -> torch.Tensor:  # counting modulo 10: a stage learns it in a few dozen steps
+        starts = torch.randint(0, 10, (2, 1), generator=torch.Generator().manual_seed(seed))
+        return (starts + torch.arange(9)) % 10
+
+    stage0, stage1 = make_stages(_model(), BOUNDS)
+    optimizer = torch.optim.AdamW([*stage0.parameters(), *stage1.parameters()], lr=3e-3)
+    for step in range(100):
+        batch = learnable(step)
+        out = stage1(stage0(batch[:, :-1]))
+        F.cross_entropy(out.reshape(-1, VOCAB), batch[:, 1:].reshape(-1)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    loop, node = p2p_network
+    senders = [node() for _ in range(3)]
+
+    def run(judge_losses: bool) -> tuple[Counter, StageServer, list[bool]]:
+        peer = node()
+        server = StageServer(_worker(copy.deepcopy(stage1)), HIDDEN, max_tokens=64, vocab_size=VOCAB,
+                             loop=loop.loop)
+        server.judge_losses = judge_losses
+        protocol = stage_protocol(RUN, *BOUNDS[1])
+        loop.run(peer.add_stream_handler(protocol, server.handle), timeout=30)
+        outcomes, unchanged = Counter(), []
+        for k in range(6):
+            for i, sender in enumerate(senders):
+                batch = learnable(1000 + 10 * k + i)
+                with torch.no_grad():
+                    x = stage0(batch[:, :-1])
+                if i == 2:  # noise of the honest activations' norm
+                    noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(k))
+                    x = noise * (x.norm() / noise.norm())
+                before = [p.detach().clone() for p in server.worker.stage.parameters()]
+                try:
+                    loop.run(routing.call_stage(sender, peer.peer_id, protocol, x, batch[:, 1:], "none",
+                                                routing.WireMeter(), 20), timeout=30)
+                    outcomes[i, "ok"] += 1
+                except PipelineError as e:
+                    assert "activations refused" in str(e), e
+                    outcomes[i, "refused"] += 1
+                    unchanged.append(all(torch.equal(a, b) for a, b in zip(before, server.worker.stage.parameters())))
+        return outcomes, server, unchanged
+
+    outcomes, server, _ = run(judge_losses=False)
+    assert outcomes[2, "ok"] == 6, "(without the loss check the noise is trained on)"
+    outcomes, server, unchanged = run(judge_losses=True)
+    assert outcomes[0, "ok"] == outcomes[1, "ok"] == 6, outcomes
+    # (its first microbatch comes before two honest senders have two losses each: nothing to hold it to yet)
+    assert outcomes[2, "ok"] == 1 and outcomes[2, "refused"] == 5, outcomes
+    assert server.losses.is_excluded(senders[2].peer_id) and server.refused["loss"] == LOSS_STRIKES
+    assert unchanged and all(unchanged), "a refused microbatch applied nothing"
+    honest = list(server.losses.history[senders[0].peer_id]["loss"])
+    assert max(honest) < math.log(10) - 2 * LOSS_SLACK, honest  # (what predicting the unigram gives)

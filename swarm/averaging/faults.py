@@ -33,7 +33,8 @@ TAMPERING = ("unverified-entry", "foreign-digest", "inflated-swarm-size")  # wha
 # A pipeline stage server's answers, from the start (the round is ignored): scale-grad: the input-gradients it sends
 # back x1000; low-loss: its losses / 1000; garbage-grad: random input-gradients of the honest ones' shape and norm, its
 # losses honest (swarm.peer.pipeline.server.LIES)
-PIPELINE_LIES = ("scale-grad", "low-loss", "garbage-grad")
+# garbage-act: as a sender (a first-stage peer), noise of its activations' norm in place of its training activations
+PIPELINE_LIES = ("scale-grad", "low-loss", "garbage-grad", "garbage-act")
 LIED_BANDWIDTH = 1e11  # bytes/s: matchmaking.MAX_BANDWIDTH, the most an entry may declare
 LIED_SWARM_SIZE = 1 << 20
 SCALE = 1000.0
@@ -122,7 +123,7 @@ class FaultPlan:
             self.events.emit("fault", kind=self.phase, phase=phase, round=round_no, **detail)
 
     def stage_lie(self) -> Optional[str]:
-        """The lie this peer's stage server tells (PIPELINE_LIES), or None."""
+        """The lie this peer's stage tells (PIPELINE_LIES: in its answers, or its activations), or None."""
         return self.phase if self.phase in PIPELINE_LIES else None
 
     def serves_corrupt_data(self) -> bool:

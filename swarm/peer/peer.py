@@ -158,8 +158,8 @@ class Peer:
         self.inner_steps, self.last_group_size = 0, 1
         self.loop.submit(self.announcer.run())
         self.part.start()
+        self.part.drill(self.faults.stage_lie())  # (a drill: a stage peer that lies in its answers or activations)
         if self.part.server is not None:
-            self.part.server.lie = self.faults.stage_lie()  # (a drill: a stage peer that lies in its answers)
             self.part.server.round = lambda: self.diloco.round  # (answers say it: senders compare one round's)
         port = self.metrics.serve(s.metrics.port, s.metrics.host)
         if port is not None:

@@ -32,7 +32,7 @@ from swarm.model.stages import Stage, even_bounds, materialize
 from swarm.peer.pipeline.microbatches import MicrobatchStream
 from swarm.peer.pipeline.placement import stage_to_move_to, weakest_stage
 from swarm.peer.pipeline.routing import Router, stage_protocol
-from swarm.peer.pipeline.server import Handoff, StageServer, unless_dropped
+from swarm.peer.pipeline.server import LIES, Handoff, StageServer, unless_dropped
 from swarm.peer.pipeline.worker import PipelineError, StageWorker
 from swarm.peer.stream import peer_id_hash
 from swarm.peer.training import inner_step
@@ -167,8 +167,20 @@ class Part:
             self.server = server = StageServer(self.worker, config.hidden_size, data.batch_size * data.seq_len,
                                                config.vocab_size, self.loop.loop, execute=self.work.hand_over,
                                                execute_eval=lambda x, targets: self.work.hand_over(x, targets, None))
+            # Senders are judged by the losses of their microbatches only where the loss is our own computation (the
+            # last stage) and the senders computed from tokens (the first): a middle stage's loss is the next stage's
+            # word, and a last stage after a middle one would blame an honest middle peer for what it was sent.
+            server.judge_losses = self.index == 1 and self.stages == 2
             self.loop.run(self.node.add_stream_handler(stage_protocol(self.recipe.run_id, *self.bounds),
                                                        server.handle), timeout=30)
+
+    def drill(self, lie: Optional[str]) -> None:
+        """Make this peer's stage lie (a drill, faults.PIPELINE_LIES): in its answers as a server (server.LIES), or,
+        garbage-act, in the training activations it sends (noise of their norm)."""
+        if self.server is not None and lie in LIES:
+            self.server.lie = lie
+        if self.router is not None:
+            self.router.garbage = lie == "garbage-act"
 
     def check(self, checkpoint) -> None:
         """Refuse a checkpoint of another run, or of another stage (its params would load: equal stages have equal
@@ -318,7 +330,7 @@ class Part:
     def _serve_one(self) -> tuple[Optional[float], int, int]:
         """Run the next microbatch from the stage before, if one comes within WAIT_SECONDS."""
         try:
-            x, targets, scale, done = self.work.queue.get(timeout=WAIT_SECONDS)
+            x, targets, scale, accept, done = self.work.queue.get(timeout=WAIT_SECONDS)
         except queue.Empty:
             return None, 0, 0
         try:
@@ -329,7 +341,7 @@ class Part:
                 return None, 0, 0
             # (a microbatch whose sender gave up on it meanwhile is not trained on: it is sent elsewhere)
             grad, loss = self.worker.step(x, targets, None if self.router is None else
-                                          unless_dropped(self.router.hop(self.loop), done.done), scale)
+                                          unless_dropped(self.router.hop(self.loop), done.done), scale, accept)
         except Exception as e:  # noqa: BLE001 - the stage before learns of it and retries elsewhere
             if isinstance(e, concurrent.futures.CancelledError):  # (our next hop, cancelled by a stop signal)
                 e = PipelineError("the stage peer is stopping")

@@ -151,6 +151,8 @@ class Router:
     refused: int = 0  # answers refused by `check`
     verified: Counter = field(default_factory=Counter)  # peer -> its answers that agreed with another peer's
     odd_rounds: Counter = field(default_factory=Counter)  # peer -> its answers in a row of a round the others' weren't
+    rounds: dict = field(default_factory=dict)  # peer -> the round its last training answer claimed
+    garbage: bool = False  # a drill (--inject-fault garbage-act): send noise of the activations' norm instead
     duplicated: int = 0  # hops sent to compare answers (second and third peers)
     compared: int = 0  # microbatches whose answers were compared
     disputed: int = 0  # of them, those no two peers agreed on (nothing applied)
@@ -191,11 +193,15 @@ class Router:
 
         return send
 
-    def choose(self, exclude: set[str]) -> Optional[str]:
+    def choose(self, exclude: set[str], round_no: Optional[int] = None) -> Optional[str]:
+        """A peer of the next stage for a microbatch, not one of `exclude` (see the class); with `round_no`, one whose
+        last answer claimed that round where there is one (an answer to compare with is then of the same round)."""
         now = time.monotonic()
         candidates = [(peer, speed) for peer, speed in self.peers() if peer not in exclude
                       and now - self.failed.get(peer, -RETRY_AFTER) >= RETRY_AFTER
                       and not self.check.is_excluded(peer, now)]
+        if round_no is not None:
+            candidates = [c for c in candidates if self.rounds.get(c[0]) == round_no] or candidates
         if not candidates:
             return None
         weights = [weight / (1 + self.in_flight[peer])
@@ -206,6 +212,9 @@ class Router:
                       evaluate: bool = False) -> tuple[Optional[torch.Tensor], float]:
         tried: set[str] = set()
         last_error: Optional[BaseException] = None
+        if self.garbage and not evaluate:
+            noise = torch.randn(x.shape, dtype=torch.float32)
+            x = (noise * (x.detach().float().norm() / noise.norm().clamp_min(1e-30))).to(x.dtype)
         for _ in range(self.attempts):
             peer = self.choose(tried)
             if peer is None:
@@ -241,6 +250,8 @@ class Router:
             if self.check.is_excluded(peer):  # (left out while this hop was in flight: by another microbatch's check)
                 raise AnswerRefused(f"stage peer {peer[-8:]} was left out while its answer was in flight")
             self._accept(peer, x, (grad, loss), scale)
+            if not evaluate and round_no is not None:
+                self.rounds[peer] = round_no
             if not evaluate:
                 rate = targets.numel() / max(time.monotonic() - started, 1e-6)
                 self.measured[peer] = smoothed(self.measured.get(peer), rate)
@@ -265,11 +276,12 @@ class Router:
             return False
         return self.verified[peer] < PROBATION or self._random.random() < self.duplicate_share
 
-    async def _another(self, exclude: set[str], x: torch.Tensor, targets: torch.Tensor,
-                       scale: float) -> Optional[Answer]:
-        """The answer of one more peer of the next stage, not one of `exclude`, to the same microbatch; None when
-        there is none to ask, or its hop fails or is refused (one try: the comparison is what is lost)."""
-        peer = self.choose(exclude)
+    async def _another(self, exclude: set[str], x: torch.Tensor, targets: torch.Tensor, scale: float,
+                       round_no: Optional[int]) -> Optional[Answer]:
+        """The answer of one more peer of the next stage, not one of `exclude`, to the same microbatch (one last seen
+        in `round_no` where there is one); None when there is none to ask, or its hop fails or is refused (one try:
+        the comparison is what is lost)."""
+        peer = self.choose(exclude, round_no)
         if peer is None:
             return None
         self.duplicated += 1
@@ -287,13 +299,13 @@ class Router:
         applied, when no two agree (or only two answered and disagree: nobody can tell who lies). Without a second
         peer to ask, or when its hop fails, `first` stands."""
         asked = tried | {first.peer}
-        second = await self._another(asked, x, targets, scale)
+        second = await self._another(asked, x, targets, scale, first.round)
         if second is None:
             return first.grad, first.loss
         self.compared += 1
         verdict = decide(first, second)
         if verdict.use is None:
-            third = await self._another(asked | {second.peer}, x, targets, scale)
+            third = await self._another(asked | {second.peer}, x, targets, scale, first.round)
             verdict = decide(first, second, third) if third is not None else verdict
         microbatch = microbatch_id(x, targets)
         self._settle(verdict, microbatch)
@@ -331,6 +343,7 @@ class Router:
         self.measured.pop(peer, None)
         self.verified.pop(peer, None)
         self.odd_rounds.pop(peer, None)
+        self.rounds.pop(peer, None)
         logger.warning("pipeline: left out stage peer %s for %.0f s: %s", peer, EXCLUDE_SECONDS, why)
 
     def _accept(self, peer: str, x: torch.Tensor, answer: tuple[Optional[torch.Tensor], float], scale: float) -> None:

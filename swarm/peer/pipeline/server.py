@@ -4,6 +4,9 @@ server holds at most MAX_WAITING microbatches, MAX_WAITING_PER_PEER of them from
 ("busy", so the sender goes to another peer); a microbatch whose handler gave up on it is never trained on. A
 server refuses activations far above those the same sender sent before (integrity.REQUEST_RULES: honest senders of
 a stage may differ by orders of magnitude, so none is judged by the others'), and leaves their sender out for a while.
+A last stage right after the first (`judge_losses`) also holds each sender's microbatches' losses, before it applies
+anything, to the other senders' (integrity.REQUEST_RULES: activations that are not the first stage's computation,
+noise of any norm, predict nothing, and their loss stays near ln(vocabulary) as the stage learns).
 """
 
 from __future__ import annotations
@@ -24,9 +27,9 @@ import torch
 
 from swarm.compression import decode, get_codec
 from swarm.dht.frames import FRAME_HEADER, recv_frame, send_frame
-from swarm.peer.pipeline.integrity import EXCLUDE_SECONDS, REQUEST_RULES, AnswerCheck, rms
+from swarm.peer.pipeline.integrity import EXCLUDE_SECONDS, LOSS_RULES, LOSS_STRIKES, REQUEST_RULES, AnswerCheck, rms
 from swarm.peer.pipeline.routing import BUSY, HEADER_BYTES, HOP_SECONDS, Router, WireMeter, payload_bound
-from swarm.peer.pipeline.worker import Downstream, Execute, PipelineError, StageWorker
+from swarm.peer.pipeline.worker import Accept, Downstream, Execute, PipelineError, StageWorker
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +81,9 @@ class StageServer:
         self.refused: Counter = Counter()
         self.dropped = 0  # microbatches whose handler timed out: never trained on, never answered
         self.check = AnswerCheck(REQUEST_RULES)  # the activations each sender sent
+        self.judge_losses = False  # hold senders' losses to the others' (a last stage whose senders are the first)
+        self.losses = AnswerCheck(LOSS_RULES, LOSS_STRIKES)  # (judged on the thread that trains: under _loss_lock)
+        self._loss_lock = threading.Lock()
         self._thread: Optional[concurrent.futures.ThreadPoolExecutor] = None  # (the default execute's, made on use)
 
     async def handle(self, remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -132,7 +138,8 @@ class StageServer:
                     await send_frame(writer, msgpack.packb({"loss": float(loss)}))
                     return
                 round_before = self.round() if self.round is not None else None
-                grad, loss = await self.execute(x.reshape(b, t, h), targets.reshape(b, t), scale)
+                grad, loss = await self.execute(x.reshape(b, t, h), targets.reshape(b, t), scale,
+                                                self._loss_check(remote) if self.judge_losses else None)
                 round_no = self.round() if self.round is not None else None
                 grad = _lie_about(grad, self.lie)
                 loss = float(loss) / (LIE_SCALE if self.lie == "low-loss" else 1.0)
@@ -161,15 +168,30 @@ class StageServer:
         it holds costs only its sender's own validation loss: it is neither judged nor kept as the sender's history
         (a first stage's validation activations, from the round's new global params, once came 160x its training
         ones, and the refusal cost that round's validation loss)."""
-        left_out = self.check.excluded.get(remote)
-        if self.check.is_excluded(remote):
-            return f"activations refused: you are left out ({left_out[1]})"
+        for check in (self.check, self.losses):
+            left_out = check.excluded.get(remote)
+            if check.is_excluded(remote):
+                return f"activations refused: you are left out ({left_out[1]})"
         if not judged:
             return None
         why = self.check.judge(remote, {"activations": rms(x)})
-        if why is None:
-            return None
-        if self.check.is_excluded(remote):
+        return None if why is None else self._refused(self.check, remote, why)
+
+    def _loss_check(self, remote: str) -> Accept:
+        """What the training thread calls with the loss of a microbatch from `remote` before it applies anything:
+        raises PipelineError (nothing applied) when REQUEST_RULES refuse it against the other senders' losses."""
+        def accept(loss: float) -> None:
+            with self._loss_lock:
+                why = self.losses.judge(remote, {"loss": loss})
+            if why is not None:
+                self.refused["loss"] += 1
+                raise PipelineError(self._refused(self.losses, remote, why))
+        return accept
+
+    @staticmethod
+    def _refused(check: AnswerCheck, remote: str, why: str) -> str:
+        """The reason a refused sender reads, logged: one warning when this refusal left it out."""
+        if check.is_excluded(remote):
             logger.warning("pipeline: refused the activations of peer %s and left it out for %.0f s: %s", remote,
                            EXCLUDE_SECONDS, why)
         else:
@@ -200,10 +222,11 @@ class StageServer:
         downstream = None if self.downstream is None else self.downstream.evaluator(self.loop)
         return await self._in_thread(lambda dropped: self.worker.evaluate(x, targets, downstream))
 
-    async def _in_executor(self, x: torch.Tensor, targets: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
+    async def _in_executor(self, x: torch.Tensor, targets: torch.Tensor, scale: float,
+                           accept: Optional[Accept] = None) -> tuple[torch.Tensor, float]:
         hop = None if self.downstream is None else self.downstream.hop(self.loop)
         return await self._in_thread(lambda dropped: self.worker.step(
-            x, targets, None if hop is None else unless_dropped(hop, dropped), scale))
+            x, targets, None if hop is None else unless_dropped(hop, dropped), scale, accept))
 
     async def _in_thread(self, run: Callable[[Callable[[], bool]], object]):
         """`run(dropped)` in the server's one thread (microbatches wait their turn here, not on the worker's lock),
@@ -263,7 +286,7 @@ async def _skip(reader: asyncio.StreamReader, limit: int, seconds: float) -> Non
 
 class Handoff:
     """Microbatches a serving stage's handler (on `loop`) hands to the training thread, which also takes its outer
-    steps: `queue` holds (activations, targets, scale, the future of the answer); scale None is a validation
+    steps: `queue` holds (activations, targets, scale, accept, the future of the answer); scale None is a validation
     microbatch. At most `max_waiting` wait: one more is refused at once ("busy"). One whose handler gives up on it
     (its timeout, a cancel) leaves the queue then, and `queue.get` never returns one whose future is done; a hop the
     training thread runs for it is best wrapped in `unless_dropped(hop, done.done)`, so that once it is given up
@@ -275,13 +298,14 @@ class Handoff:
         self.queue = _Waiting(max_waiting)
         self.closed = False  # (set on the loop)
 
-    async def hand_over(self, x: torch.Tensor, targets: torch.Tensor, scale: Optional[float]):
+    async def hand_over(self, x: torch.Tensor, targets: torch.Tensor, scale: Optional[float],
+                        accept: Optional[Accept] = None):
         """A served microbatch, run by the training thread (part.py); a validation one (forward only, its loss) with
         `scale` None. Raises PipelineError at once if `max_waiting` wait already, or the peer is stopping."""
         if self.closed:
             raise PipelineError("the stage peer is stopping")
         done = self.loop.create_future()
-        entry = (x, targets, scale, done)
+        entry = (x, targets, scale, accept, done)
         try:
             self.queue.put_nowait(entry)
         except queue.Full:
@@ -314,7 +338,7 @@ class Handoff:
 
 
 class _Waiting(queue.Queue):
-    """Handoff's queue of (activations, targets, scale, future): `get` passes over entries whose future is done
+    """Handoff's queue of (activations, targets, scale, accept, future): `get` passes over entries whose future is done
     (their handler gave up on them: nobody waits for the answer, and their sender retried elsewhere), and `discard`
     takes one out before its turn. (A future is settled on the loop only; the training thread reads done(),
     one flag.)"""

@@ -25,7 +25,10 @@ class PipelineError(RuntimeError):
 
 # (activations, targets, the microbatch's share of its batch) -> (their gradient, the microbatch's loss)
 Downstream = Callable[[torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, float]]
-Execute = Callable[[torch.Tensor, torch.Tensor, float], Awaitable[tuple[torch.Tensor, float]]]
+# A microbatch's loss, before anything is applied -> None, or raises PipelineError to refuse the microbatch
+Accept = Callable[[float], None]
+# (activations, targets, share, accept) -> (their gradient, the microbatch's loss)
+Execute = Callable[[torch.Tensor, torch.Tensor, float, Optional[Accept]], Awaitable[tuple[torch.Tensor, float]]]
 Evaluate = Callable[[torch.Tensor, torch.Tensor], float]  # (activations, targets) -> the rest of the pipeline's loss
 
 
@@ -50,11 +53,12 @@ class StageWorker:
         self.device = next(stage.parameters()).device
 
     def step(self, x: torch.Tensor, targets: torch.Tensor, downstream: Optional[Downstream],
-             scale: float = 1.0) -> tuple[Optional[torch.Tensor], float]:
+             scale: float = 1.0, accept: Optional[Accept] = None) -> tuple[Optional[torch.Tensor], float]:
         """Run a microbatch: `x` token ids (first stage) or the previous stage's activations, `targets` the next
         tokens, `scale` its share of its batch (its loss counts that much). The last stage takes the loss; the
         others pass their output to `downstream`, which returns its gradient and the loss. Returns (the gradient
-        of `x`, None on the first stage; the loss). Raises what `downstream` raises, with nothing applied."""
+        of `x`, None on the first stage; the loss). Raises what `downstream` raises, with nothing applied, and so
+        does `accept` (given the loss before anything is applied: StageServer's check of the stage before)."""
         with self.lock:
             started = time.perf_counter()
             x = x.to(self.device)
@@ -63,11 +67,15 @@ class StageWorker:
             if self.stage.last:
                 loss_tensor = F.cross_entropy(out.reshape(-1, out.shape[-1]).float(),
                                               targets.to(self.device).reshape(-1))
-                (loss_tensor * scale).backward()
                 loss = float(loss_tensor.detach())
+                if accept is not None:
+                    accept(loss)
+                (loss_tensor * scale).backward()
             else:
                 self.computed(started)
                 grad, loss = downstream(out.detach(), targets, scale)
+                if accept is not None:
+                    accept(loss)
                 started = time.perf_counter()
                 self._backward(out, grad)
             if self.frozen:
