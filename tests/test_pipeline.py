@@ -281,7 +281,7 @@ def test_a_stop_signal_cancels_the_hops_a_first_stage_waits_on(pipeline):
     alive.discard(sorted(servers)[0])
     arrived = []
 
-    async def never(x, targets, scale):
+    async def never(x, targets, scale, accept=None):
         arrived.append(scale)
         await asyncio.get_running_loop().create_future()
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from swarm.peer.pipeline import routing
-from swarm.peer.pipeline.integrity import (ANSWER_RULES, LOSS_SLACK, LOSS_STRIKES, MIN_EVIDENCE, PRIOR_CAP, PROBATION,
+from swarm.peer.pipeline.integrity import (ANSWER_RULES, LOSS_SLACK, MIN_EVIDENCE, PRIOR_CAP, PROBATION,
                                            ROUND_STRIKES, STRIKES, WEIGHT_CAP, Answer, AnswerCheck, decide,
                                            disagreement, routing_weights)
 from swarm.peer.pipeline.routing import Router, stage_protocol
@@ -622,9 +622,11 @@ def test_stage_peer_processes_sending_back_x1000_or_noise_are_left_out_and_the_s
 def test_a_last_stage_refuses_a_first_stage_peer_sending_noise_by_the_loss_it_gives_and_applies_none(p2p_network):
     """Activations that are not the first stage's computation (noise of the honest ones' norm, which the activation
     rule cannot see) predict nothing: once the stage has learnt, their loss there stays near ln(vocabulary) while
-    the honest senders' falls. A last stage after the first refuses such a microbatch before it applies anything
-    (the sender reads why), leaves its sender out at LOSS_STRIKES in a row with one warning, and the honest senders go
-    on; without `judge_losses` (a middle stage's loss is not its own) nothing is refused."""
+    the honest senders' falls. A last stage after the first refuses each such microbatch before it applies anything
+    (the sender reads why), and the honest senders go on. The sender is not left out (an honest one a round behind,
+    or starting a stage from the recipe's init, gives higher losses for a while too): its next microbatch that
+    predicts as well as the others' is taken. Without `judge_losses` (a middle stage's loss is not its own) nothing
+    is refused."""
     import torch.nn.functional as F
     from test_pipeline import BOUNDS, HIDDEN, RUN, VOCAB, _model, _worker
     from swarm.model.stages import make_stages
@@ -658,7 +660,7 @@ def test_a_last_stage_refuses_a_first_stage_peer_sending_noise_by_the_loss_it_gi
                 batch = learnable(1000 + 10 * k + i)
                 with torch.no_grad():
                     x = stage0(batch[:, :-1])
-                if i == 2:  # noise of the honest activations' norm
+                if i == 2 and k < 5:  # noise of the honest activations' norm, then the computation
                     noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(k))
                     x = noise * (x.norm() / noise.norm())
                 before = [p.detach().clone() for p in server.worker.stage.parameters()]
@@ -673,12 +675,13 @@ def test_a_last_stage_refuses_a_first_stage_peer_sending_noise_by_the_loss_it_gi
         return outcomes, server, unchanged
 
     outcomes, server, _ = run(judge_losses=False)
-    assert outcomes[2, "ok"] == 6, "(without the loss check the noise is trained on)"
+    assert outcomes[2, "ok"] == 6 and not server.refused, "(without the loss check the noise is trained on)"
     outcomes, server, unchanged = run(judge_losses=True)
     assert outcomes[0, "ok"] == outcomes[1, "ok"] == 6, outcomes
-    # (its first microbatch comes before two honest senders have two losses each: nothing to hold it to yet)
-    assert outcomes[2, "ok"] == 1 and outcomes[2, "refused"] == 5, outcomes
-    assert server.losses.is_excluded(senders[2].peer_id) and server.refused["loss"] == LOSS_STRIKES
+    # (its first microbatch comes before two honest senders have two losses each: nothing to hold it to yet; its
+    # last is the first stage's computation)
+    assert outcomes[2, "ok"] == 2 and outcomes[2, "refused"] == 4, outcomes
+    assert not server.losses.excluded and server.refused["loss"] == 4
     assert unchanged and all(unchanged), "a refused microbatch applied nothing"
     honest = list(server.losses.history[senders[0].peer_id]["loss"])
     assert max(honest) < math.log(10) - 2 * LOSS_SLACK, honest  # (what predicting the unigram gives)

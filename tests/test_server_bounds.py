@@ -108,7 +108,7 @@ def _serve_handoff(handoff: Handoff, stop: threading.Event, computed: list) -> N
     """A training thread's stand-in (part.py's _serve_one): take the next microbatch, count it computed, answer."""
     while not stop.is_set():
         try:
-            x, targets, scale, done = handoff.queue.get(timeout=0.05)
+            x, targets, scale, _, done = handoff.queue.get(timeout=0.05)
         except Exception:  # noqa: BLE001 - queue.Empty: look again
             continue
         computed.append(x)

@@ -67,11 +67,13 @@ REQUEST_RULES = {"activations": Rule(factor=math.inf, own_factor=100.0, upper_on
 # tests/recipes/stages.yaml (vocabulary 512, ln 6.24), after 10, 40, 100 and 200 steps of the whole model, honest
 # activations gave 5.51, 4.78, 4.67, 4.23 and noise of their norm 6.22, 6.19, 6.43, 6.51 (activations of other
 # rows and positions 5.52, 5.30, 5.91, 6.24): a loss more than LOSS_SLACK above the others' is refused, so garbage
-# is caught once the stage has learnt that much, and not before (at the recipe's init nothing tells them apart). A
-# microbatch's loss strays from the others' more than its activations' scale does (a microbatch of 128 tokens: about
-# 0.2 nats), so LOSS_STRIKES refusals in a row leave a sender out.
+# is caught once the stage has learnt that much, and not before (at the recipe's init nothing tells them apart). Each
+# microbatch is judged, and none leaves its sender out: honest senders give higher losses for a while too (one a
+# round behind early in a run, when a round takes a nat off the loss; one starting a stage that lost its hosts from
+# the recipe's init), and are refused until they catch up, not banished. Only senders heard from in the last
+# LOSS_FRESH_SECONDS weigh in (a sender that died or moved is no reference for one that took its place).
 LOSS_SLACK = 0.5
-LOSS_STRIKES = 3
+LOSS_FRESH_SECONDS = 10.0
 LOSS_RULES = {"loss": Rule(factor=1.0, own_factor=math.inf, slack=LOSS_SLACK, upper_only=True)}
 
 
@@ -115,7 +117,8 @@ class AnswerCheck:
     and its history forgotten, so it weighs in no judgement of the others."""
 
     rules: dict[str, Rule]
-    limit: int = STRIKES  # refusals in a row that leave a peer out
+    limit: Optional[int] = STRIKES  # refusals in a row that leave a peer out (None: refused, never left out)
+    fresh: float = FRESH_SECONDS  # another peer's answers weigh in a judgement while its last is this recent
     history: dict[str, dict[str, deque]] = field(default_factory=dict)
     excluded: dict[str, tuple[float, str]] = field(default_factory=dict)  # peer -> (until, time.monotonic; why)
     disputes: int = 0  # answers two lone peers disagreed on (nobody to tell who lies: accepted)
@@ -145,7 +148,7 @@ class AnswerCheck:
                                                    f"of its own last {len(own)} answers")
             refs = [statistics.median(h[name]) for q, h in self.history.items()
                     if q != peer and len(h[name]) >= MIN_EVIDENCE and not self.is_excluded(q, now)
-                    and now - self.answered_at.get(q, now) <= FRESH_SECONDS]
+                    and now - self.answered_at.get(q, now) <= self.fresh]
             against = [ref for ref in refs if rule.disagrees(value, ref)]
             if len(refs) >= 2 and 2 * len(against) > len(refs):
                 ref = statistics.median(against)
@@ -167,7 +170,7 @@ class AnswerCheck:
 
     def _refuse(self, peer: str, now: float, why: str) -> str:
         self.strikes[peer] = self.strikes.get(peer, 0) + 1
-        if self.strikes[peer] >= self.limit:
+        if self.limit is not None and self.strikes[peer] >= self.limit:
             self.exclude(peer, why, now)
         return why
 

@@ -27,7 +27,8 @@ import torch
 
 from swarm.compression import decode, get_codec
 from swarm.dht.frames import FRAME_HEADER, recv_frame, send_frame
-from swarm.peer.pipeline.integrity import EXCLUDE_SECONDS, LOSS_RULES, LOSS_STRIKES, REQUEST_RULES, AnswerCheck, rms
+from swarm.peer.pipeline.integrity import (EXCLUDE_SECONDS, LOSS_FRESH_SECONDS, LOSS_RULES, REQUEST_RULES, AnswerCheck,
+                                           rms)
 from swarm.peer.pipeline.routing import BUSY, HEADER_BYTES, HOP_SECONDS, Router, WireMeter, payload_bound
 from swarm.peer.pipeline.worker import Accept, Downstream, Execute, PipelineError, StageWorker
 
@@ -82,7 +83,8 @@ class StageServer:
         self.dropped = 0  # microbatches whose handler timed out: never trained on, never answered
         self.check = AnswerCheck(REQUEST_RULES)  # the activations each sender sent
         self.judge_losses = False  # hold senders' losses to the others' (a last stage whose senders are the first)
-        self.losses = AnswerCheck(LOSS_RULES, LOSS_STRIKES)  # (judged on the thread that trains: under _loss_lock)
+        # (judged on the thread that trains: under _loss_lock; a sender is refused, never left out, by its losses)
+        self.losses = AnswerCheck(LOSS_RULES, limit=None, fresh=LOSS_FRESH_SECONDS)
         self._loss_lock = threading.Lock()
         self._thread: Optional[concurrent.futures.ThreadPoolExecutor] = None  # (the default execute's, made on use)
 
@@ -168,35 +170,32 @@ class StageServer:
         it holds costs only its sender's own validation loss: it is neither judged nor kept as the sender's history
         (a first stage's validation activations, from the round's new global params, once came 160x its training
         ones, and the refusal cost that round's validation loss)."""
-        for check in (self.check, self.losses):
-            left_out = check.excluded.get(remote)
-            if check.is_excluded(remote):
-                return f"activations refused: you are left out ({left_out[1]})"
+        left_out = self.check.excluded.get(remote)
+        if self.check.is_excluded(remote):
+            return f"activations refused: you are left out ({left_out[1]})"
         if not judged:
             return None
         why = self.check.judge(remote, {"activations": rms(x)})
-        return None if why is None else self._refused(self.check, remote, why)
-
-    def _loss_check(self, remote: str) -> Accept:
-        """What the training thread calls with the loss of a microbatch from `remote` before it applies anything:
-        raises PipelineError (nothing applied) when REQUEST_RULES refuse it against the other senders' losses."""
-        def accept(loss: float) -> None:
-            with self._loss_lock:
-                why = self.losses.judge(remote, {"loss": loss})
-            if why is not None:
-                self.refused["loss"] += 1
-                raise PipelineError(self._refused(self.losses, remote, why))
-        return accept
-
-    @staticmethod
-    def _refused(check: AnswerCheck, remote: str, why: str) -> str:
-        """The reason a refused sender reads, logged: one warning when this refusal left it out."""
-        if check.is_excluded(remote):
+        if why is None:
+            return None
+        if self.check.is_excluded(remote):
             logger.warning("pipeline: refused the activations of peer %s and left it out for %.0f s: %s", remote,
                            EXCLUDE_SECONDS, why)
         else:
             logger.info("pipeline: refused the activations of peer %s: %s", remote, why)
         return f"activations refused: {why}"
+
+    def _loss_check(self, remote: str) -> Accept:
+        """What the training thread calls with the loss of a microbatch from `remote` before it applies anything:
+        raises PipelineError (nothing applied) when LOSS_RULES refuse it against the other senders' recent losses."""
+        def accept(loss: float) -> None:
+            with self._loss_lock:
+                why = self.losses.judge(remote, {"loss": loss})
+            if why is not None:
+                self.refused["loss"] += 1
+                logger.info("pipeline: refused the activations of peer %s: %s", remote, why)
+                raise PipelineError(f"activations refused: {why}")
+        return accept
 
     def _busy(self, remote: str) -> Optional[str]:
         """Why a microbatch from `remote` finds no room here now (None: it does)."""
