@@ -685,3 +685,25 @@ def test_a_last_stage_refuses_a_first_stage_peer_sending_noise_by_the_loss_it_gi
     assert unchanged and all(unchanged), "a refused microbatch applied nothing"
     honest = list(server.losses.history[senders[0].peer_id]["loss"])
     assert max(honest) < math.log(10) - 2 * LOSS_SLACK, honest  # (what predicting the unigram gives)
+
+
+def test_activations_that_grow_for_every_sender_at_once_are_not_refused_but_one_senders_x1000_is():
+    """A stage's activations can grow 100x and more between two rounds (its first outer steps move its embeddings:
+    the attack bench saw 340x), for every sender of the stage at once: a sender's x100 over its own earlier ones is
+    then no lie where two or more other senders' sit at the same scale. One sender's x1000, against others that did
+    not grow, is still refused, twice in a row leaving it out; a lone sender is held to its own history alone."""
+    from swarm.peer.pipeline.integrity import REQUEST_RULES
+
+    check = AnswerCheck(REQUEST_RULES)
+    for k in range(4):
+        for peer in "abc":
+            assert check.judge(peer, {"activations": 0.03}, now=float(k)) is None
+    for peer in "bc":  # (their latest answers grew: the stage's outer step reached them first)
+        check.history[peer]["activations"].append(12.0)
+    assert check.judge("a", {"activations": 11.6}, now=5.0) is None, "grown as the others did"
+    assert check.judge("a", {"activations": 11.6 * 1000}, now=6.0) is not None
+    assert check.judge("a", {"activations": 11.6 * 1000}, now=7.0) is not None and check.is_excluded("a", now=7.0)
+    lone = AnswerCheck(REQUEST_RULES)
+    for k in range(4):
+        assert lone.judge("a", {"activations": 0.03}, now=float(k)) is None
+    assert lone.judge("a", {"activations": 11.6}, now=5.0) is not None, "(nobody to show the growth is the stage's)"

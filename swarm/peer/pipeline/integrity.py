@@ -43,6 +43,9 @@ class Rule:
     own_factor: float
     slack: float = 1e-12
     upper_only: bool = False  # only a value too large disagrees
+    # a value far from the peer's own is refused only where the other peers' (two or more) are as far: what grows
+    # for every peer at once (a stage's activations as its first outer steps move its embeddings) is no lie
+    own_unless_others: bool = False
 
     def disagrees(self, value: float, ref: float, own: bool = False) -> bool:
         factor = self.own_factor if own else self.factor
@@ -60,7 +63,7 @@ ANSWER_RULES = {"sensitivity": Rule(factor=10.0, own_factor=100.0),
 # (x100 up): honest senders of one stage may hold very different params (one starting the stage from the recipe's
 # init sent activations 1/20,000 of a trained one's in tests/test_pipeline.py's rebalancing run), so no sender is
 # judged by the others' by this rule (LOSS_RULES below judge them by what they predict).
-REQUEST_RULES = {"activations": Rule(factor=math.inf, own_factor=100.0, upper_only=True)}
+REQUEST_RULES = {"activations": Rule(factor=math.inf, own_factor=100.0, upper_only=True, own_unless_others=True)}
 # Where a last stage follows the first, the loss of each sender's microbatches there, before anything is applied, is
 # held to the other senders' (not the sender's own: a loss falls as the stage learns): activations that are not the
 # first stage's computation predict nothing, and their loss stays near ln(vocabulary) while the honest ones' falls. On
@@ -133,7 +136,8 @@ class AnswerCheck:
         """None, and `values` recorded as `peer`'s: its answer is accepted. Otherwise why it is refused, with the
         numbers (one line); at its `limit`-th refusal in a row `peer` is left out (is_excluded). An answer is refused
         when a statistic disagrees (its Rule) with the median of the peer's own last answers (from MIN_ANSWERS on:
-        the first answers set the scale), or with the medians of a strict majority of the other peers not left out
+        the first answers set the scale; with `own_unless_others`, not where it is within the own factor of the
+        median of two or more other peers' latest values), or with the medians of a strict majority of the other peers not left out
         that have MIN_EVIDENCE answers, the last within FRESH_SECONDS, where there are at least two such (with one,
         nobody can tell which of the two lies: `disputes` counts it)."""
         now = time.monotonic() if now is None else now
@@ -141,14 +145,18 @@ class AnswerCheck:
         for name, value in values.items():
             rule = self.rules[name]
             own = mine[name]
+            others = [h[name] for q, h in self.history.items()
+                      if q != peer and len(h[name]) >= MIN_EVIDENCE and not self.is_excluded(q, now)
+                      and now - self.answered_at.get(q, now) <= self.fresh]
+            refs = [statistics.median(h) for h in others]
             if len(own) >= MIN_ANSWERS:
                 ref = statistics.median(own)
-                if rule.disagrees(value, ref, own=True):
+                # (the others' latest values: a scale every sender reached at once shows there before their medians)
+                as_others = rule.own_unless_others and len(others) >= 2 and \
+                    not rule.disagrees(value, statistics.median(h[-1] for h in others), own=True)
+                if rule.disagrees(value, ref, own=True) and not as_others:
                     return self._refuse(peer, now, f"{name} {value:.4g}, {_times(value, ref)} the median {ref:.4g} "
                                                    f"of its own last {len(own)} answers")
-            refs = [statistics.median(h[name]) for q, h in self.history.items()
-                    if q != peer and len(h[name]) >= MIN_EVIDENCE and not self.is_excluded(q, now)
-                    and now - self.answered_at.get(q, now) <= self.fresh]
             against = [ref for ref in refs if rule.disagrees(value, ref)]
             if len(refs) >= 2 and 2 * len(against) > len(refs):
                 ref = statistics.median(against)
