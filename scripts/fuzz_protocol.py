@@ -1132,8 +1132,10 @@ MESSAGE_TYPES += [
                 may_omit=frozenset({"scale", "eval"}),  # (a whole batch's microbatch; one to train on)
                 whole=lambda v: v["shape"][0] * v["shape"][1] == 2,  # (the frames after it hold 2 tokens)
                 wire=True, max_bytes=PIPE_HEADER_BYTES, others=stage_request_others, afterwards=_stage_afterwards),
-    MessageType("stage_answer", "stage peer", lambda: {"loss": 2.5}, _stage_answer_parse,
-                {"loss": lambda x: isinstance(x, float) and math.isfinite(x) and x >= 0},  # (a cross-entropy)
+    MessageType("stage_answer", "stage peer", lambda: {"loss": 2.5, "round": 3}, _stage_answer_parse,
+                {"loss": lambda x: isinstance(x, float) and math.isfinite(x) and x >= 0,  # (a cross-entropy)
+                 "round": lambda x: x is None or isinstance(x, int) and not isinstance(x, bool) and x >= 0},
+                may_omit=frozenset({"round"}),  # (an answer whose round ended while it ran says none)
                 whole=lambda v: "error" not in v, wire=True, max_bytes=PIPE_HEADER_BYTES, others=stage_answer_others),
 ]
 
