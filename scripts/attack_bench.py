@@ -137,6 +137,24 @@ def _wait_for(path: Path, event: str, process: subprocess.Popen, timeout: float)
     raise RuntimeError(f"no {event} event in {path} within {timeout} s")
 
 
+def _bootstrap(recipe: Path, workdir: Path, processes: list[subprocess.Popen]) -> str:
+    """Start a bootstrap of `recipe` (its process appended to `processes`); its address once it listens."""
+    events = workdir / "bootstrap.events.jsonl"
+    processes.append(_start([sys.executable, "-m", "swarm", "bootstrap", "--recipe", str(recipe),
+                             "--events-file", str(events)], workdir / "bootstrap.log"))
+    return _wait_for(events, "listening", processes[-1], 60)["maddrs"][0]
+
+
+def _kill(processes: list[subprocess.Popen]) -> None:
+    """SIGKILL each process's group (a peer's DHT process and p2pd with it)."""
+    for process in processes:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait(10)
+
+
 def run_scenario(scenario: str, args: argparse.Namespace, workdir: Path) -> dict:
     recipe = workdir / "recipe.yaml"
     honest = args.peers - args.attackers  # the clean swarm is the same honest peers, without the attackers
@@ -144,10 +162,7 @@ def run_scenario(scenario: str, args: argparse.Namespace, workdir: Path) -> dict
     swarm = [sys.executable, "-m", "swarm"]
     processes: list[subprocess.Popen] = []
     try:
-        boot_events = workdir / "bootstrap.events.jsonl"
-        processes.append(_start(swarm + ["bootstrap", "--recipe", str(recipe), "--events-file", str(boot_events)],
-                                workdir / "bootstrap.log"))
-        maddr = _wait_for(boot_events, "listening", processes[0], 60)["maddrs"][0]
+        maddr = _bootstrap(recipe, workdir, processes)
         attackers = 0 if scenario == "clean" else args.attackers
         attacker_events = [workdir / f"attacker{i}.events.jsonl" for i in range(attackers)]
         common = ["join", "--initial-peers", maddr, "--device", "cpu", "--num-threads", "1",
@@ -197,12 +212,7 @@ def run_scenario(scenario: str, args: argparse.Namespace, workdir: Path) -> dict
                 "took_attacker_state": taken, "peak_rss_mb": peak / 2**20,
                 "longest_round_s": max(waits, default=None)}
     finally:
-        for process in processes:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            process.wait(10)
+        _kill(processes)
 
 
 def run_stage_scenario(scenario: str, args: argparse.Namespace, workdir: Path) -> dict:
@@ -214,10 +224,7 @@ def run_stage_scenario(scenario: str, args: argparse.Namespace, workdir: Path) -
     swarm = [sys.executable, "-m", "swarm"]
     processes: list[subprocess.Popen] = []
     try:
-        boot_events = workdir / "bootstrap.events.jsonl"
-        processes.append(_start(swarm + ["bootstrap", "--recipe", str(recipe), "--events-file", str(boot_events)],
-                                workdir / "bootstrap.log"))
-        maddr = _wait_for(boot_events, "listening", processes[0], 60)["maddrs"][0]
+        maddr = _bootstrap(recipe, workdir, processes)
         common = ["join", "--initial-peers", maddr, "--device", "cpu", "--num-threads", "1",
                   "--cache-dir", args.cache_dir]
         peers = []  # (process, events, log, stage)
@@ -300,12 +307,7 @@ def run_stage_scenario(scenario: str, args: argparse.Namespace, workdir: Path) -
                 "left_out_in_round": max(r for _, r in caught) if caught else None, "disputes": disputes,
                 "honest_left_out": honest_left_out}
     finally:
-        for process in processes:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            process.wait(10)
+        _kill(processes)
 
 
 def _clock_time(clock: str, near: float) -> float:

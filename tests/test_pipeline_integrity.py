@@ -16,6 +16,7 @@ import logging
 import math
 import re
 from collections import Counter
+from typing import Optional
 
 import pytest
 import torch
@@ -417,6 +418,25 @@ def test_the_duplicate_share_is_a_recipe_option_that_keeps_the_digest_at_its_def
 
 # -- real stage servers on localhost ------------------------------------------------------------------------------
 
+def _stage_servers(loop, node, lies: tuple, round_no: Optional[int] = None) -> dict:
+    """A last-stage server (of test_pipeline's model) on a node of its own for each of `lies` (None: honest), each
+    saying `round_no` in its answers where given: {peer id: server}."""
+    from swarm.model.stages import make_stages
+    from swarm.peer.pipeline.server import StageServer
+    from test_pipeline import BOUNDS, HIDDEN, RUN, VOCAB, _model, _worker
+
+    servers = {}
+    for lie in lies:
+        peer = node()
+        server = StageServer(_worker(make_stages(_model(), BOUNDS)[1]), HIDDEN, max_tokens=64, vocab_size=VOCAB,
+                             loop=loop.loop, lie=lie)
+        if round_no is not None:
+            server.round = lambda: round_no
+        loop.run(peer.add_stream_handler(stage_protocol(RUN, *BOUNDS[1]), server.handle), timeout=30)
+        servers[peer.peer_id] = server
+    return servers
+
+
 def test_a_lying_stage_server_is_caught_over_the_network_and_training_goes_on(p2p_network, caplog):
     """A first-stage worker and three last-stage servers over real p2p streams; one server answers with its
     gradients x1000 (StageServer lie="scale-grad"). Within 40 microbatches it is refused and left out, every
@@ -424,18 +444,11 @@ def test_a_lying_stage_server_is_caught_over_the_network_and_training_goes_on(p2
     those of the same batches through one honest copy of the pipeline in one process."""
     from swarm.compression import get_codec
     from swarm.model.stages import WireStats, make_stages, run_pipeline
-    from test_pipeline import BOUNDS, HIDDEN, RUN, VOCAB, _batch, _model, _worker
-    from swarm.peer.pipeline.server import StageServer
+    from test_pipeline import BOUNDS, RUN, _batch, _model, _worker
 
     loop, node = p2p_network
     first = node()
-    servers = {}
-    for lie in (None, None, "scale-grad"):
-        peer = node()
-        server = StageServer(_worker(make_stages(_model(), BOUNDS)[1]), HIDDEN, max_tokens=64, vocab_size=VOCAB,
-                             loop=loop.loop, lie=lie)
-        loop.run(peer.add_stream_handler(stage_protocol(RUN, *BOUNDS[1]), server.handle), timeout=30)
-        servers[peer.peer_id] = server
+    servers = _stage_servers(loop, node, (None, None, "scale-grad"))
     liar = next(p for p, s in servers.items() if s.lie)
     router = Router(first, stage_protocol(RUN, *BOUNDS[1]), lambda: [(p, 1000.0) for p in sorted(servers)],
                     codec="none", timeout=20, seed=3)
@@ -469,20 +482,12 @@ def test_a_stage_server_answering_noise_is_outvoted_over_the_network_and_honest_
     duplicate_share 0.25 its first answers are computed again and it is outvoted (one warning naming it); the honest
     servers, whose params drift apart as each trains on its own share of the microbatches, are never blamed, and
     every microbatch is trained."""
-    from test_pipeline import BOUNDS, HIDDEN, RUN, VOCAB, _batch, _model, _worker
+    from test_pipeline import BOUNDS, HIDDEN, RUN, _batch, _model, _worker
     from swarm.model.stages import make_stages
-    from swarm.peer.pipeline.server import StageServer
 
     loop, node = p2p_network
     first = node()
-    servers = {}
-    for lie in (None, None, "garbage-grad"):
-        peer = node()
-        server = StageServer(_worker(make_stages(_model(), BOUNDS)[1]), HIDDEN, max_tokens=64, vocab_size=VOCAB,
-                             loop=loop.loop, lie=lie)
-        server.round = lambda: 0
-        loop.run(peer.add_stream_handler(stage_protocol(RUN, *BOUNDS[1]), server.handle), timeout=30)
-        servers[peer.peer_id] = server
+    servers = _stage_servers(loop, node, (None, None, "garbage-grad"), round_no=0)
     liar = next(p for p, s in servers.items() if s.lie)
     protocol = stage_protocol(RUN, *BOUNDS[1])
     router = Router(first, protocol, lambda: [(p, 1000.0) for p in sorted(servers)], codec="none", timeout=20,
