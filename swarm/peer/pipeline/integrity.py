@@ -137,9 +137,9 @@ class AnswerCheck:
         numbers (one line); at its `limit`-th refusal in a row `peer` is left out (is_excluded). An answer is refused
         when a statistic disagrees (its Rule) with the median of the peer's own last answers (from MIN_ANSWERS on:
         the first answers set the scale; with `own_unless_others`, not where it is within the own factor of the
-        median of two or more other peers' latest values), or with the medians of a strict majority of the other peers not left out
-        that have MIN_EVIDENCE answers, the last within FRESH_SECONDS, where there are at least two such (with one,
-        nobody can tell which of the two lies: `disputes` counts it)."""
+        median of two or more other peers' latest values), or with the medians of a strict majority of the other
+        peers not left out that have MIN_EVIDENCE answers, the last within `fresh` seconds, where there are at least
+        two such (with one, nobody can tell which of the two lies: `disputes` counts it)."""
         now = time.monotonic() if now is None else now
         mine = self.history.setdefault(peer, {name: deque(maxlen=WINDOW) for name in self.rules})
         for name, value in values.items():

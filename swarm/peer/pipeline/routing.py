@@ -214,7 +214,7 @@ class Router:
         last_error: Optional[BaseException] = None
         if self.garbage and not evaluate:
             noise = torch.randn(x.shape, dtype=torch.float32)
-            x = (noise * (x.detach().float().norm() / noise.norm().clamp_min(1e-30))).to(x.dtype)
+            x = (noise * (float(x.detach().float().norm()) / float(noise.norm().clamp_min(1e-30)))).to(x)
         for _ in range(self.attempts):
             peer = self.choose(tried)
             if peer is None:

@@ -5,7 +5,7 @@ server holds at most MAX_WAITING microbatches, MAX_WAITING_PER_PEER of them from
 server refuses activations far above those the same sender sent before (integrity.REQUEST_RULES: honest senders of
 a stage may differ by orders of magnitude, so none is judged by the others'), and leaves their sender out for a while.
 A last stage right after the first (`judge_losses`) also holds each sender's microbatches' losses, before it applies
-anything, to the other senders' (integrity.REQUEST_RULES: activations that are not the first stage's computation,
+anything, to the other senders' (integrity.LOSS_RULES: activations that are not the first stage's computation,
 noise of any norm, predict nothing, and their loss stays near ln(vocabulary) as the stage learns).
 """
 
