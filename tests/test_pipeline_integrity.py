@@ -712,3 +712,14 @@ def test_activations_that_grow_for_every_sender_at_once_are_not_refused_but_one_
     for k in range(4):
         assert lone.judge("a", {"activations": 0.03}, now=float(k)) is None
     assert lone.judge("a", {"activations": 11.6}, now=5.0) is not None, "(nobody to show the growth is the stage's)"
+
+
+def test_two_lone_peers_a_round_apart_are_not_a_dispute(monkeypatch):
+    """Two next-stage peers, one a round ahead (it averaged while the other waits), both honest: their answers are
+    not compared (other rounds) and no third peer can be asked, so the first answer stands, as it would with no
+    second peer; nothing is disputed, nobody is left out, every microbatch is answered."""
+    hops = _FakeHops()
+    hops.rounds = {"a": 4, "b": 5}
+    router = _router([("a", 100.0), ("b", 100.0)], hops, monkeypatch, duplicate_share=1.0)
+    answers = _send(router, 20)
+    assert len(answers) == 20 and router.disputed == 0 and not router.check.excluded

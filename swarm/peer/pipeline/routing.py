@@ -31,8 +31,8 @@ from swarm.compression import decode, get_codec
 from swarm.dht.frames import recv_frame, send_frame
 from swarm.dht.node import SwarmNode
 from swarm.peer.pipeline.integrity import (ANSWER_RULES, EXCLUDE_SECONDS, PROBATION, ROUND_STRIKES, Answer,
-                                           AnswerCheck, Verdict, decide, microbatch_id, routing_weights, sensitivity,
-                                           smoothed)
+                                           AnswerCheck, Verdict, decide, microbatch_id, routing_weights, same_round,
+                                           sensitivity, smoothed)
 from swarm.peer.pipeline.worker import Downstream, Evaluate, PipelineError
 from swarm.runtime import LoopThread
 
@@ -306,6 +306,8 @@ class Router:
         verdict = decide(first, second)
         if verdict.use is None:
             third = await self._another(asked | {second.peer}, x, targets, scale, first.round)
+            if third is None and not same_round(first, second):  # (nothing to compare with: `first` stands, as
+                return first.grad, first.loss                      # without a second peer)
             verdict = decide(first, second, third) if third is not None else verdict
         microbatch = microbatch_id(x, targets)
         self._settle(verdict, microbatch)
