@@ -250,9 +250,9 @@ class Router:
             if self.check.is_excluded(peer):  # (left out while this hop was in flight: by another microbatch's check)
                 raise AnswerRefused(f"stage peer {peer[-8:]} was left out while its answer was in flight")
             self._accept(peer, x, (grad, loss), scale)
-            if not evaluate and round_no is not None:
-                self.rounds[peer] = round_no
             if not evaluate:
+                if round_no is not None:
+                    self.rounds[peer] = round_no
                 rate = targets.numel() / max(time.monotonic() - started, 1e-6)
                 self.measured[peer] = smoothed(self.measured.get(peer), rate)
             return grad, loss, round_no
@@ -309,7 +309,9 @@ class Router:
             if third is None and not same_round(first, second):  # (nothing to compare with: `first` stands, as
                 return first.grad, first.loss                      # without a second peer)
             verdict = decide(first, second, third) if third is not None else verdict
-        microbatch = microbatch_id(x, targets)
+        # (named only where there is something to say about it: the hash reads all of the activations)
+        settled = verdict.use is not None and verdict.outvoted is None and verdict.odd_round is None
+        microbatch = "" if settled else microbatch_id(x, targets)
         self._settle(verdict, microbatch)
         if verdict.use is None:
             self.disputed += 1
