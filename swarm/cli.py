@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
 from typing import Optional, Sequence
 
@@ -26,6 +28,9 @@ def _setup_logging(verbose: bool) -> None:
     for noisy in ("hivemind", "asyncio", "httpx", "transformers", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING if not verbose else logging.INFO)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # `kill -USR1 PID` prints where every thread of a running peer or bootstrap is, on stderr, and it goes on: what
+    # to look at when one seems stuck (the test harness does it to a peer that a wait timed out on).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -53,8 +53,20 @@ class EventReader:
                 if found:
                     return found[0]
                 raise AssertionError(f"{self.name}: no {event} event with {fields} within {timeout} s; output:\n"
-                                     + self.output()[-4000:])
+                                     + self.report())
             time.sleep(0.05)
+
+    def report(self) -> str:
+        """The output's tail for a failed wait; if the process still runs, every thread's stack first (SIGUSR1,
+        see swarm/cli.py), so that a wait that timed out on a hung peer shows where it hung."""
+        if self.process.poll() is None:
+            try:
+                os.kill(self.process.pid, signal.SIGUSR1)
+                time.sleep(1.0)
+                return self.output()[-16000:]
+            except ProcessLookupError:
+                pass
+        return self.output()[-4000:]
 
 
 class SwarmProcess(EventReader):
@@ -105,14 +117,14 @@ class SwarmProcess(EventReader):
                     break
             time.sleep(0.05)
         raise AssertionError(f"{self.name}: no line matching {pattern!r} within {timeout} s; output:\n"
-                             + self.output()[-4000:])
+                             + self.report())
 
     def wait(self, timeout: float) -> int:
         try:
             code = self.process.wait(timeout)
         except subprocess.TimeoutExpired:
             raise AssertionError(f"{self.name} did not exit within {timeout} s; output:\n"
-                                 + self.output()[-4000:]) from None
+                                 + self.report()) from None
         self._reader.join(5)
         return code
 
