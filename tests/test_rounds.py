@@ -16,6 +16,7 @@ from swarm.averaging.matchmaking import Group
 from swarm.dht.view import Reference
 from swarm.monitoring.metrics import PeerMetrics
 from swarm.peer.averager import Averager, LinkEstimate
+from swarm.peer.pipeline.part import upstream_finished
 from swarm.peer.rounds import (MAX_IMMEDIATE_RETRIES, RESYNC_BACKOFF, RESYNC_RETRY, Averaged, Contribution,
                                NotAveraged, Rounds)
 from swarm.runtime import LoopThread
@@ -49,6 +50,19 @@ def test_due_when_the_swarm_reaches_the_round_tokens_or_another_peer_handed_in()
     # Issue 37, class 6: a record saying "averaging" is its writer's word: alone it ended every round after one
     # inner step. It counts once our own view reached half the round.
     assert not rounds.due(swarm_tokens=100, handed_in=True)
+
+
+def test_a_serving_stage_is_due_once_most_of_the_stage_before_finished_the_round_even_with_nothing_trained():
+    # A last-stage peer that got no microbatch in its round while its stage's others averaged it without waiting
+    # for it, and the first stage's peers stopped at --until-round: it waited for tokens that never came, for good.
+    rounds = machine()
+    assert not rounds.due(swarm_tokens=0, handed_in=True, upstream_done=False)
+    assert rounds.due(swarm_tokens=0, handed_in=False, upstream_done=True), "no more microbatches of this round"
+    # Most of the stage before's peers that took part in round 3 announce round 4 (those behind it say nothing).
+    assert upstream_finished([4, 4], 3) and upstream_finished([4, 4, 3], 3) and upstream_finished([4, 1, 0], 3)
+    assert not upstream_finished([4, 3], 3), "one peer's word ends no round"
+    assert not upstream_finished([4, 3, 3], 3) and not upstream_finished([], 3)
+    assert not upstream_finished([6, 6], 3), "a stage far ahead is another matter (its round is not ours)"
 
 
 def test_due_after_a_fixed_step_count_when_the_recipe_sets_one():

@@ -245,7 +245,7 @@ class Peer:
             counting = self.rounds.counting_round(self.diloco.round)
             swarm_tokens = self.announcer.swarm_progress(counting, self.rounds.tokens_in_round)
             self._show_progress(swarm_tokens)
-            if not self.rounds.due(swarm_tokens, self.announcer.handed_in(counting) or self.part.behind(counting)):
+            if not self.rounds.due(swarm_tokens, self.announcer.handed_in(counting), self.part.behind(counting)):
                 continue
             if self.part.in_flight and not self._inner_step(batches, settle=True):  # (a first stage's batches)
                 continue

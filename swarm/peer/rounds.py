@@ -137,16 +137,19 @@ class Rounds:
             self.tokens_in_round += tokens
             self.steps_in_round += 1
 
-    def due(self, swarm_tokens: int, handed_in: bool) -> bool:
+    def due(self, swarm_tokens: int, handed_in: bool, upstream_done: bool = False) -> bool:
         """Whether to hand in a contribution now: the swarm's tokens toward our round reached the recipe's (or
         another peer already handed its in, so its view reached them, and ours reached HANDED_IN_SHARE of them: a
         record saying "averaging" is its writer's word, and one liar could otherwise end every round after one
         inner step), or the recipe's fixed step count; never before the tokens a failed round asks us to train
-        first."""
+        first. A serving stage whose stage before is done with our round (`upstream_done`, by most of its peers'
+        word: pipeline/part.py, behind) gets no more microbatches of it: its round is due with what it has, even
+        nothing (a contribution of weight 0 still takes the group's average; waiting for tokens that never come
+        left such a peer in its round for good once its stage's other peers averaged without it)."""
         if self.steps_per_round:
             due = self.steps_in_round >= self.steps_per_round
         else:
-            due = swarm_tokens >= self.tokens_per_round or (
+            due = upstream_done or swarm_tokens >= self.tokens_per_round or (
                 self.tokens_in_round > 0 and handed_in and swarm_tokens >= HANDED_IN_SHARE * self.tokens_per_round)
         return due and self.tokens_in_round >= self.retry_after_tokens
 

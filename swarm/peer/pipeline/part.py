@@ -44,6 +44,13 @@ WAIT_SECONDS = 0.2  # a serving stage's training thread waits this long for a mi
 DRAIN_SECONDS = 600.0  # the longest a serving stage answers the stage before after its own last round
 
 
+def upstream_finished(announced: list[int], round_no: int) -> bool:
+    """Whether the stage before finished `round_no`, from the rounds its peers announce: most of those that took
+    part in it (announce it or later) announce the next. One peer's word, which could be a lie, ends no round."""
+    rounds = [r for r in announced if r >= round_no]
+    return 2 * sum(r == round_no + 1 for r in rounds) > len(rounds)
+
+
 class Part:
     """The model or the stage this peer trains (`module`), the recipe its round services run under (`run`: the
     recipe with the stage's run id), and its inner step (`step`)."""
@@ -57,7 +64,7 @@ class Part:
         self.n_blocks = n_blocks
         self.pinned = settings.stage is not None  # --stage: we stay there; otherwise we may move (rebalancing)
         self.move_to: Optional[int] = None  # the weaker stage we leave ours for, once decided (see _watch)
-        self._upstream_round = -1  # the highest round the stage before announces (see behind)
+        self._upstream_rounds: list[int] = []  # the rounds the stage before's peers announce (see behind)
         self.stages = recipe.pipeline.stages
         self.index, self.bounds = 0, (0, n_blocks)
         self.module: torch.nn.Module = model
@@ -206,8 +213,7 @@ class Part:
                     records, _ = parse_peer_records(await self.node.get(peers_key(self.recipe.stage_run_id(k))))
                     hosts.append(view.live(records, self.node.now(), ONLINE_STATES))
                     if k == self.index - 1:  # (peers that stopped announce their last round as they go offline)
-                        self._upstream_round = max((p.round for p in records if p.state not in ("joining", "syncing")),
-                                                   default=-1)
+                        self._upstream_rounds = [p.round for p in records if p.state not in ("joining", "syncing")]
                 if self.index + 1 < self.stages:
                     live = [p for p in hosts[self.index + 1] if p.state in TRAINING_STATES and not p.client
                             and p.peer_id != self.node.peer_id]
@@ -229,7 +235,7 @@ class Part:
         due too, with the tokens it has. Every microbatch passes every stage, so a stage's rounds would end
         together, but one whose peer died mid-round lost the tokens that peer counted, and waited for tokens the
         stage before, done with the round (or with training, at --until-round), would never send."""
-        return not self.whole and not self.first and self._upstream_round == round_no + 1
+        return not self.whole and not self.first and upstream_finished(self._upstream_rounds, round_no)
 
     def _weaker(self, hosts: list[list]) -> tuple[Optional[int], str, float]:
         """The stage we should move to (placement.stage_to_move_to: a stage with two fewer live peers than ours,
