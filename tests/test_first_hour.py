@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -288,6 +289,42 @@ def test_the_direct_stream_fallback_is_news_only_when_it_stops_working(caplog):
         assert open_and_forget_the_wait("QmServedOnce") is None
     news = [r for r in caplog.records if "QmServedOnce"[-8:] in r.getMessage()]
     assert [r.levelno for r in news] == [logging.INFO] and "stopped working" in news[0].getMessage()
+
+
+def test_a_first_direct_failure_costs_one_stream_and_a_second_in_a_row_the_retry_period():
+    """A first failed direct attempt may pass (a peer still starting its server, a connection timed out on a busy
+    host): the next stream tries directly again. A peer that fell back for RETRY_SECONDS at once never got a direct
+    stream in a two-second run (CI, stop 44). A second failure in a row: libp2p for RETRY_SECONDS."""
+    import asyncio
+
+    from swarm.dht.direct import RETRY_SECONDS, DirectError, DirectStreams
+    from swarm.dht.validation import Identity
+
+    identity = Identity.ephemeral()
+    identity.discard_file()
+    streams = DirectStreams(identity, ["127.0.0.1"], [], 0, listen=False)
+    results = []
+
+    async def hello(peer):
+        return {"port": 1, "hosts": ["127.0.0.1"], "fingerprint": b"f" * 32}, []
+
+    async def connect(route, protocol: str):
+        if not results.pop(0):
+            raise DirectError("connection timed out")
+        return "opened"
+
+    streams._connect = connect
+
+    def attempt(works: bool):
+        results.append(works)
+        return asyncio.run(streams.open("QmPeer", "proto", hello))
+
+    assert attempt(False) is None
+    assert streams._unreachable["QmPeer"] <= time.monotonic(), "the next stream tries directly again"
+    assert attempt(True) == "opened", "and it goes direct"
+    assert attempt(False) is None and attempt(False) is None  # two in a row
+    assert streams._unreachable["QmPeer"] - time.monotonic() > RETRY_SECONDS - 5
+    assert streams.opened == {"direct": 1, "fallback": 3}
 
 
 # ---- monitoring -----------------------------------------------------------------------------------------------

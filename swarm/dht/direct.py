@@ -10,9 +10,10 @@ key its libp2p peer id is the hash of. So both ends know who the other is, as ov
 one connection is worth nothing on any other (another receiver has another certificate).
 
 Any failure to reach a peer this way (it listens on no address we can reach, e.g. behind NAT or a firewall, or it
-restarted with a new certificate) falls back to a libp2p stream, and the peer is not tried directly again for
-RETRY_SECONDS. So does a connection the receiver cuts before it accepted the stream (one byte, ACCEPTED, after it
-checked our signature): then the peer is busy, not unreachable, and is tried directly again after BUSY_SECONDS.
+restarted with a new certificate) falls back to a libp2p stream; the next stream tries directly again (a first
+failure may pass), and after a second failure in a row the peer is not tried directly again for RETRY_SECONDS. A
+connection the receiver cuts before it accepted the stream (one byte, ACCEPTED, after it checked our signature)
+falls back too: then the peer is busy, not unreachable, and is tried directly again after BUSY_SECONDS.
 
 Anyone can connect to the port, so connections not yet authenticated are counted before any TLS work: at most
 HANDSHAKES_PER_SOURCE from one source (an IPv4 address, an IPv6 /64) and MAX_HANDSHAKES in all; more are closed at
@@ -58,7 +59,7 @@ MAX_AUTH_BYTES = 16 << 10
 HANDSHAKE_SECONDS = 10.0  # TLS handshake + the opener's signed frame, or the connection is dropped
 CONNECT_SECONDS = 3.0
 HELLO_SECONDS = 5.0
-RETRY_SECONDS = 30.0  # after a failed direct attempt, libp2p streams only for this long
+RETRY_SECONDS = 30.0  # after a second failed direct attempt in a row, libp2p streams only for this long
 BUSY_SECONDS = 5.0  # after a connection the receiver cut before accepting it (e.g. its slots were full)
 # Connections not yet authenticated (TCP accepted, TLS and signature pending), counted before any TLS work: more
 # are closed at once. An honest peer has a few at once, each for about two round trips.
@@ -194,6 +195,7 @@ class DirectStreams:
         self._routes: dict[str, Route] = {}
         self._unreachable: dict[str, float] = {}  # peer id -> monotonic time until which we do not try it
         self._served: set[str] = set()  # peers a direct stream reached since they last failed one (see open)
+        self._failures: dict[str, int] = {}  # peer id -> direct attempts to it that failed in a row (see open)
         self._told: set[str] = set()  # peers whose fallback to libp2p the log has mentioned once
         self._servers: list[asyncio.base_events.Server] = []
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -314,8 +316,9 @@ class DirectStreams:
                    ask_hello: Callable[[str], Awaitable[tuple[dict, list[str]]]]) -> Optional[Opened]:
         """A direct stream to `peer_id` for `protocol` that the peer accepted, or None: then open it over libp2p
         (and we will not try this peer directly again for RETRY_SECONDS, or BUSY_SECONDS if it cut the connection
-        before accepting it). `ask_hello(peer)` returns the peer's hello and the hosts libp2p knows for it (used
-        when the peer announces none, e.g. it listens on 0.0.0.0)."""
+        before accepting it; the first failure in a row, which may pass, only for this stream). `ask_hello(peer)`
+        returns the peer's hello and the hosts libp2p knows for it (used when the peer announces none, e.g. it
+        listens on 0.0.0.0)."""
         if time.monotonic() < self._unreachable.get(peer_id, 0.0):
             self.opened["fallback"] += 1
             return None
@@ -346,9 +349,14 @@ class DirectStreams:
             self._served.discard(peer_id)
             self._told.add(peer_id)
             self._routes.pop(peer_id, None)
-            self._unreachable[peer_id] = time.monotonic() + RETRY_SECONDS
+            # A first failure may pass (a peer still starting its server, a connection timed out on a busy host):
+            # the next stream tries again. Once the peer fell back for RETRY_SECONDS, a two-second run (a test's)
+            # never used a direct stream to it. From the second failure in a row on, libp2p for RETRY_SECONDS.
+            failures = self._failures[peer_id] = self._failures.get(peer_id, 0) + 1
+            self._unreachable[peer_id] = time.monotonic() + (RETRY_SECONDS if failures > 1 else 0.0)
             self.opened["fallback"] += 1
             return None
+        self._failures.pop(peer_id, None)
         self._routes[peer_id] = route
         self._served.add(peer_id)
         self.opened["direct"] += 1
