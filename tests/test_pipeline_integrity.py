@@ -583,12 +583,12 @@ def test_a_validation_microbatch_is_not_judged_against_the_senders_training_acti
 def test_stage_peer_processes_sending_back_x1000_or_noise_are_left_out_and_the_swarm_trains_on(swarm):
     """Real peer processes: two first-stage peers, four last-stage peers of which one answers every microbatch with
     its input-gradients x1000 (--inject-fault scale-grad@0) and one with noise of their norm (garbage-grad@0, which no
-    statistic of an answer shows). Every first-stage peer leaves both out within its first two rounds (the noise by
+    statistic of an answer shows). Every first-stage peer leaves both out within its first three rounds (the noise by
     comparing answers computed twice: every answer of a peer until it agreed with another's, then the recipe's
     default pipeline.duplicate_share), one warning per liar naming it and never an honest peer; every batch it took
-    is trained once, and the swarm ends round 2 with finite losses."""
+    is trained once, and the swarm ends round 3 with finite losses."""
     from pathlib import Path
-    rounds = 2
+    rounds = 3
     _, maddr = swarm.bootstrap(recipe=Path(__file__).parent / "recipes" / "stages.yaml")
     # The last stage first: once its peers train, the first stage's microbatches reach them from its first batch on
     # (started together, the first stage once found no next-stage peer, and its rounds came due from the other
@@ -606,8 +606,10 @@ def test_stage_peer_processes_sending_back_x1000_or_noise_are_left_out_and_the_s
         for liar_id in liar_ids.values():
             first.wait_for(rf"(refused the answer of stage peer {liar_id} and left it out|left out stage peer "
                            rf"{liar_id})", 180)
-        # (its round 0 is mostly start-up, ~4 s here: a next-stage peer joins its wiring once its record is read)
-        assert len(first.events("averaged")) <= 1, "both left out within the peer's round 0 or 1"
+        # (its round 0 is mostly start-up, ~4 s here: a next-stage peer joins its wiring once its record is read;
+        # a first-stage peer's round comes due from both peers' tokens, and one whose first hops met liars more
+        # than honest peers, nothing applied and tried again a second later, trained 2 batches in rounds 0 and 1)
+        assert len(first.events("averaged")) <= 2, "both left out within the peer's rounds 0 to 2"
     for peer in (*firsts, *honest):
         assert peer.wait(300) == 0, peer.output()[-3000:]
     for first in firsts:
