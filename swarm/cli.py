@@ -29,8 +29,12 @@ def _setup_logging(verbose: bool) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING if not verbose else logging.INFO)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # `kill -USR1 PID` prints where every thread of a running peer or bootstrap is, on stderr, and it goes on: what
-    # to look at when one seems stuck (the test harness does it to a peer that a wait timed out on).
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # to look at when one seems stuck (the test harness does it to a peer that a wait timed out on). The process's
+    # own stderr: a caller that replaced sys.stderr (main() called in-process, under pytest's capsys) has no fd.
+    try:
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+    except (AttributeError, ValueError, OSError):  # no stderr at all (io.UnsupportedOperation is an OSError)
+        pass
 
 
 def build_parser() -> argparse.ArgumentParser:
