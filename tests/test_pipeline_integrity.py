@@ -697,8 +697,10 @@ def test_a_last_stage_refuses_a_first_stage_peer_sending_noise_by_the_loss_it_gi
 def test_activations_that_grow_for_every_sender_at_once_are_not_refused_but_one_senders_x1000_is():
     """A stage's activations can grow 100x and more between two rounds (its first outer steps move its embeddings:
     the attack bench saw 340x), for every sender of the stage at once: a sender's x100 over its own earlier ones is
-    then no lie where two or more other senders' sit at the same scale. One sender's x1000, against others that did
-    not grow, is still refused, twice in a row leaving it out; a lone sender is held to its own history alone."""
+    then no lie where the other senders' sit at the same scale, one other sender being enough (with two first-stage
+    peers, the one that sent little early was left out by every next-stage peer once the averaged params moved). One
+    sender's x1000, against others that did not grow, is still refused, twice in a row leaving it out; a lone sender
+    is held to its own history alone."""
     from swarm.peer.pipeline.integrity import REQUEST_RULES
 
     check = AnswerCheck(REQUEST_RULES)
@@ -714,6 +716,15 @@ def test_activations_that_grow_for_every_sender_at_once_are_not_refused_but_one_
     for k in range(4):
         assert lone.judge("a", {"activations": 0.03}, now=float(k)) is None
     assert lone.judge("a", {"activations": 11.6}, now=5.0) is not None, "(nobody to show the growth is the stage's)"
+    pair = AnswerCheck(REQUEST_RULES)
+    for k in range(4):
+        for peer in "ab":
+            assert pair.judge(peer, {"activations": 0.02}, now=float(k)) is None
+    assert pair.judge("b", {"activations": 3.8}, now=4.0) is not None  # b sent first: nobody has grown yet
+    for k in range(4):  # a sends on, its activations grown (from the stage's averaged params): b's latest shows it
+        pair.history["a"]["activations"].append(3.8)
+    assert pair.judge("b", {"activations": 3.8}, now=5.0) is None, "grown as the one other sender did"
+    assert pair.judge("b", {"activations": 3.8 * 1000}, now=6.0) is not None
 
 
 def test_two_lone_peers_a_round_apart_are_not_a_dispute(monkeypatch):
