@@ -62,10 +62,12 @@ class EventReader:
         if self.process.poll() is None:
             try:
                 os.kill(self.process.pid, signal.SIGUSR1)
-                time.sleep(1.0)
-                return self.output()[-16000:]
             except ProcessLookupError:
-                pass
+                return self.output()[-4000:]
+            deadline = time.monotonic() + 3.0
+            while "Current thread 0x" not in self.output()[-16000:] and time.monotonic() < deadline:
+                time.sleep(0.05)  # (the dump ends with the signalled thread's stack)
+            return self.output()[-16000:]
         return self.output()[-4000:]
 
 
