@@ -251,21 +251,30 @@ def test_a_sync_from_one_holder_counts_one_peer():
     assert "(s)" not in replayed + downloaded
 
 
+def _offline_direct_streams():
+    """A DirectStreams that listens nowhere, for driving `open` with a stand-in `_connect` and `_hello`."""
+    from swarm.dht.direct import DirectStreams
+    from swarm.dht.validation import Identity
+
+    identity = Identity.ephemeral()
+    identity.discard_file()
+    return DirectStreams(identity, ["127.0.0.1"], [], 0, listen=False)
+
+
+async def _hello(peer):
+    """A peer's direct-stream hello, as `DirectStreams.open` asks for it."""
+    return {"port": 1, "hosts": ["127.0.0.1"], "fingerprint": b"f" * 32}, []
+
+
 def test_the_direct_stream_fallback_is_news_only_when_it_stops_working(caplog):
     """A peer that never served direct streams (behind NAT, a bootstrap) is reached over libp2p as a matter of
     course: said once, at DEBUG. A peer that served them and stops is news: INFO."""
     import asyncio
 
-    from swarm.dht.direct import DirectError, DirectStreams, Route
-    from swarm.dht.validation import Identity
+    from swarm.dht.direct import DirectError, Route
 
-    identity = Identity.ephemeral()
-    identity.discard_file()
-    streams = DirectStreams(identity, ["127.0.0.1"], [], 0, listen=False)
+    streams = _offline_direct_streams()
     works = {"value": False}
-
-    async def hello(peer):
-        return {"port": 1, "hosts": ["127.0.0.1"], "fingerprint": b"f" * 32}, []
 
     async def connect(route: Route, protocol: str):
         if not works["value"]:
@@ -276,7 +285,7 @@ def test_the_direct_stream_fallback_is_news_only_when_it_stops_working(caplog):
 
     def open_and_forget_the_wait(peer: str):
         streams._unreachable.clear()
-        return asyncio.run(streams.open(peer, "proto", hello))
+        return asyncio.run(streams.open(peer, "proto", _hello))
 
     with caplog.at_level(logging.DEBUG, logger="swarm.dht.direct"):
         for _ in range(3):
@@ -297,16 +306,10 @@ def test_a_first_direct_failure_costs_one_stream_and_a_second_in_a_row_the_retry
     stream in a two-second run (CI, stop 44). A second failure in a row: libp2p for RETRY_SECONDS."""
     import asyncio
 
-    from swarm.dht.direct import RETRY_SECONDS, DirectError, DirectStreams
-    from swarm.dht.validation import Identity
+    from swarm.dht.direct import RETRY_SECONDS, DirectError
 
-    identity = Identity.ephemeral()
-    identity.discard_file()
-    streams = DirectStreams(identity, ["127.0.0.1"], [], 0, listen=False)
+    streams = _offline_direct_streams()
     results = []
-
-    async def hello(peer):
-        return {"port": 1, "hosts": ["127.0.0.1"], "fingerprint": b"f" * 32}, []
 
     async def connect(route, protocol: str):
         if not results.pop(0):
@@ -317,7 +320,7 @@ def test_a_first_direct_failure_costs_one_stream_and_a_second_in_a_row_the_retry
 
     def attempt(works: bool):
         results.append(works)
-        return asyncio.run(streams.open("QmPeer", "proto", hello))
+        return asyncio.run(streams.open("QmPeer", "proto", _hello))
 
     assert attempt(False) is None
     assert streams._unreachable["QmPeer"] <= time.monotonic(), "the next stream tries directly again"

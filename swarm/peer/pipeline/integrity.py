@@ -154,7 +154,7 @@ class AnswerCheck:
             if len(own) >= MIN_ANSWERS:
                 ref = statistics.median(own)
                 # (the others' latest values: a scale every sender reached at once shows there before their medians)
-                as_others = rule.own_unless_others and len(others) >= 1 and \
+                as_others = rule.own_unless_others and bool(others) and \
                     not rule.disagrees(value, statistics.median(h[-1] for h in others), own=True)
                 if rule.disagrees(value, ref, own=True) and not as_others:
                     return self._refuse(peer, now, f"{name} {value:.4g}, {_times(value, ref)} the median {ref:.4g} "
