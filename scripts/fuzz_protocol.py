@@ -992,13 +992,14 @@ def _stage() -> dict:
 
 
 def stage_request_seed() -> dict:
-    return {"shape": [1, 2, PIPE_HIDDEN], "codec": "none", "scale": 1.0, "eval": False}
+    return {"shape": [1, 2, PIPE_HIDDEN], "codec": "none", "scale": 1.0, "eval": False, "round": 0}
 
 
 STAGE_REQUEST_RULES = {
     "shape": lambda x: list_of(integer(1, 1 << 64), length=3)(x) and x[2] == PIPE_HIDDEN and x[0] * x[1] <= PIPE_TOKENS,
     "codec": lambda x: isinstance(x, str) and x in ("none", "fp16", "bf16", "int8"),
-    "scale": lambda x: isinstance(x, float) and 0 < x <= 1, "eval": is_bool}
+    "scale": lambda x: isinstance(x, float) and 0 < x <= 1, "eval": is_bool,
+    "round": lambda x: x is None or isinstance(x, int) and not isinstance(x, bool) and x >= 0}
 
 
 def _stage_request_parse(value: Any) -> bool:
@@ -1129,7 +1130,8 @@ MESSAGE_TYPES += [
     MessageType("revocation", "owner", revocation_seed, _revocation_parse, REVOCATION_RULES, wire=True,
                 others=revocation_others),
     MessageType("stage_request", "stage peer", stage_request_seed, _stage_request_parse, STAGE_REQUEST_RULES,
-                may_omit=frozenset({"scale", "eval"}),  # (a whole batch's microbatch; one to train on)
+                may_omit=frozenset({"scale", "eval", "round"}),  # (a whole batch's microbatch; one to train on; a
+                # sender's round only restarts the history its activations are held to)
                 whole=lambda v: v["shape"][0] * v["shape"][1] == 2,  # (the frames after it hold 2 tokens)
                 wire=True, max_bytes=PIPE_HEADER_BYTES, others=stage_request_others, afterwards=_stage_afterwards),
     MessageType("stage_answer", "stage peer", lambda: {"loss": 2.5, "round": 3}, _stage_answer_parse,

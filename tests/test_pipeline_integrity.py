@@ -49,9 +49,12 @@ class _FakeHops:
         self.rounds: dict[str, int] = {}
         self.answers: Counter = Counter()
         self.order: list[str] = []  # the peers asked, in order
+        self.said: list[Optional[int]] = []  # the round each hop said its activations come from
         self.calls = 0
 
-    async def __call__(self, node, peer, protocol, x, targets, codec, meter, timeout, scale=1.0, evaluate=False):
+    async def __call__(self, node, peer, protocol, x, targets, codec, meter, timeout, scale=1.0, evaluate=False,
+                       our_round=None):
+        self.said.append(our_round)
         await asyncio.sleep(self.latency)
         self.calls += 1
         self.answers[peer] += 1
@@ -165,8 +168,12 @@ def test_a_made_up_validation_loss_is_refused(monkeypatch):
     hops = _FakeHops()
     hops.lies["liar"] = ("low-loss", 1000.0, 3)
     router = _router([("a", 100.0), ("b", 100.0), ("liar", 100.0)], hops, monkeypatch)
+    router.round = lambda: 7
     losses = [loss for _, loss in _send(router, 40, evaluate=True)]
     assert min(losses) >= 3.0 and router.check.is_excluded("liar")
+    assert set(hops.said) == {None}, "(a validation microbatch says no round: it is not judged by one)"
+    _send(router, 3)
+    assert hops.said[-1] == 7, "a training microbatch says our stage's round"
 
 
 def test_two_lone_peers_that_disagree_are_a_dispute_and_nobody_is_left_out():
@@ -543,6 +550,66 @@ def test_a_stage_server_refuses_a_senders_activations_x1000(p2p_network):
                 outcomes[i, "refused"] += 1
     assert outcomes[0, "ok"] == outcomes[1, "ok"] == 6 and outcomes[2, "ok"] == 3 and outcomes[2, "refused"] == 3
     assert server.check.is_excluded(senders[2].peer_id) and server.refused["activations"] == 3
+
+
+def test_a_senders_activations_are_held_to_what_it_sent_in_the_round_it_says_they_come_from():
+    """A lone sender's activations grew 174x once its stage's averaged params moved (a full run: the one that sent
+    little early kept a history from the recipe's init): a new round it says it is in starts its history anew, and
+    within that round x1000 is refused again. A round back, the same round, or none said restarts nothing."""
+    from swarm.peer.pipeline.integrity import REQUEST_RULES
+
+    check = AnswerCheck(REQUEST_RULES)
+    for k in range(4):
+        assert check.judge("a", {"activations": 0.022}, now=float(k), epoch=0) is None
+    assert check.judge("a", {"activations": 3.83}, now=4.0, epoch=0) is not None, "(the same round: no restart)"
+    for k in range(4):
+        assert check.judge("a", {"activations": 3.83}, now=5.0 + k, epoch=1) is None, "a new round's scale"
+    assert check.judge("a", {"activations": 3.83 * 1000}, now=9.0, epoch=0) is not None, "(a round back: none)"
+    assert check.judge("a", {"activations": 3.83 * 1000}, now=10.0, epoch=1) is not None and \
+        check.is_excluded("a", now=10.0)
+    silent = AnswerCheck(REQUEST_RULES)
+    for k in range(4):
+        assert silent.judge("b", {"activations": 0.022}, now=float(k)) is None
+    assert silent.judge("b", {"activations": 3.83}, now=4.0) is not None, "(no round said: no restart)"
+
+
+def test_a_stage_server_bounds_the_round_a_sender_claims_to_one_past_its_own(p2p_network):
+    """Over the wire: a sender that says its next round (ours + 1) has its grown activations taken; one that claims
+    a new round with every microbatch, up to round 3, restarts its history once a round of ours at most, so its
+    x1000 is refused and it is left out; a round that is not a round number is refused with the header."""
+    from test_pipeline import BOUNDS, HIDDEN, RUN, VOCAB, _batch, _model, _worker
+    from swarm.model.stages import make_stages
+    from swarm.peer.pipeline.server import StageServer
+
+    loop, node = p2p_network
+    peer = node()
+    server = StageServer(_worker(make_stages(_model(), BOUNDS)[1]), HIDDEN, max_tokens=64, vocab_size=VOCAB,
+                         loop=loop.loop)
+    server.round = lambda: 0
+    protocol = stage_protocol(RUN, *BOUNDS[1])
+    loop.run(peer.add_stream_handler(protocol, server.handle), timeout=30)
+    stage0 = make_stages(_model(), BOUNDS)[0]
+    honest, liar = node(), node()
+
+    def hop(sender, k: int, factor: float, claim) -> str:
+        batch = _batch(k)
+        with torch.no_grad():
+            x = stage0(batch[:, :-1]) * factor
+        try:
+            loop.run(routing.call_stage(sender, peer.peer_id, protocol, x, batch[:, 1:], "none", routing.WireMeter(),
+                                        20, our_round=claim), timeout=30)
+            return "ok"
+        except PipelineError as e:
+            return str(e)
+
+    for k in range(3):
+        assert [hop(honest, 2 * k, 1.0, 0), hop(liar, 2 * k + 1, 1.0, 0)] == ["ok"] * 2
+    assert [hop(honest, 10 + k, 200.0, 1) for k in range(3)] == ["ok"] * 3, "the next round's scale"
+    assert [hop(liar, 20 + k, 200.0, 1) for k in range(3)] == ["ok"] * 3
+    refusals = [hop(liar, 30 + k, 200_000.0, 2 + k) for k in range(2)]
+    assert all("activations refused" in why for why in refusals), refusals
+    assert server.check.is_excluded(liar.peer_id) and not server.check.is_excluded(honest.peer_id)
+    assert "is not a round number" in hop(honest, 41, 1.0, True)
 
 
 def test_a_validation_microbatch_is_not_judged_against_the_senders_training_activations(p2p_network):

@@ -159,8 +159,7 @@ class Peer:
         self.loop.submit(self.announcer.run())
         self.part.start()
         self.part.drill(self.faults.stage_lie())  # (a drill: a stage peer that lies in its answers or activations)
-        if self.part.server is not None:
-            self.part.server.round = lambda: self.diloco.round  # (answers say it: senders compare one round's)
+        self.part.follow(lambda: self.diloco.round)  # (microbatches and answers say it: see Part.follow)
         port = self.metrics.serve(s.metrics.port, s.metrics.host)
         if port is not None:
             logger.info("metrics at http://%s:%d/metrics", s.metrics.host, port)

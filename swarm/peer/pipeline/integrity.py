@@ -62,9 +62,10 @@ class Rule:
 ANSWER_RULES = {"sensitivity": Rule(factor=10.0, own_factor=100.0),
                 "loss": Rule(factor=2.0, own_factor=4.0, slack=1.0)}
 # What the stage before sends: the root mean square of its activations, held only to its own sender's earlier ones
-# (x100 up): honest senders of one stage may hold very different params (one starting the stage from the recipe's
-# init sent activations 1/20,000 of a trained one's in tests/test_pipeline.py's rebalancing run), so no sender is
-# judged by the others' by this rule (LOSS_RULES below judge them by what they predict).
+# of the same round (x100 up; server.StageServer._judge): honest senders of one stage may hold very different params
+# (one starting the stage from the recipe's init sent activations 1/20,000 of a trained one's in
+# tests/test_pipeline.py's rebalancing run), so no sender is judged by the others' by this rule (LOSS_RULES below
+# judge them by what they predict).
 REQUEST_RULES = {"activations": Rule(factor=math.inf, own_factor=100.0, upper_only=True, own_unless_others=True)}
 # Where a last stage follows the first, the loss of each sender's microbatches there, before anything is applied, is
 # held to the other senders' (not the sender's own: a loss falls as the stage learns): activations that are not the
@@ -129,21 +130,29 @@ class AnswerCheck:
     disputes: int = 0  # answers two lone peers disagreed on (nobody to tell who lies: accepted)
     strikes: dict[str, int] = field(default_factory=dict)  # peer -> its answers refused in a row
     answered_at: dict[str, float] = field(default_factory=dict)  # peer -> when its last accepted answer came
+    epochs: dict[str, int] = field(default_factory=dict)  # peer -> the round its own history is of (judge's epoch)
 
     def is_excluded(self, peer: str, now: Optional[float] = None) -> bool:
         left_out = self.excluded.get(peer)
         return left_out is not None and (time.monotonic() if now is None else now) < left_out[0]
 
-    def judge(self, peer: str, values: dict[str, float], now: Optional[float] = None) -> Optional[str]:
+    def judge(self, peer: str, values: dict[str, float], now: Optional[float] = None,
+              epoch: Optional[int] = None) -> Optional[str]:
         """None, and `values` recorded as `peer`'s: its answer is accepted. Otherwise why it is refused, with the
         numbers (one line); at its `limit`-th refusal in a row `peer` is left out (is_excluded). An answer is refused
         when a statistic disagrees (its Rule) with the median of the peer's own last answers (from MIN_ANSWERS on:
         the first answers set the scale; with `own_unless_others`, not where it is within the own factor of the
         median of the other peers' latest values, one or more), or with the medians of a strict majority of the other
         peers not left out that have MIN_EVIDENCE answers, the last within `fresh` seconds, where there are at least
-        two such (with one, nobody can tell which of the two lies: `disputes` counts it)."""
+        two such (with one, nobody can tell which of the two lies: `disputes` counts it). An `epoch` (the round
+        the values come from) above the one `peer`'s history is of starts that history anew: its params moved, so
+        its earlier answers are no scale for its new ones; the caller bounds how far an epoch may run ahead."""
         now = time.monotonic() if now is None else now
         mine = self.history.setdefault(peer, {name: deque(maxlen=WINDOW) for name in self.rules})
+        if epoch is not None and epoch > self.epochs.get(peer, epoch - 1):
+            self.epochs[peer] = epoch
+            for own in mine.values():
+                own.clear()
         for name, value in values.items():
             rule = self.rules[name]
             own = mine[name]

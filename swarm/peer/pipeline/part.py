@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Optional
 
@@ -180,6 +180,15 @@ class Part:
             server.judge_losses = self.index == 1 and self.stages == 2
             self.loop.run(self.node.add_stream_handler(stage_protocol(self.recipe.run_id, *self.bounds),
                                                        server.handle), timeout=30)
+
+    def follow(self, round_no: Callable[[], int]) -> None:
+        """Give our server and router our stage's round (read on the event loop): our answers say it, so that senders
+        compare one round's, and our training microbatches say it, so that the next stage holds them to what we
+        sent in that round."""
+        if self.server is not None:
+            self.server.round = round_no
+        if self.router is not None:
+            self.router.round = round_no
 
     def drill(self, lie: Optional[str]) -> None:
         """Make this peer's stage lie (a drill, faults.PIPELINE_LIES): in its answers as a server (server.LIES), or,

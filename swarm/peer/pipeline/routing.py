@@ -68,10 +68,13 @@ class WireMeter:
 
 async def call_stage(node: SwarmNode, peer: str, protocol: str, x: torch.Tensor, targets: torch.Tensor,
                      codec_name: str, meter: WireMeter, timeout: float = HOP_SECONDS, scale: float = 1.0,
-                     evaluate: bool = False) -> tuple[Optional[torch.Tensor], float, Optional[int]]:
+                     evaluate: bool = False, our_round: Optional[int] = None
+                     ) -> tuple[Optional[torch.Tensor], float, Optional[int]]:
     """One hop: `x` (activations, shape (b, t, h)) and `targets` (b, t) to `peer`'s stage, `scale` the microbatch's
-    share of its batch; its answer: the gradient of `x` (None with `evaluate`: a validation microbatch, forward
-    only), the microbatch's loss, and the round of its stage it says it computed them in (None: it does not say).
+    share of its batch, `our_round` the round of our stage that computed a training `x` (the server holds `x` to
+    what we sent in that round: server.StageServer._judge); its answer: the gradient of `x` (None with `evaluate`: a
+    validation microbatch, forward only), the microbatch's loss, and the round of its stage it says it computed them
+    in (None: it does not say).
     Raises on any failure (the caller retries elsewhere)."""
     codec = get_codec(codec_name)
     payload = codec.encode(x.detach().float().reshape(-1).cpu())
@@ -80,7 +83,8 @@ async def call_stage(node: SwarmNode, peer: str, protocol: str, x: torch.Tensor,
         reader, writer = await node.open_stream(peer, protocol)
         try:
             await send_frame(writer, msgpack.packb({"shape": list(x.shape), "codec": codec_name, "scale": scale,
-                                                    **({"eval": True} if evaluate else {})}))
+                                                    **({"eval": True} if evaluate else {}),
+                                                    **({"round": our_round} if our_round is not None else {})}))
             await send_frame(writer, payload)
             await send_frame(writer, ids)
             meter.sent += len(payload) + len(ids)
@@ -140,6 +144,7 @@ class Router:
     timeout: float = HOP_SECONDS
     seed: Optional[int] = None
     duplicate_share: float = 0.0  # the recipe's pipeline.duplicate_share (0: no microbatch is computed twice)
+    round: Optional[Callable[[], int]] = None  # our stage's round, which training microbatches say they come from
     meter: WireMeter = field(default_factory=WireMeter)
     in_flight: Counter = field(default_factory=Counter)
     sent_to: Counter = field(default_factory=Counter)  # peer -> microbatches whose answer we took from it first
@@ -245,8 +250,9 @@ class Router:
         self.most_in_flight = max(self.most_in_flight, sum(self.in_flight.values()))
         try:
             started = time.monotonic()
+            ours = self.round() if self.round is not None and not evaluate else None
             grad, loss, round_no = await call_stage(self.node, peer, self.protocol, x, targets, self.codec,
-                                                    self.meter, self.timeout, scale, evaluate)
+                                                    self.meter, self.timeout, scale, evaluate, ours)
             if self.check.is_excluded(peer):  # (left out while this hop was in flight: by another microbatch's check)
                 raise AnswerRefused(f"stage peer {peer[-8:]} was left out while its answer was in flight")
             self._accept(peer, x, (grad, loss), scale)

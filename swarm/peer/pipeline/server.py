@@ -97,9 +97,11 @@ class StageServer:
                 codec = header.get("codec") if isinstance(header, dict) else None
                 scale = header.get("scale", 1.0) if isinstance(header, dict) else None
                 evaluate = header.get("eval", False) if isinstance(header, dict) else None
+                claimed = header.get("round") if isinstance(header, dict) else None
                 problem = self._check(shape, codec) or (
                     None if isinstance(scale, float) and 0.0 < scale <= 1.0 else f"scale {scale!r} is not in (0, 1]") \
-                    or (None if isinstance(evaluate, bool) else f"eval {evaluate!r} is not true or false")
+                    or (None if isinstance(evaluate, bool) else f"eval {evaluate!r} is not true or false") or (
+                    None if claimed is None or _round_number(claimed) else f"round {claimed!r} is not a round number")
                 if problem is not None:
                     self.refused["header"] += 1  # (by kind: the problem quotes what the sender wrote)
                     await send_frame(writer, msgpack.packb({"error": problem}))
@@ -129,7 +131,7 @@ class StageServer:
                     self.refused["malformed"] += 1
                     await send_frame(writer, msgpack.packb({"error": "activations or targets malformed"}))
                     return
-                problem = self._judge(remote, x, judged=not evaluate)
+                problem = self._judge(remote, x, judged=not evaluate, claimed=claimed)
                 if problem is not None:
                     self.refused["activations"] += 1
                     await send_frame(writer, msgpack.packb({"error": problem}))
@@ -163,10 +165,14 @@ class StageServer:
                 if not self.waiting[remote]:
                     del self.waiting[remote]
 
-    def _judge(self, remote: str, x: torch.Tensor, judged: bool = True) -> Optional[str]:
+    def _judge(self, remote: str, x: torch.Tensor, judged: bool = True, claimed: Optional[int] = None) -> Optional[str]:
         """Why the activations `x` from `remote` are refused (None: they are not): it is left out, or (`judged`: a
         training microbatch) they are far above what it sent before (integrity.AnswerCheck with REQUEST_RULES, which
-        leaves it out at its STRIKES-th refusal in a row). A validation microbatch trains nothing here, so whatever
+        leaves it out at its STRIKES-th refusal in a row). Only what it sent in the round of its stage it `claimed`
+        counts as before: a new round's params can move its activations 100x and more. A claim counts up to one
+        round past ours (an honest stage before may finish a round first), so a sender that claims a new round with
+        each microbatch starts its history anew once a round of ours at most, and one that says no round (or a
+        server that knows no round of its own) never does. A validation microbatch trains nothing here, so whatever
         it holds costs only its sender's own validation loss: it is neither judged nor kept as the sender's history
         (a first stage's validation activations, from the round's new global params, once came 160x its training
         ones, and the refusal cost that round's validation loss)."""
@@ -175,7 +181,9 @@ class StageServer:
             return f"activations refused: you are left out ({left_out[1]})"
         if not judged:
             return None
-        why = self.check.judge(remote, {"activations": rms(x)})
+        ours = self.round() if self.round is not None else None
+        epoch = None if claimed is None or ours is None else min(claimed, ours + 1)
+        why = self.check.judge(remote, {"activations": rms(x)}, epoch=epoch)
         if why is None:
             return None
         if self.check.is_excluded(remote):
@@ -372,3 +380,7 @@ def _settle(future: asyncio.Future, result, error: Optional[BaseException]) -> N
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+def _round_number(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
