@@ -192,8 +192,8 @@ def network():
     loop.close()
 
 
-def _download(loop, joiner, holders, diloco, digest):
-    return loop.run(download_state(joiner, [h.peer_id for h in holders], RUN, diloco, digest, stall=20,
+def _download(loop, joiner, holders, diloco, digest, stall: float = 20):
+    return loop.run(download_state(joiner, [h.peer_id for h in holders], RUN, diloco, digest, stall=stall,
                                    range_bytes=RANGE), timeout=120)
 
 
