@@ -93,8 +93,8 @@ def _own_address(ip: str) -> bool:
 
 
 async def map_node_ports(node: SwarmNode) -> Check:
-    """Ask the router by NAT-PMP to forward the node's libp2p and direct-stream ports at the same external ports
-    (swarm/dht/portmap.py); what it grants goes to `node.port_mappings`, renewed until the node shuts down. Always
+    """Ask the router by NAT-PMP, or UPnP IGD where it does not speak that, to forward the node's libp2p and
+    direct-stream ports at the same external ports (swarm/dht/portmap.py, upnp.py); what it grants goes to `node.port_mappings`, renewed until the node shuts down. Always
     ok: what the router says is only a claim, and the dial-back that follows says whether the swarm can dial us."""
     await node.p2p()  # (starts the direct-stream server: its port is known from here on)
     ports: dict[int, str] = {}
@@ -109,10 +109,10 @@ async def map_node_ports(node: SwarmNode) -> Check:
         return Check("port mapping", True, "none: no default route: no router to ask", {"mapped": []})
     mappings, line = await map_ports(ports, gateway)
     node.port_mappings += mappings
-    return Check("port mapping", True, line if mappings else f"{line} (p2pd asks it by UPnP as well)",
+    return Check("port mapping", True, line,
                  {"mapped": [{"internal": m.internal_port, "external": f"{m.mapping.external_ip}:"
                                                                         f"{m.mapping.external_port}",
-                              "lifetime": m.mapping.lifetime} for m in mappings]})
+                              "lifetime": m.mapping.lifetime, "by": m.mapping.via} for m in mappings]})
 
 
 def map_if_asked(node: SwarmNode, settings: PeerSettings, loop: LoopThread) -> Optional[Check]:

@@ -159,10 +159,11 @@ class Internet:
         self.hosts.append(Host(namespace, address))
         return self.hosts[-1]
 
-    def home(self, name: str, forwarded: tuple[int, ...] = (), upnp: bool = False) -> Host:
+    def home(self, name: str, forwarded: tuple[int, ...] = (), upnp: bool = False, natpmp: bool = True) -> Host:
         """A host behind its own home router (router K's WAN address .(10+K) on the hub, LAN 192.168.(70+K).0/24),
         which masquerades what leaves and lets in only replies and the TCP ports in `forwarded`, and with `upnp`
-        also those miniupnpd maps on its host's request (see _start_miniupnpd)."""
+        also those miniupnpd maps on its host's request (see _start_miniupnpd), by UPnP IGD and, unless not
+        `natpmp`, NAT-PMP."""
         index = len(self.routers) + 1
         lan = LAN_SUBNET.format(70 + index)
         try:
@@ -195,7 +196,7 @@ class Internet:
             # there times out rather than being refused)
             _run(*in_router, "iptables", "-A", "INPUT", "-i", "wan", "-p", "tcp", "--syn", "-j", "DROP")
             if upnp:
-                self._start_miniupnpd(router, f"{lan}.0/24")
+                self._start_miniupnpd(router, f"{lan}.0/24", natpmp)
         except HarnessError:
             self.__exit__(None, None, None)
             raise
@@ -205,7 +206,7 @@ class Internet:
         self.hosts.append(host)
         return host
 
-    def _start_miniupnpd(self, router: Router, lan: str) -> None:
+    def _start_miniupnpd(self, router: Router, lan: str, natpmp: bool = True) -> None:
         """miniupnpd in `router`'s namespace, in the foreground (-d), WAN `wan`, LAN `lan`, answering UPnP IGD (SSDP
         on the LAN) and NAT-PMP, mapping ports 1024-65535 for the LAN only, each to the address that asks (secure
         mode). Its nftables backend adds rules to chains it expects to exist (what the package's nft_init.sh was
@@ -228,7 +229,8 @@ class Internet:
             "}\n")
         _run(*in_router, "nft", "-f", str(workdir / "init.nft"))
         (workdir / "miniupnpd.conf").write_text("\n".join([
-            "ext_ifname=wan", "listening_ip=lan", "http_port=0", "enable_natpmp=yes", "enable_upnp=yes",
+            "ext_ifname=wan", "listening_ip=lan", "http_port=0", f"enable_natpmp={'yes' if natpmp else 'no'}",
+            "enable_upnp=yes",
             "secure_mode=yes", "ipv6_disable=yes", "system_uptime=yes", f"lease_file={workdir / 'leases'}",
             "uuid=5a1f0c8e-7558-488b-b0de-d460201fe868", f"allow 1024-65535 {lan} 1024-65535",
             "deny 0-65535 0.0.0.0/0 0-65535", ""]))
@@ -238,7 +240,7 @@ class Internet:
                 [*in_router, "miniupnpd", "-f", str(workdir / "miniupnpd.conf"), "-P", str(workdir / "miniupnpd.pid"),
                  "-d"], stdout=log, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + 10
-        while "Listening for NAT-PMP" not in router.upnp_log.read_text():
+        while ("Listening for NAT-PMP" if natpmp else "HTTP listening on port") not in router.upnp_log.read_text():
             if self.daemons[-1].poll() is not None or time.monotonic() > deadline:
                 raise HarnessError(f"miniupnpd did not start: {router.upnp_log.read_text()[-600:]}")
             time.sleep(0.05)

@@ -194,3 +194,58 @@ def test_a_peer_behind_a_upnp_router_maps_its_ports_and_reduces_as_a_full_peer(p
         print(f"round {round_no}: averaged {max(a[0]['time'] for a in averaged) - launched:.1f} s after launch, "
               f"bytes sent {sent}")
 
+
+
+MAP_SCRIPT = """
+import asyncio, sys
+from swarm.dht.portmap import map_ports
+
+async def main():
+    held, line = await map_ports({40400: "libp2p", 40401: "direct-stream"})
+    print(line, flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    for mapping in held:
+        await mapping.close()
+    print("closed", flush=True)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(UPNP_REASON is not None, reason=f"miniupnpd router unavailable: {UPNP_REASON}")
+def test_a_router_that_speaks_only_upnp_maps_the_ports_by_upnp_and_a_router_with_neither_says_both(public_internet):
+    """Most home routers speak UPnP IGD and not NAT-PMP: miniupnpd with NAT-PMP off. The peer's port mapping finds
+    the router by SSDP, maps both ports at the same external ports to its LAN address (the router's rules show them)
+    and removes them at the end; one line says what was granted, and by UPnP. Behind a plain router the line says
+    why neither NAT-PMP nor UPnP gave a mapping."""
+    import subprocess
+    import sys
+
+    net, _ = public_internet
+    upnp_only, plain = net.home("upnponly", upnp=True, natpmp=False), net.home("plain")
+    router = upnp_only.router
+    started = time.monotonic()
+    mapper = subprocess.Popen([*upnp_only.prefix(), sys.executable, "-c", MAP_SCRIPT], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = mapper.stdout.readline().strip()
+        assert line == (f"the router {router.lan} forwards by UPnP {router.wan}:40400 (libp2p), {router.wan}:40401 "
+                        "(direct-stream) to this machine's same ports for 3600 s, renewed while the peer runs"), \
+            line + mapper.stdout.read() if mapper.poll() is not None else line
+        print(f"a UPnP-only router: mapped in {time.monotonic() - started:.1f} s, with Python starting")
+        redirects = router.redirects()
+        for port in (40400, 40401):
+            assert any(f"dport {port} dnat ip to {upnp_only.address}:{port}" in rule for rule in redirects), redirects
+        mapper.stdin.write("\n")
+        mapper.stdin.flush()
+        assert mapper.stdout.readline().strip() == "closed" and mapper.wait(10) == 0
+    finally:
+        mapper.kill()
+    assert not any(f"{upnp_only.address}:" in rule for rule in router.redirects()), router.redirects()
+    started = time.monotonic()
+    found = subprocess.run([*plain.prefix(), sys.executable, "-c", MAP_SCRIPT], input="\n", capture_output=True,
+                           text=True, timeout=30)
+    line = found.stdout.splitlines()[0]
+    assert line.startswith(f"none: the router {plain.router.lan} ") and "answer NAT-PMP" in line \
+        and f"no UPnP gateway answered at {plain.router.lan} in 1.5 s" in line, found.stdout + found.stderr
+    print(f"a router with neither: {time.monotonic() - started:.1f} s, with Python starting")

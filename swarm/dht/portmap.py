@@ -3,7 +3,8 @@ also speak: the router's external IPv4 address, and TCP mappings of our ports he
 the libp2p port itself (-natPortMap, UPnP or NAT-PMP) but to a random external port, which it announces some seconds
 after it started; join (swarm/doctor.py) maps the libp2p and direct-stream ports here, asking for the same external
 ports, so that the dial-back (dialback.py), which tries our ports at the IP the swarm saw us at, finds them before
-the peer announces them. What the router grants is only a claim until then.
+the peer announces them. What the router grants is only a claim until then. A router that does not answer NAT-PMP
+is asked by UPnP IGD (upnp.py), found meanwhile by an SSDP search.
 
 The router is the default route's gateway (/proc/net/route); requests go to its UDP port 5351 and are retried with
 the RFC's doubling timeout from 250 ms, a few times only: a router that does not answer NAT-PMP costs under 2 s, one
@@ -19,6 +20,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+from swarm.dht import upnp
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +43,8 @@ class Mapping:
     external_ip: str
     internal_port: int
     external_port: int
-    lifetime: int  # seconds the router holds it
+    lifetime: int  # seconds the router holds it (0 by UPnP: until removed)
+    via: str = "NAT-PMP"  # or "UPnP" (upnp.py: the router does not speak NAT-PMP)
 
 
 def default_gateway(route_table: Path = Path("/proc/net/route")) -> Optional[str]:
@@ -130,10 +134,13 @@ async def _map_request(gateway: str, internal_port: int, external_port: int, lif
 
 class PortMapping:
     """One TCP port mapped for as long as we run: asked for at `start`, renewed at half its lifetime, removed at
-    `close`. `mapping` is None while the router grants none (`error` says why)."""
+    `close`. `mapping` is None while the router grants none (`error` says why). Where the router does not answer
+    NAT-PMP, the mapping is asked for by UPnP IGD at the gateway `igd` found (upnp.discover), if any."""
 
-    def __init__(self, internal_port: int, gateway: Optional[str] = None, port: int = NATPMP_PORT) -> None:
-        self.internal_port, self.gateway, self.port = internal_port, gateway, port
+    def __init__(self, internal_port: int, gateway: Optional[str] = None, port: int = NATPMP_PORT,
+                 igd: Optional[asyncio.Future] = None) -> None:
+        self.internal_port, self.gateway, self.port, self.igd = internal_port, gateway, port, igd
+        self._upnp: Optional[upnp.Gateway] = None
         self.mapping: Optional[Mapping] = None
         self.error = ""
         self._renewal: Optional[asyncio.Task] = None
@@ -149,17 +156,35 @@ class PortMapping:
             self.mapping = await map_tcp(self.gateway, self.internal_port, port=self.port)
         except PortMapError as e:
             self.error = str(e)
-            return None
+            self.mapping = await self._by_upnp()
+            if self.mapping is None:
+                return None
         self._renewal = asyncio.get_running_loop().create_task(self._renew())
         return self.mapping
 
+    async def _by_upnp(self) -> Optional[Mapping]:
+        """The mapping by UPnP IGD, or None (`error` then says why NAT-PMP and UPnP gave none)."""
+        if self.igd is None:
+            return None
+        try:
+            self._upnp = gateway = await asyncio.shield(self.igd)
+            ip = await upnp.external_ip(gateway)
+            lease = await upnp.map_tcp(gateway, self.internal_port, LIFETIME)
+        except upnp.UpnpError as e:
+            self.error += f"; {e}"
+            return None
+        return Mapping(self.gateway, ip, self.internal_port, self.internal_port, lease, via="UPnP")
+
     async def _renew(self) -> None:
-        while self.mapping is not None:
+        while self.mapping is not None and self.mapping.lifetime > 0:
             await asyncio.sleep(max(self.mapping.lifetime / 2, 30))
             try:
+                if self.mapping.via == "UPnP":
+                    await upnp.map_tcp(self._upnp, self.internal_port, self.mapping.lifetime)
+                    continue
                 self.mapping = await map_tcp(self.gateway, self.internal_port, external_port=self.mapping.external_port,
                                              port=self.port)
-            except PortMapError as e:
+            except (PortMapError, upnp.UpnpError) as e:
                 logger.warning("port mapping of TCP %d not renewed: %s", self.internal_port, e)
 
     async def close(self) -> None:
@@ -167,8 +192,11 @@ class PortMapping:
             self._renewal.cancel()
         if self.mapping is not None and self.gateway is not None:
             try:  # (one exchange: a removal needs no external address)
-                await _map_request(self.gateway, self.internal_port, 0, 0, self.port)
-            except PortMapError:
+                if self.mapping.via == "UPnP":
+                    await upnp.unmap_tcp(self._upnp, self.internal_port)
+                else:
+                    await _map_request(self.gateway, self.internal_port, 0, 0, self.port)
+            except (PortMapError, upnp.UpnpError):
                 pass  # it lapses at its lifetime anyway
             self.mapping = None
 
@@ -197,16 +225,25 @@ async def map_ports(ports: dict[int, str], gateway: Optional[str] = None,
     """Map each TCP port of `ports` (port -> what it serves, e.g. "libp2p") to the same external port, all at once.
     Returns the mappings granted at the port asked for (renewed until closed) and one line that says what the router
     granted, or why it granted nothing. A mapping granted at another external port is removed again, and the line
-    says so: the swarm tries our ports at the router's address, so it would go unused."""
-    held = [PortMapping(internal, gateway, port) for internal in ports]
-    await asyncio.gather(*(mapping.start() for mapping in held))
+    says so: the swarm tries our ports at the router's address, so it would go unused. The router is looked for by
+    UPnP IGD meanwhile, for the ports it does not map by NAT-PMP."""
+    gateway = gateway or default_gateway()
+    igd = asyncio.ensure_future(upnp.discover(gateway)) if gateway is not None and ports else None
+    held = [PortMapping(internal, gateway, port, igd) for internal in ports]
+    try:
+        await asyncio.gather(*(mapping.start() for mapping in held))
+    finally:
+        if igd is not None:
+            igd.cancel()
+            await asyncio.gather(igd, return_exceptions=True)  # (its error, if nobody needed it, is nobody's news)
     router = held[0].gateway if held else gateway
     said, granted = [], [m for m in held if m.mapping is not None and m.mapping.external_port == m.internal_port]
     if granted:
-        said.append(f"the router {router} forwards "
+        said.append(f"the router {router} forwards " + ("by UPnP " if granted[0].mapping.via == "UPnP" else "")
                     + ", ".join(f"{m.mapping.external_ip}:{m.internal_port} ({ports[m.internal_port]})"
                                 for m in granted)
-                    + f" to this machine's same ports for {granted[0].mapping.lifetime} s, renewed while the peer runs")
+                    + (f" to this machine's same ports for {granted[0].mapping.lifetime} s, renewed while the peer runs"
+                       if granted[0].mapping.lifetime else " to this machine's same ports until the peer stops"))
     for mapping in held:
         if mapping.mapping is not None and mapping not in granted:
             offered = mapping.mapping.external_port
