@@ -54,6 +54,21 @@ def _join(maddr: str, host, cache_dir, *extra: str, port: int = 0) -> list[str]:
             "1", "--cache-dir", str(cache_dir), *extra]
 
 
+def _p2pd_args(process) -> list[str]:
+    """The command line of the p2pd that `process` started (one in its session), or []."""
+    import os
+
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            args = open(f"/proc/{entry}/cmdline", "rb").read().decode().split("\0")
+            session = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[3])
+        except (OSError, ValueError, IndexError):
+            continue
+        if os.path.basename(args[0]) == "p2pd" and session == process.pid:
+            return args
+    return []
+
+
 def _bootstrap_in_threes(start, host, tmp_path) -> tuple[dict, str]:
     """A bootstrap on `host` serving tests/recipes/tiny.yaml with groups of 3 pinned (every group then holds the
     public peer and both others): (the recipe, its join multiaddr)."""
@@ -65,7 +80,7 @@ def _bootstrap_in_threes(start, host, tmp_path) -> tuple[dict, str]:
 
 
 @pytest.mark.slow
-def test_peers_behind_home_routers_switch_to_client_mode_and_average(internet, tmp_path, cache_dir):
+def test_peers_behind_home_routers_switch_to_client_mode_and_average(internet, tmp_path, cache_dir, request):
     """Bootstrap and one peer public, two peers each behind a router that forwards nothing. Both NAT'd peers conclude
     within their join check that the swarm cannot dial them (it tried their router's address at their port) and go
     on in client mode, saying so in one line. With nobody but them and the bootstrap online they cannot average, and
@@ -102,6 +117,10 @@ def test_peers_behind_home_routers_switch_to_client_mode_and_average(internet, t
         said = [line for line in peer.lines if "no peer of the swarm accepts connections" in line]
         assert len(said) == 1, said
 
+    # Nothing is relayed: every node's p2pd (the bootstrap's too) runs with relays off, so each byte averaged went
+    # over a connection one of its two ends opened (the docs' "bytes relayed: 0").
+    daemons = [_p2pd_args(process) for process in request.node.swarm_processes]
+    assert len(daemons) == 4 and all("-relay=0" in args and "-relayService=0" in args for args in daemons), daemons
     for peer in (public, *natted):
         assert peer.wait(90) == 0, peer.output()[-3000:]
         assert peer.events("training")[0]["client"] is (peer is not public), peer.events("training")
