@@ -12,6 +12,7 @@ peer runs (swarm/simulation.py), at the same total tokens and the same inner bat
       online than `target_group_size` (Moshpit-style: groups of other params also average params and momentum)
   (h), (i): as (b) and (c), with the plain weighted mean where (b)-(f) use the recipe's default aggregator
       (centered_clip, robust to lying members; see swarm/averaging/aggregate.py)
+  (j), (k): as (b) and (a), with Muon as the inner optimizer (recipe inner.optimizer: muon, lr --muon-lr)
 
 on the bundled corpus (or --data-source), and prints final validation loss and bytes each worker sent (butterfly
 all-reduce accounting), then one JSON line.
@@ -74,7 +75,9 @@ def main() -> None:
                              "whole round late)")
     parser.add_argument("--group-size", type=int, default=2,
                         help="(g): target group size, so the M workers average in several mixing groups")
-    parser.add_argument("--only", help="comma-separated subset of a,b,c,d,e,f,g,h,i")
+    parser.add_argument("--muon-lr", type=float,
+                        help="(j), (k): the inner lr with Muon (recipe inner.optimizer: muon; default: --lr)")
+    parser.add_argument("--only", help="comma-separated subset of a,b,c,d,e,f,g,h,i,j,k")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     m, h, rounds = args.workers, args.inner_steps, args.rounds
@@ -95,6 +98,9 @@ def main() -> None:
     try:
         recipe, baseline = parse_recipe(fields), parse_recipe({**fields, "inner": dp_inner})
         single = parse_recipe({**fields, "outer": {**fields["outer"], "lr": args.outer_lr_single}})
+        muon_inner = {"optimizer": "muon", "lr": args.muon_lr or args.lr}
+        muon = parse_recipe({**fields, "inner": {**fields["inner"], **muon_inner}})
+        muon_baseline = parse_recipe({**fields, "inner": {**dp_inner, **muon_inner}})
     except RecipeError as exc:
         parser.error(str(exc))
     if not 1 <= m <= recipe.data.num_shards:
@@ -126,6 +132,10 @@ def main() -> None:
               lambda: simulate_diloco(recipe, data, shards, rounds, h, "none", aggregator_name="mean")),
         "i": (f"DiLoCo M={m} H={h} int8 mean",
               lambda: simulate_diloco(recipe, data, shards, rounds, h, "int8", aggregator_name="mean")),
+        # Muon inner (on the blocks' matrices; AdamW on the rest), DiLoCo and data-parallel
+        "j": (f"DiLoCo M={m} H={h} Muon", lambda: simulate_diloco(muon, data, shards, rounds, h, "none")),
+        "k": ("data-parallel Muon",
+              lambda: simulate_data_parallel(muon_baseline, data, shards, steps=h * rounds, eval_every=h)),
     }
     chosen = args.only.split(",") if args.only else list(configs)
     rows = []

@@ -65,8 +65,11 @@ class DataRecipe(_Section):
 
 
 class InnerRecipe(_Section):
-    """AdamW on each peer, warm-up then cosine decay over the run's total tokens."""
+    """AdamW (or Muon) on each peer, warm-up then cosine decay over the run's total tokens."""
 
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw", description="muon: Muon (torch.optim.Muon, its update's RMS matched to AdamW's, so `lr` means the "
+                             "same) on the blocks' weight matrices, AdamW on embeddings, head, norms and biases")
     lr: float = Field(1e-3, gt=0, le=1.0)
     weight_decay: float = Field(0.1, ge=0, le=1.0)
     beta1: float = Field(0.9, ge=0, lt=1)
@@ -236,6 +239,8 @@ class Recipe(_Section):
             del fields["averaging"]["verify_reducers"]
         if fields["data"]["text_field"] == "text":  # the same, for recipes that read no other field
             del fields["data"]["text_field"]
+        if fields["inner"]["optimizer"] == "adamw":  # (runs from before the option keep their digest)
+            del fields["inner"]["optimizer"]
         if fields["pipeline"]["stages"] != "auto":  # stage_memory only says how many stages auto makes
             del fields["pipeline"]["stage_memory"]
         # (runs of stages before these fields keep their digest)

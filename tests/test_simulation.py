@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from swarm.config import load_recipe
@@ -29,15 +30,23 @@ ROUNDS = 3
 
 
 @pytest.mark.slow
-def test_real_swarm_matches_simulation(swarm, cache_dir):
-    _, maddr = swarm.bootstrap(recipe=RECIPE)
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_real_swarm_matches_simulation(swarm, cache_dir, optimizer):
+    recipe_path = RECIPE
+    if optimizer != "adamw":  # (the recipe's inner optimizer: the peers and the simulation build the same)
+        fields = yaml.safe_load(RECIPE.read_text())
+        fields["inner"]["optimizer"] = optimizer
+        recipe_path = swarm.workdir / f"{optimizer}.yaml"
+        recipe_path.write_text(yaml.safe_dump(fields))
+    _, maddr = swarm.bootstrap(recipe=recipe_path)
     peers = [swarm.peer(maddr, "--data-shard", str(shard), "--max-rounds", str(ROUNDS),
                         "--trace-dir", str(swarm.workdir / f"trace{shard}"), name=f"peer{shard}")
              for shard in (0, 1)]
     for peer in peers:
         assert peer.wait(240) == 0, peer.output()[-3000:]
 
-    recipe = load_recipe(RECIPE)
+    recipe = load_recipe(recipe_path)
+    assert recipe.inner.optimizer == optimizer
     data = _data(recipe, cache_dir)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the peers ran with one thread: same kernels, same rounding

@@ -1,4 +1,4 @@
-"""The inner loop's pieces: one AdamW step (bf16 autocast on CUDA: swarm.model.device), the warm-up + cosine
+"""The inner loop's pieces: one AdamW (or Muon) step (bf16 autocast on CUDA: swarm.model.device), the warm-up + cosine
 learning-rate schedule over the run's tokens, validation loss, and the clock of training speed and utilisation."""
 
 from __future__ import annotations
@@ -29,12 +29,50 @@ def schedule_tokens(tokens_seen: int, tokens_in_round: int, last_group_size: int
     return tokens_seen + tokens_in_round * max(last_group_size, 1)
 
 
-def make_inner_optimizer(model: torch.nn.Module, inner: InnerRecipe) -> torch.optim.Optimizer:
-    decay = [p for p in model.parameters() if p.ndim >= 2]
+def make_inner_optimizer(model: torch.nn.Module, inner: InnerRecipe) -> "torch.optim.Optimizer | Optimizers":
+    """The recipe's inner optimizer over `model` (a whole model or a stage): AdamW, weight decay on matrices only;
+    or, with `optimizer: muon`, Muon on the blocks' weight matrices (muon_params) and AdamW on the rest."""
+    matrices = muon_params(model) if inner.optimizer == "muon" else []
+    taken = {id(p) for p in matrices}
+    decay = [p for p in model.parameters() if p.ndim >= 2 and id(p) not in taken]
     no_decay = [p for p in model.parameters() if p.ndim < 2]  # norms and biases are not decayed
-    return torch.optim.AdamW([{"params": decay, "weight_decay": inner.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=inner.lr, betas=(inner.beta1, inner.beta2))
+    adamw = torch.optim.AdamW([{"params": decay, "weight_decay": inner.weight_decay},
+                               {"params": no_decay, "weight_decay": 0.0}],
+                              lr=inner.lr, betas=(inner.beta1, inner.beta2))
+    if not matrices:
+        return adamw
+    muon = torch.optim.Muon(matrices, lr=inner.lr, weight_decay=inner.weight_decay, adjust_lr_fn="match_rms_adamw")
+    return Optimizers([muon, adamw])
+
+
+def muon_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The 2-D weights Muon is for: those of the hidden layers, not of an embedding or the LM head (a transformers
+    model's lm_head, a last stage's head, or tied to an embedding), which an element-wise optimizer trains better
+    (Muon's authors' advice)."""
+    excluded = {id(p) for name, module in model.named_modules()
+                if isinstance(module, torch.nn.Embedding) or name.rsplit(".", 1)[-1] in ("lm_head", "head")
+                for p in module.parameters()}
+    return [p for p in model.parameters() if p.ndim == 2 and id(p) not in excluded]
+
+
+class Optimizers:
+    """Several optimizers over disjoint params, stepped as one: what the inner loop needs of an optimizer
+    (param_groups, whose lr it sets, step, zero_grad)."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [group for optimizer in self.optimizers for group in optimizer.param_groups]
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
 
 
 def inner_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor,

@@ -1,0 +1,75 @@
+"""The recipe's inner optimizer: AdamW, or Muon (torch.optim.Muon) on the blocks' weight matrices with AdamW on
+embeddings, head, norms and biases. Which params each takes, that the lr the schedule sets reaches both, that a
+Muon run learns, and that the option leaves the digest of every AdamW recipe as it was. (A real swarm with Muon
+matching the in-process simulation is in test_simulation.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from swarm.config import RecipeError, load_recipe, parse_recipe
+from swarm.model.build import build_model
+from swarm.model.stages import even_bounds, make_stages
+from swarm.peer.training import Optimizers, inner_step, make_inner_optimizer
+
+TINY = Path(__file__).parent / "recipes" / "tiny.yaml"
+
+
+def _recipe(optimizer: str = "muon"):
+    recipe = load_recipe(TINY)
+    return recipe.model_copy(update={"inner": recipe.inner.model_copy(update={"optimizer": optimizer})})
+
+
+def test_muon_takes_the_blocks_weight_matrices_and_adamw_everything_else():
+    recipe = _recipe()
+    model = build_model(recipe.model, 512)
+    optimizer = make_inner_optimizer(model, recipe.inner)
+    assert isinstance(optimizer, Optimizers)
+    muon, adamw = optimizer.optimizers
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    names = {id(p): name for name, p in model.named_parameters()}
+    by_muon = {names[id(p)] for group in muon.param_groups for p in group["params"]}
+    by_adamw = {names[id(p)] for group in adamw.param_groups for p in group["params"]}
+    assert not by_muon & by_adamw and by_muon | by_adamw == set(names.values())
+    assert by_muon == {name for name, p in model.named_parameters()
+                       if p.ndim == 2 and "embed_tokens" not in name and "lm_head" not in name}
+    assert any("q_proj" in name for name in by_muon) and any("mlp" in name for name in by_muon)
+    # a last stage's head is no block matrix either
+    last = make_stages(build_model(recipe.model, 512), even_bounds(recipe.model.num_layers, 2))[1]
+    head = {id(p) for p in last.head.parameters()}
+    muon_last = make_inner_optimizer(last, recipe.inner).optimizers[0]
+    assert head and not head & {id(p) for group in muon_last.param_groups for p in group["params"]}
+    assert isinstance(make_inner_optimizer(model, _recipe("adamw").inner), torch.optim.AdamW)
+
+
+def test_a_muon_run_takes_the_schedules_lr_and_learns():
+    recipe = _recipe()
+    torch.manual_seed(0)
+    model = build_model(recipe.model, 512)
+    optimizer = make_inner_optimizer(model, recipe.inner)
+    batch = torch.randint(0, 512, (8, 33), generator=torch.Generator().manual_seed(1))
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    losses = [inner_step(model, optimizer, batch, torch.device("cpu"), 2e-3, 1.0) for _ in range(30)]
+    assert all(group["lr"] == 2e-3 for group in optimizer.param_groups) and len(optimizer.param_groups) == 3
+    assert losses[-1] < losses[0] - 1.0, losses
+    assert all(not torch.equal(before[name], p) for name, p in model.named_parameters()), "every param trained"
+    assert all(p.grad is None for p in model.parameters()), "zero_grad reaches both optimizers"
+
+
+def test_the_option_keeps_every_adamw_recipes_digest_and_names_a_bad_value():
+    fields = yaml.safe_load(TINY.read_text())
+    plain = parse_recipe(fields)
+    assert plain.inner.optimizer == "adamw" and "optimizer" not in plain.canonical_json()
+
+    def inner(optimizer: str) -> dict:
+        return {**fields, "inner": {**fields["inner"], "optimizer": optimizer}}
+
+    explicit, muon = parse_recipe(inner("adamw")), parse_recipe(inner("muon"))
+    assert explicit.digest() == plain.digest() != muon.digest()
+    assert muon.differing_fields(plain) == ["inner.optimizer"]
+    with pytest.raises(RecipeError, match="optimizer"):
+        parse_recipe(inner("sgd"))
