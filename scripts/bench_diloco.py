@@ -76,7 +76,8 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=2,
                         help="(g): target group size, so the M workers average in several mixing groups")
     parser.add_argument("--muon-lr", type=float,
-                        help="(j), (k): the inner lr with Muon (recipe inner.optimizer: muon; default: --lr)")
+                        help="(j), (k): the inner lr with Muon (recipe inner.optimizer: muon; default: --lr for (j), "
+                             "--dp-lr for (k))")
     parser.add_argument("--only", help="comma-separated subset of a,b,c,d,e,f,g,h,i,j,k")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -100,7 +101,8 @@ def main() -> None:
         single = parse_recipe({**fields, "outer": {**fields["outer"], "lr": args.outer_lr_single}})
         muon_inner = {"optimizer": "muon", "lr": args.muon_lr or args.lr}
         muon = parse_recipe({**fields, "inner": {**fields["inner"], **muon_inner}})
-        muon_baseline = parse_recipe({**fields, "inner": {**dp_inner, **muon_inner}})
+        muon_baseline = parse_recipe({**fields, "inner": {**dp_inner, "optimizer": "muon",
+                                                          "lr": args.muon_lr or dp_inner["lr"]}})
     except RecipeError as exc:
         parser.error(str(exc))
     if not 1 <= m <= recipe.data.num_shards:
