@@ -48,11 +48,14 @@ def part_params(recipe: Recipe, model=None) -> list[tuple[int, int, bool]]:
 
 def stage_needs(recipe: Recipe, model=None, parts: Optional[list[tuple[int, int, bool]]] = None) -> list[int]:
     """The memory to train each pipeline stage (one entry for a whole-model run; `parts`: part_params, if known):
-    training_bytes, plus on the first stage of a pipeline the two copies of its weights its stream of microbatches
-    keeps (swarm/peer/pipeline/microbatches.py: two batches in flight, each on the weights it started with)."""
+    training_bytes, plus on every stage of a pipeline but the last the copies of its weights that its microbatches
+    in flight keep (swarm/peer/pipeline/microbatches.py on the first: two batches in flight, each on the weights it
+    started with; relay.py on a middle one: two generations; one of each with `schedule: flush`, which has one batch
+    in flight; a last stage none)."""
     parts = part_params(recipe, model) if parts is None else parts
-    stream = len(parts) > 1 and recipe.pipeline.schedule == "stream"
-    return [training_bytes(recipe, *part) + (8 * part[0] if k == 0 and stream else 0) for k, part in enumerate(parts)]
+    copies = 2 if recipe.pipeline.schedule == "stream" else 1
+    return [training_bytes(recipe, *part) + (4 * copies * part[0] if k < len(parts) - 1 else 0)
+            for k, part in enumerate(parts)]
 
 
 def resolve_stages(recipe: Recipe, data_dir: str | Path) -> Recipe:

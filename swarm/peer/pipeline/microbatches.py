@@ -7,7 +7,9 @@ measured 46-51% on 100 Mbit/s links. Streaming across batches means a batch's fo
 of the batch before is taken, so each batch's forwards use a copy of the weights taken when its first microbatch
 went (weight stashing, as PipeDream-2BW does): its backward passes then see the weights its forwards saw (autograd
 would refuse weights changed in place under it), and its gradient is applied one step late. The stage's live
-weights take the optimizer steps; at most two batches, so two copies of the weights, are in flight at once.
+weights take the optimizer steps; at most two batches, so two copies of the weights, are in flight at once (a
+window of more than `parts` microbatches, for a pipeline of more stages than that, fills only while the next batch
+is the second in flight).
 A microbatch the next stage did not take is kept and sent again; none is lost and none is trained twice here.
 """
 
@@ -25,6 +27,7 @@ from torch.func import functional_call
 
 from swarm.peer.pipeline.worker import PipelineError, StageWorker
 
+BATCHES = 2  # batches in flight at most, so copies of the weights held (a window over `parts` waits for a step)
 # (activations, targets, the microbatch's share of its batch) -> a future of (their gradient, the microbatch's loss)
 Send = Callable[[torch.Tensor, torch.Tensor, float], concurrent.futures.Future]
 
@@ -101,7 +104,7 @@ class MicrobatchStream:
                 continue
             batch = self.batches[-1] if self.batches and self.batches[-1].sent < self.batches[-1].parts else None
             if batch is None:
-                if next_batch is None or (self.batches and not self.across):
+                if next_batch is None or (self.batches and not self.across) or len(self.batches) >= BATCHES:
                     break
                 tokens = next_batch()
                 self.taken += 1
@@ -168,3 +171,11 @@ class MicrobatchStream:
         with torch.no_grad():
             return {name: param.detach().clone().requires_grad_(True)
                     for name, param in self.worker.stage.named_parameters()}
+
+
+def together(finished: list[tuple[float, int]]) -> tuple[Optional[float], int, int]:
+    """Microbatches finished together as one inner step's (loss, tokens, batches taken): their mean loss by tokens."""
+    tokens = sum(n for _, n in finished)
+    if not tokens:
+        return None, 0, 0
+    return sum(loss * n for loss, n in finished) / tokens, tokens, 0

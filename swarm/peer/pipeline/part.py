@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Optional
@@ -29,10 +29,11 @@ from swarm.dht.records import ONLINE_STATES, TRAINING_STATES, parse_peer_records
 from swarm.model.build import build_model, n_blocks as count_blocks
 from swarm.model.memory import fmt_bytes, part_params, stage_needs
 from swarm.model.stages import Stage, even_bounds, materialize
-from swarm.peer.pipeline.microbatches import MicrobatchStream
-from swarm.peer.pipeline.placement import stage_to_move_to, weakest_stage
+from swarm.peer.pipeline.microbatches import MicrobatchStream, together
+from swarm.peer.pipeline.placement import memory_limits, stage_to_move_to, weakest_stage
+from swarm.peer.pipeline.relay import Relay
 from swarm.peer.pipeline.routing import Router, stage_protocol
-from swarm.peer.pipeline.server import LIES, Handoff, StageServer, unless_dropped
+from swarm.peer.pipeline.server import LIES, MAX_WAITING_PER_PEER, Handoff, StageServer, unless_dropped
 from swarm.peer.pipeline.worker import PipelineError, StageWorker
 from swarm.peer.stream import peer_id_hash
 from swarm.peer.training import inner_step
@@ -71,9 +72,10 @@ class Part:
         self.run = recipe
         self.stream: Optional[MicrobatchStream] = None  # a first stage's microbatches, a stream across batches
         self.work: Optional[Handoff] = None  # a serving stage's: microbatches the stage before sent, for us to run
+        self.relay: Optional[Relay] = None  # a middle stage's microbatches in flight to the next stage
         self.router: Optional[Router] = None
         self.server: Optional[StageServer] = None  # a serving stage's, once started
-        limit, capacity = _capacity(settings)
+        limit, capacity = memory_limits(settings)
         parts = part_params(recipe, model)
         needs = stage_needs(recipe, parts=parts)  # (as doctor estimates)
         embedding = model.get_input_embeddings().weight.numel()  # (a lookup: no work per token)
@@ -163,8 +165,12 @@ class Part:
             self.router = Router(self.node, stage_protocol(self.recipe.run_id, *self.all_bounds[self.index + 1]),
                                  lambda: self._next_peers, duplicate_share=self.recipe.pipeline.duplicate_share)
         if self.first:
-            k = self.settings.microbatches  # each batch cut into k, and k in flight at all times
-            self.stream = MicrobatchStream(self.worker, self.router.send(self.loop), parts=k, window=k,
+            # Each batch cut into k, and at least one microbatch in flight for every stage at all times, so that no
+            # stage waits for work: k, or the number of stages where that is more (a batch's microbatches then
+            # travel with the next batch's).
+            k = self.settings.microbatches
+            self.stream = MicrobatchStream(self.worker, self.router.send(self.loop), parts=k,
+                                           window=max(k, self.stages),
                                            across=self.recipe.pipeline.schedule == "stream")
         self.started, self.server = time.monotonic(), None
         self.loop.submit(self._watch())
@@ -174,6 +180,9 @@ class Part:
             self.server = server = StageServer(self.worker, config.hidden_size, data.batch_size * data.seq_len,
                                                config.vocab_size, self.loop.loop, execute=self.work.hand_over,
                                                execute_eval=lambda x, targets: self.work.hand_over(x, targets, None))
+            if self.router is not None:  # a middle stage: it takes more microbatches while those it sent on travel
+                self.relay = Relay(self.worker, self.router.send(self.loop), self.router.send(self.loop, evaluate=True),
+                                   self.work.answer, window=2 * max(self.settings.microbatches, 1))
             # Senders are judged by the losses of their microbatches only where the loss is our own computation (the
             # last stage) and the senders computed from tokens (the first): a middle stage's loss is the next stage's
             # word, and a last stage after a middle one would blame an honest middle peer for what it was sent.
@@ -280,11 +289,16 @@ class Part:
         stages, or if the next stage took a batch nowhere."""
         if self.whole or not self.first:
             return None
-        evaluate, losses = self.router.evaluator(self.loop), []
+        # (in flight together, as many as a stage server holds of one sender: the pipeline's stages each compute
+        # while the others do, where one at a time took four trips through the whole pipeline in a row)
+        send, flight, losses = self.router.send(self.loop, evaluate=True), deque(), []
         try:
             for batch in batches:
+                if len(flight) >= MAX_WAITING_PER_PEER:
+                    losses.append(flight.popleft().result()[1])
                 batch = batch.to(device)
-                losses.append(self.worker.evaluate(batch[:, :-1], batch[:, 1:], evaluate))
+                flight.append(send(self.worker.output(batch[:, :-1]), batch[:, 1:].cpu(), 1.0))
+            losses += [future.result()[1] for future in flight]
         except Exception as e:  # noqa: BLE001 - no validation loss this round; training goes on
             logger.info("pipeline: no validation loss this round (%s)", str(e).splitlines()[0] if str(e) else e)
             return None
@@ -305,15 +319,17 @@ class Part:
 
     @property
     def in_flight(self) -> bool:
-        """Whether a first stage has batches in flight (see step's `settle`)."""
-        return self.stream is not None and self.stream.pending > 0
+        """Whether a first stage has batches in flight, or a middle stage microbatches or a gradient not stepped on
+        (see step's `settle`)."""
+        return self.stream is not None and self.stream.pending > 0 or self.relay is not None and self.relay.pending
 
     def step(self, batches: Iterator[torch.Tensor], device: torch.device, optimizer: torch.optim.Optimizer,
              lr: float, grad_clip: float, settle: bool = False) -> tuple[Optional[float], int, int]:
         """One inner step: (its loss, or None if no microbatch was trained; tokens trained; batches it took from our
         data stream). A first stage streams its batches' microbatches (swarm/peer/pipeline/microbatches.py) and returns
         each batch as it is stepped on; with `settle`, it finishes the batches in flight instead, taking none, and
-        returns them together (before its weights are averaged)."""
+        returns them together (before its weights are averaged). A middle stage does the same with the microbatches
+        it relays (relay.py)."""
         if self.whole:
             try:
                 batch = next(batches)
@@ -326,11 +342,7 @@ class Part:
         if self.first:
             taken = self.stream.taken
             if settle:
-                finished = self.stream.settle()
-                if not finished:
-                    return None, 0, 0
-                return sum(loss * n for loss, n in finished) / sum(n for _, n in finished), \
-                    sum(n for _, n in finished), 0
+                return together(self.stream.settle())
             try:
                 loss, tokens = self.stream.step(lambda: next(batches))
             except PipelineError as e:  # the microbatch is not lost: it is sent again once a next-stage peer takes it
@@ -340,14 +352,19 @@ class Part:
             except concurrent.futures.CancelledError:  # a stop signal cancelled the hops in flight: the loop ends
                 return None, 0, self.stream.taken - taken
             return loss, tokens, self.stream.taken - taken
+        if settle and self.relay is not None:
+            return together(self.relay.settle(self.router.timeout))
         return self._serve_one()
 
     def _serve_one(self) -> tuple[Optional[float], int, int]:
-        """Run the next microbatch from the stage before, if one comes within WAIT_SECONDS."""
-        try:
-            x, targets, scale, accept, done = self.work.queue.get(timeout=WAIT_SECONDS)
-        except queue.Empty:
+        """Run the next microbatch from the stage before, if one comes within WAIT_SECONDS (a middle stage: take
+        microbatches and finish those whose gradient came back, for at most that long)."""
+        if self.relay is not None:
+            return together(self.relay.serve(self.work.take, WAIT_SECONDS))
+        entry = self.work.take(WAIT_SECONDS)
+        if entry is None:
             return None, 0, 0
+        x, targets, scale, accept, done = entry
         try:
             if scale is None:  # a validation microbatch: its loss, nothing trained
                 loss = self.worker.evaluate(x, targets, None if self.router is None else
@@ -377,6 +394,8 @@ class Part:
             self.stream.settle()
         if self.move_to is None:
             self.drain(stop)
+        if self.relay is not None:  # (its senders get their answers before the refusals)
+            self.relay.settle(self.router.timeout)
         if self.work is not None:
             self.work.close()
         taken, trained, pending = (self.stream.taken, self.stream.trained, self.stream.pending) if self.stream \
@@ -424,13 +443,3 @@ class Part:
                 check_at = time.monotonic() + PEERS_SECONDS
             served += self._serve_one()[1] > 0
         logger.info("pipeline: answered %d microbatches after our last round", served)
-
-
-def _capacity(settings: PeerSettings) -> tuple[Optional[int], Optional[int]]:
-    """(the memory --max-memory allows, which a peer must keep to; the memory that guides the choice of a stage:
-    that limit, else a GPU's total memory, else None: any stage)."""
-    if settings.max_memory is not None:
-        return int(settings.max_memory * 1e6), int(settings.max_memory * 1e6)
-    if settings.device != "cpu" and torch.cuda.is_available():
-        return None, torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    return None, None

@@ -1,11 +1,26 @@
 """Where a stage peer goes, as pure functions of what it reads of the stages (Petals' `block_selection.py` is the
 model): the stage a joining peer hosts (`weakest_stage`) and the stage an unpinned peer moves to when the stages
-are out of balance (`stage_to_move_to`). Every peer with the same readings computes the same answer.
+are out of balance (`stage_to_move_to`). Every peer with the same readings computes the same answer. What a peer
+can hold comes from its settings and device (`memory_limits`).
 """
 
 from __future__ import annotations
 
 from typing import Mapping, Optional, Sequence
+
+import torch
+
+from swarm.settings import PeerSettings
+
+
+def memory_limits(settings: PeerSettings) -> tuple[Optional[int], Optional[int]]:
+    """(the memory --max-memory allows, which a peer must keep to; the memory that guides the choice of a stage:
+    that limit, else a GPU's total memory, else None: any stage)."""
+    if settings.max_memory is not None:
+        return int(settings.max_memory * 1e6), int(settings.max_memory * 1e6)
+    if settings.device != "cpu" and torch.cuda.is_available():
+        return None, torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return None, None
 
 
 def weakest_stage(live_peers: Mapping[int, int], peer_hash: int) -> int:

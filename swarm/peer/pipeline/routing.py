@@ -45,6 +45,13 @@ class StageBusy(PipelineError):
     against the busy peer."""
 
 
+class NoPeerTook(PipelineError):
+    """No peer of the next stage took a microbatch. A middle stage's server answers it to its sender as busy: the
+    middle peer is not at fault for the stage after it (a stage whose peers it has not found yet, or all left), so
+    the sender tries it again next time rather than leaving it out (a start-up race once cost a 4-stage pipeline
+    30 s: each stage in turn left out the one after it)."""
+
+
 class AnswerRefused(PipelineError):
     """A stage peer's answer was far outside the others' or its own (integrity.AnswerCheck): not applied."""
 
@@ -185,16 +192,17 @@ class Router:
 
         return evaluate
 
-    def send(self, loop: "asyncio.AbstractEventLoop | LoopThread") -> Callable[[torch.Tensor, torch.Tensor, float],
-                                                                               concurrent.futures.Future]:
+    def send(self, loop: "asyncio.AbstractEventLoop | LoopThread", evaluate: bool = False
+             ) -> Callable[[torch.Tensor, torch.Tensor, float], concurrent.futures.Future]:
         """forward() started from a thread other than `loop`'s: returns its future at once, so that several
-        microbatches can be in flight (swarm/peer/pipeline/microbatches.py). Given a peer's LoopThread, a stop signal
-        cancels the hops in flight (LoopThread.cancel_submitted): a first stage waiting on a gradient stops at
-        once instead of when the hop times out (HOP_SECONDS, a try on each of `attempts` peers)."""
+        microbatches can be in flight (swarm/peer/pipeline/microbatches.py); with `evaluate`, validation ones (the
+        future's answer: None and the loss). Given a peer's LoopThread, a stop signal cancels the hops in flight
+        (LoopThread.cancel_submitted): a first stage waiting on a gradient stops at once instead of when the hop
+        times out (HOP_SECONDS, a try on each of `attempts` peers)."""
         submit = _submitter(loop)
 
         def send(out: torch.Tensor, targets: torch.Tensor, scale: float = 1.0) -> concurrent.futures.Future:
-            return submit(self.forward(out, targets, scale))
+            return submit(self.forward(out, targets, scale, evaluate=evaluate))
 
         return send
 
@@ -239,7 +247,7 @@ class Router:
             if not self._duplicates(peer):
                 return grad, loss
             return await self._compare(first, x, targets, scale, tried)
-        raise PipelineError(f"no peer of the next stage took the microbatch (tried {len(tried)}"
+        raise NoPeerTook(f"no peer of the next stage took the microbatch (tried {len(tried)}"
                             + (f"; last: {last_error}" if last_error else "") + ")")
 
     async def _ask(self, peer: str, x: torch.Tensor, targets: torch.Tensor, scale: float,

@@ -29,7 +29,8 @@ from swarm.compression import decode, get_codec
 from swarm.dht.frames import FRAME_HEADER, recv_frame, send_frame
 from swarm.peer.pipeline.integrity import (EXCLUDE_SECONDS, LOSS_FRESH_SECONDS, LOSS_RULES, REQUEST_RULES, AnswerCheck,
                                            rms)
-from swarm.peer.pipeline.routing import BUSY, HEADER_BYTES, HOP_SECONDS, Router, WireMeter, payload_bound
+from swarm.peer.pipeline.routing import (BUSY, HEADER_BYTES, HOP_SECONDS, NoPeerTook, Router, WireMeter,
+                                         payload_bound)
 from swarm.peer.pipeline.worker import Accept, Downstream, Execute, PipelineError, StageWorker
 
 logger = logging.getLogger(__name__)
@@ -152,8 +153,9 @@ class StageServer:
                     {"round": round_no} if round_no is not None and round_no == round_before else {})}))
                 await send_frame(writer, back)
                 self.meter.sent += len(back)
-        except PipelineError as e:
-            await send_frame(writer, msgpack.packb({"error": str(e)}))
+        except PipelineError as e:  # (our own next hop taken nowhere: busy, so that the sender tries us again)
+            error = f"{BUSY}: the stage after ours: {e}" if isinstance(e, NoPeerTook) else str(e)
+            await send_frame(writer, msgpack.packb({"error": error}))
         except asyncio.TimeoutError:
             self.dropped += 1
             logger.info("dropped a microbatch from %s: it took over %.0f s", remote[-8:], self.timeout)
@@ -323,6 +325,13 @@ class Handoff:
         finally:
             if done.cancelled():  # given up on: out of the queue now, so it holds neither a place nor its tensors
                 self.queue.discard(entry)
+
+    def take(self, timeout: float) -> Optional[tuple]:
+        """From the training thread: the next entry of `queue`, waiting up to `timeout`; None if none came."""
+        try:
+            return self.queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
 
     def answer(self, done: asyncio.Future, result=None, error: Optional[BaseException] = None) -> None:
         """From the training thread: the answer to a microbatch it took from `queue`."""

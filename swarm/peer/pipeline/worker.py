@@ -92,16 +92,20 @@ class StageWorker:
     def evaluate(self, x: torch.Tensor, targets: torch.Tensor, downstream: Optional[Evaluate]) -> float:
         """A microbatch's loss through this stage and the rest of the pipeline (`downstream`: the next hop's loss),
         with no gradient and no step: the validation loss of the pipeline as its stages' params stand."""
+        out = self.output(x)
+        if self.stage.last:
+            return float(F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), targets.to(self.device).reshape(-1)))
+        return downstream(out, targets)
+
+    def output(self, x: torch.Tensor) -> torch.Tensor:
+        """The stage's output for `x` in eval mode, with no gradient (a validation microbatch's)."""
         with self.lock, torch.no_grad():
             was_training = self.stage.training
             self.stage.eval()
             try:
-                out = self.stage(x.to(self.device))
+                return self.stage(x.to(self.device))
             finally:
                 self.stage.train(was_training)
-        if self.stage.last:
-            return float(F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), targets.to(self.device).reshape(-1)))
-        return downstream(out, targets)
 
     def computed(self, started: float) -> None:
         """Count the time since `started` (time.perf_counter) as computing."""
