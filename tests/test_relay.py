@@ -12,29 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-import transformers
 
 from swarm.peer.pipeline.microbatches import MicrobatchStream
 from swarm.peer.pipeline.relay import Relay
 from swarm.peer.pipeline.routing import Router, stage_protocol
 from swarm.peer.pipeline.server import Handoff, StageServer
-from swarm.peer.pipeline.worker import PipelineError, StageWorker
+from swarm.peer.pipeline.worker import PipelineError
 from swarm.model.stages import make_stages
+from test_pipeline import HIDDEN, VOCAB, _model, _worker  # (the same 4-block model and stage workers)
 
-VOCAB, HIDDEN, RUN = 300, 32, "relay-test"
+RUN = "relay-test"
 BOUNDS = [(0, 1), (1, 3), (3, 4)]
 ROWS = 4  # a batch's rows: each stage steps once per batch
-
-
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=4,
-                                      num_attention_heads=2, intermediate_size=64, tie_word_embeddings=False)
-    return transformers.AutoModelForCausalLM.from_config(config).float()
-
-
-def _worker(stage) -> StageWorker:
-    return StageWorker(stage, torch.optim.AdamW(stage.parameters(), lr=1e-3), lambda: 1e-3, grad_clip=1.0)
 
 
 def _batches(n: int) -> list[torch.Tensor]:
