@@ -128,8 +128,8 @@ class PeerSettings(_Section):
     microbatches: int = Field(
         2, ge=1, le=64, json_schema_extra={"metavar": "K"},
         description="a first-stage peer of a pipelined run cuts each batch into K microbatches, one optimizer step "
-                    "over all, and keeps K in flight at all times: the next stage computes one while this one "
-                    "computes another")
+                    "over all, and keeps K in flight at all times (as many as the run has stages, where that is "
+                    "more): the next stage computes one while this one computes another")
     stage: Optional[int] = Field(
         None, ge=0, json_schema_extra={"metavar": "K"},
         description="in a run cut into pipeline stages, host stage K (default: the stage with the fewest live "
