@@ -177,6 +177,7 @@ def test_the_compression_example_runs():
     assert torch.allclose(scope["restored"], pseudo_gradient, atol=float(pseudo_gradient.abs().max()) / 100)
 
 
+@pytest.mark.slow  # (a whole script run: the full suite runs it; the quick subset stays under 5 min)
 def test_the_protocol_fuzzer_runs_as_documented_and_finds_nothing():
     (argv,) = [shlex.split(line) for line in example("fuzz-protocol").text.splitlines() if line.strip()]
     done = subprocess.run([sys.executable, *argv[1:]], cwd=ROOT, capture_output=True, text=True, timeout=300)

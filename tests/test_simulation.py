@@ -100,6 +100,7 @@ def test_simulated_groups_are_diloco_when_one_group_holds_everyone_and_mix_other
     assert alone.bytes_per_worker == 0, "groups of one send nothing"
 
 
+@pytest.mark.slow  # (a whole script run: the full suite runs it; the quick subset stays under 5 min)
 def test_bench_diloco_runs_on_the_corpus_it_is_given(tmp_path, cache_dir):
     """scripts/bench_diloco.py --data-source trains and evaluates on that corpus, not the bundled one; a path that
     does not exist is a one-line usage error."""
