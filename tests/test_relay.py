@@ -5,6 +5,7 @@ stages end where one process computing the whole batches ends."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import re
 import threading
 from pathlib import Path
@@ -149,6 +150,39 @@ def test_a_middle_stage_that_knows_no_peer_of_the_next_stage_answers_busy_and_is
     stream.settle()
     assert stream.pending == 0 and stream.taken == stream.trained
     assert [w.microbatches for w in workers] == [2 * stream.taken] * 3, "each microbatch trained once on each stage"
+
+
+class _LateFuture(concurrent.futures.Future):
+    """A hop's future whose answer is there already but which says so only from its second look on: as one that
+    comes back while the relay reads its microbatches in flight."""
+
+    def __init__(self, answer):
+        super().__init__()
+        self.set_result(answer)
+        self.looks = 0
+
+    def done(self) -> bool:
+        self.looks += 1
+        return self.looks > 1
+
+
+def test_a_gradient_that_comes_back_while_the_relay_looks_is_not_lost():
+    """A gradient that came back between two looks at the microbatches in flight was once dropped from both lists:
+    never backpropagated nor answered, its generation never stepped on, and after two such generations the middle
+    stage took no more microbatches. It is backpropagated and answered now."""
+    worker = _worker(make_stages(_model(), BOUNDS)[1])
+    worker.step_rows = 2
+    answers = []
+    relay = Relay(worker, lambda out, targets, scale: _LateFuture((torch.ones_like(out), 1.5)), None,
+                  lambda done, result=None, error=None: answers.append((result, error)), window=4)
+    before = [p.clone() for p in worker.stage.parameters()]
+    sender = concurrent.futures.Future()  # (the sender's: not done, so it still waits for the answer)
+    entry = (torch.randn(2, 8, HIDDEN), torch.randint(0, VOCAB, (2, 8)), 1.0, None, sender)
+    taken = iter([entry])
+    finished = relay.serve(lambda timeout: next(taken, None), 5.0)
+    assert finished == [(1.5, 16)] and len(answers) == 1 and answers[0][1] is None
+    assert answers[0][0][0].shape == (2, 8, HIDDEN) and not relay.pending
+    assert not all(torch.equal(a, b) for a, b in zip(before, worker.stage.parameters())), "stepped on"
 
 
 @pytest.mark.slow

@@ -145,8 +145,10 @@ class Relay:
         if timeout > 0:
             concurrent.futures.wait([h.future for h in self.flight], timeout,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
-        back = [h for h in self.flight if h.future.done()]
-        self.flight = [h for h in self.flight if not h.future.done()]
+        back, still = [], []
+        for hop in self.flight:  # (each future read once: one that came back between two reads would be lost)
+            (back if hop.future.done() else still).append(hop)
+        self.flight = still
         finished, answers = [], []
         for hop in back:
             if hop.generation is None:  # (a validation microbatch's loss, as it came)
