@@ -110,7 +110,7 @@ class MicrobatchStream:
                 self.taken += 1
                 # (the token ids where the stage computes; the targets travel to the next stage from the CPU)
                 batch = _Batch(tokens[:, :-1].to(self.worker.device), tokens[:, 1:].cpu(),
-                               min(self.parts, tokens.shape[0]), self._stash())
+                               min(self.parts, tokens.shape[0]), self.worker.stash())
                 self.batches.append(batch)
             index = batch.sent
             batch.sent += 1
@@ -159,18 +159,10 @@ class MicrobatchStream:
             if done:
                 self.batches = deque(b for b in self.batches if b is not batch)
                 self.trained += 1
-                for name, param in self.worker.stage.named_parameters():
-                    param.grad = batch.weights[name].grad
-                self.worker._apply()
+                self.worker.apply_stashed(batch.weights)
                 self.worker.tokens += batch.targets.numel()
             self.worker.computed(started)
         return batch if done else None
-
-    def _stash(self) -> dict[str, torch.Tensor]:
-        """A copy of the stage's weights, as leaves that collect a batch's gradient."""
-        with torch.no_grad():
-            return {name: param.detach().clone().requires_grad_(True)
-                    for name, param in self.worker.stage.named_parameters()}
 
 
 def together(finished: list[tuple[float, int]]) -> tuple[Optional[float], int, int]:

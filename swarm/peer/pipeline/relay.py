@@ -120,10 +120,7 @@ class Relay:
             self.flight.append(_Hop(None, x, out, targets, None, done, self.send_eval(out, targets, 1.0)))
             return
         if not self.generations or self._full(self.generations[-1]):
-            with self.worker.lock, torch.no_grad():
-                stash = {name: param.detach().clone().requires_grad_(True)
-                         for name, param in self.worker.stage.named_parameters()}
-            self.generations.append(_Generation(stash))
+            self.generations.append(_Generation(self.worker.stash()))
         generation = self.generations[-1]
         with self.worker.lock:
             started = time.perf_counter()
@@ -195,9 +192,7 @@ class Relay:
             return
         with self.worker.lock:
             started = time.perf_counter()
-            for name, param in self.worker.stage.named_parameters():
-                param.grad = generation.weights[name].grad
-            self.worker._apply()
+            self.worker.apply_stashed(generation.weights)
             self.worker.computed(started)
 
 

@@ -123,6 +123,18 @@ class StageWorker:
             raise PipelineError("the next stage returned a gradient of the wrong shape or not finite")
         out.backward(grad.to(out.device, out.dtype))
 
+    def stash(self) -> dict[str, torch.Tensor]:
+        """A copy of the stage's weights, as leaves that collect the gradient of the forwards run on them (weight
+        stashing: microbatches.py, relay.py)."""
+        with self.lock, torch.no_grad():
+            return {name: param.detach().clone().requires_grad_(True) for name, param in self.stage.named_parameters()}
+
+    def apply_stashed(self, weights: dict[str, torch.Tensor]) -> None:
+        """Clip and step the live weights on the gradient gathered in `weights` (a stash)."""
+        for name, param in self.stage.named_parameters():
+            param.grad = weights[name].grad
+        self._apply()
+
     def _apply(self) -> None:
         """Clip and step on the gradients gathered since the last step."""
         for group in self.optimizer.param_groups:
