@@ -102,7 +102,8 @@ pipeline: {stages: 2}
 """
 STAGE_PEERS = 2  # honest peers on each stage
 GRACE_SECONDS = 60.0  # how long the second stage's peers may go on once the first stage's are done
-LEFT_OUT = r"^(\d\d:\d\d:\d\d) .*(?:left out stage peer (\S+)|refused the answer of stage peer (\S+) and left it out" \
+LEFT_OUT = r"^(\d\d:\d\d:\d\d) .*(?:left out (?:first-)?stage peer (\S+)" \
+           r"|refused the answer of stage peer (\S+) and left it out" \
            r"|refused the activations of peer (\S+) and left it out)"
 
 

@@ -6,14 +6,15 @@ another round's; what it must do is written here from the protocol's documentati
 one schema"), not read from the parser: accept exactly the messages whose every field is within its bounds, and
 refuse the others with its own error (None or its typed exception), never another exception. Messages sent on
 streams (the direct-stream handshake, state and replay requests, data requests, group pushes, a stage server's
-microbatches) go over a socket on 127.0.0.1 to the real server, which must answer each as its protocol says (its
-refusal a reason or a closed stream) and, once all went through, still serve an honest request and hold nothing
-it was sent; the answers a client reads (a holder's state header, a data holder's, a stage peer's) go to the
-real client. **Matchmaking**, end to end in one process (the real `form_group` over an in-memory DHT, four real
-identities): an attacker's entry, then the group it publishes as leader, mutated the same way; afterwards the
-honest members must have formed their group (an entry cannot stall them) with the terms their own entries give
-(weights, shares, deadline, commitments, no mixing of a state nobody else holds, no swarm size over the
-entries), or, where the attacker led, have refused its group.
+microbatches, token ids a first-stage peer computes again) go over a socket on 127.0.0.1 to the real server, which
+must answer each as its protocol says (its refusal a reason or a closed stream) and, once all went through, still
+serve an honest request and hold nothing it was sent; the answers a client reads (a holder's state header, a data
+holder's, a stage peer's, a first-stage peer's activations computed again) go to the real client. **Matchmaking**,
+end to end in one process (the real `form_group` over an in-memory DHT, four real identities): an attacker's entry,
+then the group it publishes as leader, mutated the same way; afterwards the honest members must have formed their
+group (an entry cannot stall them) with the terms their own entries give (weights, shares, deadline, commitments, no
+mixing of a state nobody else holds, no swarm size over the entries), or, where the attacker led, have refused its
+group.
 
 A violation is any other outcome. Prints a table per message type and mutation class, then one JSON line with at
 least `mutations` and `violations`; exit status 1 if any violation was found.
@@ -58,6 +59,7 @@ from swarm.data.share import RANGE_BYTES as DATA_RANGE_BYTES  # noqa: E402
 from swarm.dht.direct import MAX_AUTH_BYTES  # noqa: E402
 from swarm.dht.frames import FRAME_HEADER  # noqa: E402
 from swarm.dht.records import InvalidRecord, PeerRecord, final_key, group_key  # noqa: E402
+from swarm.peer.pipeline.recompute import RecomputeServer, Recheck, ask_recompute  # noqa: E402
 from swarm.peer.pipeline.routing import HEADER_BYTES as PIPE_HEADER_BYTES, payload_bound  # noqa: E402
 from swarm.peer.pipeline.worker import PipelineError  # noqa: E402
 
@@ -960,8 +962,10 @@ def revocation_others(seed: dict) -> Iterator[tuple[str, str, Any, bool]]:
         yield "wrong type", "<list>", Variant(raw=raw), False
 
 
-# Pipeline frames (peer/pipeline): a microbatch's header, activations and targets to a stage server, and its answer.
+# Pipeline frames (peer/pipeline): a microbatch's header, activations and token ids to a stage server, and its answer;
+# token ids to a first-stage peer that computes its activations again (recompute.py), and its answer.
 PIPE_HIDDEN, PIPE_VOCAB, PIPE_TOKENS = 4, 10, 64
+NEXT_STAGE = "QmNextStage"  # the one peer a first-stage peer here computes activations again for
 
 
 class _LastStage(torch.nn.Module):
@@ -984,9 +988,12 @@ def _stage() -> dict:
         stage = _LastStage()
         worker = StageWorker(stage, torch.optim.SGD(stage.parameters(), lr=0.0), lambda: 0.0, grad_clip=1.0)
         server = StageServer(worker, PIPE_HIDDEN, PIPE_TOKENS, PIPE_VOCAB, _loop())
+        # (the stage right after the first: it takes whole rows, and would have a share of the activations computed
+        # again by the first stage's other peers; there are none here, so the sender's stand)
+        server.verify = Recheck(None, "swarm.run.recompute.0-1", lambda: [], server.check, share=1.0)
         _live["closers"].append(lambda: server._thread is not None and server._thread.shutdown())
         _live["stage"] = {"server": server, "activations": get_codec("none").encode(torch.ones(2 * PIPE_HIDDEN)),
-                          "targets": np.zeros(2, np.int32).tobytes(),
+                          "targets": np.zeros(3, np.int32).tobytes(),  # (a row of 2 inputs and 2 targets)
                           "local": LocalServer(server.handle, (ValueError,))}
     return _live["stage"]
 
@@ -1047,7 +1054,8 @@ def stage_request_others(seed: dict) -> Iterator[tuple[str, str, Any, bool]]:
     yield "huge", "<targets>", sent(stage["activations"], np.full(2, PIPE_VOCAB, np.int32).tobytes()), False
     yield "negative", "<targets>", sent(stage["activations"], np.full(2, -1, np.int32).tobytes()), False
     yield "inconsistent", "<targets>", sent(stage["activations"], np.zeros(1, np.int32).tobytes()), False
-    yield "overlong", "<targets>", sent(stage["activations"], np.zeros(3, np.int32).tobytes()), False
+    yield "omit", "<inputs>", sent(stage["activations"], np.zeros(2, np.int32).tobytes()), False  # (targets alone)
+    yield "overlong", "<targets>", sent(stage["activations"], np.zeros(4, np.int32).tobytes()), False
     yield from _raw_frames(PIPE_HEADER_BYTES)
 
 
@@ -1078,23 +1086,116 @@ def _stage_answer_parse(value: Any) -> bool:
     return True
 
 
-def stage_answer_others(seed: dict) -> Iterator[tuple[str, str, Any, bool]]:
+def stage_answer_others(seed: dict, tensor: str = "<gradient>") -> Iterator[tuple[str, str, Any, bool]]:
+    """A stage peer's answer with other tensors after its header (the gradient; or a first-stage peer's activations
+    computed again), and other errors."""
     none, values = get_codec("none"), torch.full((2 * PIPE_HIDDEN,), 0.5)
 
     def gradient(*frames: bytes) -> Variant:
         return Variant(message=seed, frames=frames)
 
-    yield "valid", "<gradient>", gradient(get_codec("fp16").encode(values)), True
+    yield "valid", tensor, gradient(get_codec("fp16").encode(values)), True
     for special in (math.nan, math.inf):
-        yield "nan/inf", "<gradient>", gradient(_non_finite(none.encode(values), special)), False
-    yield "inconsistent", "<gradient>", gradient(none.encode(values[:-1])), False
-    yield "wrong type", "<gradient>", gradient(b"\x00" * 40), False
-    yield "overlong", "<gradient>", gradient(b"\x00" * (payload_bound(2 * PIPE_HIDDEN) + 1)), False
-    yield "omit", "<gradient>", gradient(), False
+        yield "nan/inf", tensor, gradient(_non_finite(none.encode(values), special)), False
+    yield "inconsistent", tensor, gradient(none.encode(values[:-1])), False
+    yield "wrong type", tensor, gradient(b"\x00" * 40), False
+    yield "overlong", tensor, gradient(b"\x00" * (payload_bound(2 * PIPE_HIDDEN) + 1)), False
+    yield "omit", tensor, gradient(), False
     yield "inconsistent", "error", {"error": "busy: 8 microbatches are here already; try another peer"}, False
     yield "inconsistent", "error", {**seed, "error": "x"}, False
     yield "inconsistent", "error", {**seed, "error": None}, False
     yield from _raw_frames(PIPE_HEADER_BYTES)
+
+
+class _FirstStage(torch.nn.Module):
+    """A first stage of one embedding (what a RecomputeServer's StageWorker needs)."""
+
+    first, last = True, False
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(PIPE_VOCAB, PIPE_HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.embedding(x)
+
+
+def _recompute() -> dict:
+    if "recompute" not in _live:
+        from swarm.peer.pipeline.worker import StageWorker
+        stage = _FirstStage()
+        worker = StageWorker(stage, torch.optim.SGD(stage.parameters(), lr=0.0), lambda: 0.0, grad_clip=1.0)
+        server = RecomputeServer(worker, PIPE_TOKENS, PIPE_VOCAB, lambda: {NEXT_STAGE}, _loop())
+        server.round = lambda: 0
+        _live["closers"].append(lambda: server._thread is not None and server._thread.shutdown())
+        _live["recompute"] = {"server": server, "ids": np.zeros(2, np.int32).tobytes(),
+                              "local": LocalServer(server.handle, (ValueError,))}
+    return _live["recompute"]
+
+
+def recompute_request_seed() -> dict:
+    return {"shape": [1, 2], "codec": "none"}
+
+
+def _recompute_request_parse(value: Any) -> bool:
+    """Whether the first-stage peer computed the activations again: a header with its round, then the activations;
+    {"error": reason} is a refusal."""
+    recompute, variant = _recompute(), _variant(value)
+    frames = variant.frames if variant.frames is not None else (recompute["ids"],)
+    answer, refused = _run(recompute["local"].ask(variant.by or NEXT_STAGE,
+                                                  _frame(_body(variant)) + b"".join(map(_frame, frames))))
+    if recompute["server"].running:
+        raise Misbehaved(f"holds {sum(recompute['server'].running.values())} microbatches it answered")
+    if refused is not None or not answer:  # (a stream closed with no answer: one that sent less than it said)
+        return False
+    answered = _frames_of(answer)
+    header = msgpack.unpackb(answered[0]) if answered else None
+    if isinstance(header, dict) and set(header) == {"error"} and isinstance(header["error"], str) and \
+            len(answered) == 1:
+        return False
+    if not (isinstance(header, dict) and header.get("round") == 0 and len(answered) == 2
+            and decode(answered[1]).numel() == 2 * PIPE_HIDDEN):
+        raise Misbehaved(f"answered {_short(header)} in {len(answered)} frames")
+    return True
+
+
+def recompute_request_others(seed: dict) -> Iterator[tuple[str, str, Any, bool]]:
+    def sent(*frames: bytes) -> Variant:
+        return Variant(message=seed, frames=frames)
+
+    yield "huge", "<ids>", sent(np.full(2, PIPE_VOCAB, np.int32).tobytes()), False
+    yield "negative", "<ids>", sent(np.full(2, -1, np.int32).tobytes()), False
+    yield "inconsistent", "<ids>", sent(np.zeros(1, np.int32).tobytes()), False
+    yield "overlong", "<ids>", sent(np.zeros(3, np.int32).tobytes()), False
+    yield "omit", "<ids>", sent(), False
+    yield "inconsistent", "<asker>", Variant(message=seed, by="QmStranger"), False  # (not of the next stage)
+    yield from _raw_frames(PIPE_HEADER_BYTES)
+
+
+def _recompute_afterwards() -> Optional[str]:
+    server = _recompute()["server"]
+    if not _recompute_request_parse(recompute_request_seed()):
+        return "refused an honest request afterwards"
+    if len(server.refused) > REASONS_BOUND:
+        return f"counts its refusals by {len(server.refused)} reasons, as the askers wrote them (memory without bound)"
+    return None
+
+
+def _recompute_answer_parse(value: Any) -> bool:
+    """Whether the stage after the first (recompute.ask_recompute) takes a first-stage peer's activations computed
+    again: a header with its round, then activations of the shape asked for."""
+    variant = _variant(value)
+    frames = variant.frames if variant.frames is not None else \
+        (get_codec("none").encode(torch.full((2 * PIPE_HIDDEN,), 0.5)),)
+    node = Scripted(_frame(_body(variant)) + b"".join(map(_frame, frames)))
+    try:
+        out, round_no = _run(ask_recompute(node, "QmFirst", "swarm.run.recompute.0-1",
+                                           torch.zeros(1, 2, dtype=torch.long), PIPE_HIDDEN, "none", STALL))
+    except (PipelineError, ValueError, asyncio.IncompleteReadError):
+        return False
+    if out.shape != (1, 2, PIPE_HIDDEN) or round_no != variant.message.get("round"):
+        raise Misbehaved(f"took activations of shape {tuple(out.shape)} of round {round_no!r}")
+    return True
 
 
 MESSAGE_TYPES += [
@@ -1139,6 +1240,17 @@ MESSAGE_TYPES += [
                  "round": lambda x: x is None or isinstance(x, int) and not isinstance(x, bool) and x >= 0},
                 may_omit=frozenset({"round"}),  # (an answer whose round ended while it ran says none)
                 whole=lambda v: "error" not in v, wire=True, max_bytes=PIPE_HEADER_BYTES, others=stage_answer_others),
+    MessageType("recompute_request", "stage peer", recompute_request_seed, _recompute_request_parse,
+                {"shape": lambda x: list_of(integer(1, 1 << 64), length=2)(x) and x[0] * x[1] <= PIPE_TOKENS,
+                 "codec": lambda x: isinstance(x, str) and x in ("none", "fp16", "bf16")},
+                whole=lambda v: v["shape"][0] * v["shape"][1] == 2,  # (the frame after it holds 2 ids)
+                wire=True, max_bytes=PIPE_HEADER_BYTES, others=recompute_request_others,
+                afterwards=_recompute_afterwards),
+    MessageType("recompute_answer", "stage peer", lambda: {"round": 3}, _recompute_answer_parse,
+                {"round": lambda x: x is None or isinstance(x, int) and not isinstance(x, bool) and x >= 0},
+                may_omit=frozenset({"round"}),  # (an answer whose round ended while it ran says none)
+                whole=lambda v: "error" not in v, wire=True, max_bytes=PIPE_HEADER_BYTES,
+                others=lambda seed: stage_answer_others(seed, "<activations>")),
 ]
 
 

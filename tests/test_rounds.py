@@ -16,7 +16,7 @@ from swarm.averaging.matchmaking import Group
 from swarm.dht.view import Reference
 from swarm.monitoring.metrics import PeerMetrics
 from swarm.peer.averager import Averager, LinkEstimate
-from swarm.peer.pipeline.part import upstream_finished
+from swarm.peer.pipeline.placement import upstream_finished
 from swarm.peer.rounds import (MAX_IMMEDIATE_RETRIES, RESYNC_BACKOFF, RESYNC_RETRY, Averaged, Contribution,
                                NotAveraged, Rounds)
 from swarm.runtime import LoopThread

@@ -214,6 +214,26 @@ def _times(value: float, ref: float) -> str:
 AGREE_SIGMAS = 6.0  # two input-gradients agree when their cosine is at least this many standard deviations of chance
 AGREE_COSINE_CAP = 0.5  # (that bound, 6 / sqrt(n), never above this: tensors of under 144 values)
 AGREE_NORM_FACTOR = 4.0  # and their norms are within this factor of each other
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """When two peers' tensors for one microbatch are taken for the same computation (`disagreement`): a cosine of
+    at least AGREE_SIGMAS / sqrt(values), and never above `cosine_cap`, and norms within `norm_factor`."""
+
+    norm_factor: float = AGREE_NORM_FACTOR
+    cosine_cap: float = AGREE_COSINE_CAP
+    what: str = "gradient"  # what the tensors are, as `disagreement` names them
+
+
+ANSWERS = Agreement()  # a next stage's input-gradients (above)
+# A first stage's activations recomputed by another of its peers (recompute.py). Two copies of the first stage of
+# tests/recipes/stages.yaml's model, stepped on different text from one point, gave activations of cosine 0.74 and
+# 0.54 after 64 and 300 steps each from the recipe's init, 0.95 and 0.87 from 300 steps in, and 0.20 where one had
+# taken no step and the other 300 (their norms then 1/100 of each other: no norm is held to another's here, the
+# sender's own history holds its scale, server.py); noise of their norm: 0.009. Held to 0.1 at most, for tiny
+# microbatches (noise then passes about once in a hundred: 2.3 sigmas of 512 values).
+ACTIVATIONS = Agreement(norm_factor=math.inf, cosine_cap=0.1, what="activation")
 PROBATION = MIN_ANSWERS  # a peer's answers are all computed twice until this many agreed with another peer's
 # Peers of a stage are one round apart for a while, honestly: one averaged while another waits in matchmaking or
 # re-syncs (for as long as a round, minutes in a real run). An answer claiming a round next to the one two others agree
@@ -224,7 +244,8 @@ ROUND_STRIKES = 3  # answers in a row claiming a round 2 or more from the one tw
 @dataclass(frozen=True)
 class Answer:
     """A peer's answer to a training microbatch: the gradient of its activations, the microbatch's loss, and the
-    round of its stage it was computed in (None: the peer did not say)."""
+    round of its stage it was computed in (None: the peer did not say). A first stage's activations for token ids
+    (recompute.py) are answers too: `grad` the activations, `loss` 0."""
 
     peer: str
     grad: torch.Tensor
@@ -262,36 +283,40 @@ def same_round(a: Answer, b: Answer) -> bool:
     return a.round is None or b.round is None or a.round == b.round
 
 
-def disagreement(a: Answer, b: Answer) -> Optional[str]:
+def disagreement(a: Answer, b: Answer, agreement: Agreement = ANSWERS) -> Optional[str]:
     """None when `a` and `b` are answers of the same computation: losses within ANSWER_RULES' loss rule both ways,
-    gradient norms within AGREE_NORM_FACTOR, and a cosine of at least AGREE_SIGMAS / sqrt(values) (at most
-    AGREE_COSINE_CAP). Otherwise how they differ: one phrase that starts with the two gradients' norms."""
+    gradient norms within `agreement`'s factor, and a cosine of at least AGREE_SIGMAS / sqrt(values) (at most its
+    cap). Otherwise how they differ: one phrase that starts with the two tensors' norms."""
     norm_a, norm_b = float(a.grad.detach().float().norm()), float(b.grad.detach().float().norm())
-    norms = f"gradient norm {norm_a:.4g} against {norm_b:.4g}"
+    norms = f"{agreement.what} norm {norm_a:.4g} against {norm_b:.4g}"
     rule = ANSWER_RULES["loss"]
     if rule.disagrees(a.loss, b.loss) or rule.disagrees(b.loss, a.loss):
         return f"{norms}, loss {a.loss:.4g} against {b.loss:.4g}"
-    if max(norm_a, norm_b) > AGREE_NORM_FACTOR * min(norm_a, norm_b):
+    if max(norm_a, norm_b) > agreement.norm_factor * min(norm_a, norm_b):
         return f"{norms} ({_times(max(norm_a, norm_b), min(norm_a, norm_b))} the other)"
     if a.grad.shape != b.grad.shape:
         return f"{norms}, of shapes {tuple(a.grad.shape)} and {tuple(b.grad.shape)}"
-    if norm_a == 0.0:  # (both zero)
-        return None
+    if norm_a == 0.0 or norm_b == 0.0:  # (zeros are no direction: the same computation only as both zero)
+        return None if norm_a == norm_b else f"{norms}, one of them zero"
     cosine = float(a.grad.detach().float().flatten() @ b.grad.detach().float().flatten()) / (norm_a * norm_b)
-    least = min(AGREE_SIGMAS / math.sqrt(a.grad.numel()), AGREE_COSINE_CAP)
+    least = min(AGREE_SIGMAS / math.sqrt(a.grad.numel()), agreement.cosine_cap)
     if cosine < least:
         return f"{norms}, cosine {cosine:.3f} (the same computation's: at least {least:.3f})"
     return None
 
 
-def decide(primary: Answer, duplicate: Answer, decider: Optional[Answer] = None) -> Verdict:
+def decide(primary: Answer, duplicate: Answer, decider: Optional[Answer] = None,
+           agreement: Agreement = ANSWERS) -> Verdict:
     """Settle one microbatch that `primary` and `duplicate` (two peers of a stage) answered, and `decider` (a third)
     when those two do not agree or claim different rounds. Answers agree when `same_round` and `disagreement` is
     None. The answer used is one that another agrees with (the primary's first); a peer whose answer disagrees with
     two that agree with each other, in one round, is outvoted; one whose claimed round differs is left aside. With no
     two agreeing, or no decider yet, nothing is used."""
     def agree(a: Answer, b: Answer) -> bool:
-        return same_round(a, b) and disagreement(a, b) is None
+        return same_round(a, b) and disagreement(a, b, agreement) is None
+
+    def _differ(a: Answer, b: Answer) -> str:
+        return differ(a, b, agreement)
 
     if agree(primary, duplicate):
         return Verdict(primary, (primary.peer, duplicate.peer))
@@ -313,11 +338,11 @@ def decide(primary: Answer, duplicate: Answer, decider: Optional[Answer] = None)
                                   f"{_differ(decider, duplicate)}")
 
 
-def _differ(a: Answer, b: Answer) -> str:
+def differ(a: Answer, b: Answer, agreement: Agreement = ANSWERS) -> str:
     """How `a` differs from `b`, naming both peers (and their rounds)."""
     if not same_round(a, b):
         where = f" (rounds {a.round} and {b.round})"
     else:
         round_no = a.round if a.round is not None else b.round
         where = "" if round_no is None else f" (round {round_no})"
-    return f"{a.peer}'s answer differs from {b.peer}'s{where}: {disagreement(a, b) or 'another round'}"
+    return f"{a.peer}'s answer differs from {b.peer}'s{where}: {disagreement(a, b, agreement) or 'another round'}"

@@ -28,7 +28,8 @@ from torch.func import functional_call
 from swarm.peer.pipeline.worker import PipelineError, StageWorker
 
 BATCHES = 2  # batches in flight at most, so copies of the weights held (a window over `parts` waits for a step)
-# (activations, targets, the microbatch's share of its batch) -> a future of (their gradient, the microbatch's loss)
+# (activations, their targets or whole rows of token ids, the microbatch's share of its batch) -> a future of (their
+# gradient, the microbatch's loss)
 Send = Callable[[torch.Tensor, torch.Tensor, float], concurrent.futures.Future]
 
 
@@ -36,6 +37,7 @@ Send = Callable[[torch.Tensor, torch.Tensor, float], concurrent.futures.Future]
 class _Batch:
     x: torch.Tensor  # token ids, (rows, tokens)
     targets: torch.Tensor
+    rows: torch.Tensor  # its whole rows (inputs and targets, on the CPU), which travel with the activations
     parts: int
     weights: dict[str, torch.Tensor]  # the stage's weights when its first microbatch went: its forwards use these
     sent: int = 0
@@ -109,7 +111,7 @@ class MicrobatchStream:
                 tokens = next_batch()
                 self.taken += 1
                 # (the token ids where the stage computes; the targets travel to the next stage from the CPU)
-                batch = _Batch(tokens[:, :-1].to(self.worker.device), tokens[:, 1:].cpu(),
+                batch = _Batch(tokens[:, :-1].to(self.worker.device), tokens[:, 1:].cpu(), tokens.cpu(),
                                min(self.parts, tokens.shape[0]), self.worker.stash())
                 self.batches.append(batch)
             index = batch.sent
@@ -122,7 +124,9 @@ class MicrobatchStream:
 
     def _send(self, hop: _Hop) -> None:
         rows = hop.batch.x.chunk(hop.batch.parts)
-        hop.future = self.send(hop.out.detach(), hop.batch.targets.chunk(hop.batch.parts)[hop.index],
+        # (the whole rows go as the targets: the next stage can have our activations computed again from them,
+        # server.StageServer._rows)
+        hop.future = self.send(hop.out.detach(), hop.batch.rows.chunk(hop.batch.parts)[hop.index],
                                rows[hop.index].shape[0] / hop.batch.x.shape[0])
         self.flight.append(hop)
 

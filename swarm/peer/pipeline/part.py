@@ -30,7 +30,8 @@ from swarm.model.build import build_model, n_blocks as count_blocks
 from swarm.model.memory import fmt_bytes, part_params, stage_needs
 from swarm.model.stages import Stage, even_bounds, materialize
 from swarm.peer.pipeline.microbatches import MicrobatchStream, together
-from swarm.peer.pipeline.placement import memory_limits, stage_to_move_to, weakest_stage
+from swarm.peer.pipeline.placement import memory_limits, stage_to_move_to, upstream_finished, weakest_stage
+from swarm.peer.pipeline.recompute import RecomputeServer, Recheck, recompute_protocol
 from swarm.peer.pipeline.relay import Relay
 from swarm.peer.pipeline.routing import Router, stage_protocol
 from swarm.peer.pipeline.server import LIES, MAX_WAITING_PER_PEER, Handoff, StageServer, unless_dropped
@@ -43,13 +44,6 @@ logger = logging.getLogger(__name__)
 PEERS_SECONDS = 2.0  # how often the next stage's peers are read
 WAIT_SECONDS = 0.2  # a serving stage's training thread waits this long for a microbatch before it looks around
 DRAIN_SECONDS = 600.0  # the longest a serving stage answers the stage before after its own last round
-
-
-def upstream_finished(announced: list[int], round_no: int) -> bool:
-    """Whether the stage before finished `round_no`, from the rounds its peers announce: most of those that took
-    part in it (announce it or later) announce the next. One peer's word, which could be a lie, ends no round."""
-    rounds = [r for r in announced if r >= round_no]
-    return 2 * sum(r == round_no + 1 for r in rounds) > len(rounds)
 
 
 class Part:
@@ -75,6 +69,9 @@ class Part:
         self.relay: Optional[Relay] = None  # a middle stage's microbatches in flight to the next stage
         self.router: Optional[Router] = None
         self.server: Optional[StageServer] = None  # a serving stage's, once started
+        self.recompute: Optional[RecomputeServer] = None  # a first stage's: our activations for the next stage's check
+        self._first_peers: list[tuple[str, int]] = []  # (the stage after the first: the first stage's, with rounds)
+        self._next_live: set[str] = set()  # the next stage's live peers, averaging or not (who may ask us to recompute)
         limit, capacity = memory_limits(settings)
         parts = part_params(recipe, model)
         needs = stage_needs(recipe, parts=parts)  # (as doctor estimates)
@@ -164,10 +161,13 @@ class Part:
         if self.index + 1 < self.stages:
             self.router = Router(self.node, stage_protocol(self.recipe.run_id, *self.all_bounds[self.index + 1]),
                                  lambda: self._next_peers, duplicate_share=self.recipe.pipeline.duplicate_share)
-        if self.first:
-            # Each batch cut into k, and at least one microbatch in flight for every stage at all times, so that no
-            # stage waits for work: k, or the number of stages where that is more (a batch's microbatches then
-            # travel with the next batch's).
+        if self.first:  # the next stage's peers may ask us to compute activations again (recompute.py)
+            self.recompute = RecomputeServer(self.worker, self.recipe.data.batch_size * self.recipe.data.seq_len,
+                                             self.model.config.vocab_size, lambda: self._next_live, self.loop.loop)
+            self.loop.run(self.node.add_stream_handler(recompute_protocol(self.recipe.run_id, *self.bounds),
+                                                       self.recompute.handle), timeout=30)
+            # Each batch cut into k, and a microbatch in flight for every stage at all times, so that none waits for
+            # work: k, or the number of stages where that is more (a batch's then travel with the next batch's).
             k = self.settings.microbatches
             self.stream = MicrobatchStream(self.worker, self.router.send(self.loop), parts=k,
                                            window=max(k, self.stages),
@@ -183,10 +183,12 @@ class Part:
             if self.router is not None:  # a middle stage: it takes more microbatches while those it sent on travel
                 self.relay = Relay(self.worker, self.router.send(self.loop), self.router.send(self.loop, evaluate=True),
                                    self.work.answer, window=2 * max(self.settings.microbatches, 1))
-            # Senders are judged by the losses of their microbatches only where the loss is our own computation (the
-            # last stage) and the senders computed from tokens (the first): a middle stage's loss is the next stage's
-            # word, and a last stage after a middle one would blame an honest middle peer for what it was sent.
+            # Senders are judged by their microbatches' losses only where the loss is ours (the last stage) and they
+            # computed from tokens (the first): a last stage after a middle one would blame an honest middle peer.
             server.judge_losses = self.index == 1 and self.stages == 2
+            if self.index == 1:  # the first stage's activations, a share of them computed again by its other peers
+                server.verify = Recheck(self.node, recompute_protocol(self.recipe.run_id, *self.all_bounds[0]),
+                                        lambda: self._first_peers, server.check, self.recipe.pipeline.duplicate_share)
             self.loop.run(self.node.add_stream_handler(stage_protocol(self.recipe.run_id, *self.bounds),
                                                        server.handle), timeout=30)
 
@@ -194,10 +196,9 @@ class Part:
         """Give our server and router our stage's round (read on the event loop): our answers say it, so that senders
         compare one round's, and our training microbatches say it, so that the next stage holds them to what we
         sent in that round."""
-        if self.server is not None:
-            self.server.round = round_no
-        if self.router is not None:
-            self.router.round = round_no
+        for part in (self.server, self.router, self.recompute):
+            if part is not None:
+                part.round = round_no
 
     def drill(self, lie: Optional[str]) -> None:
         """Make this peer's stage lie (a drill, faults.PIPELINE_LIES): in its answers as a server (server.LIES), or,
@@ -232,11 +233,15 @@ class Part:
                     hosts.append(view.live(records, self.node.now(), ONLINE_STATES))
                     if k == self.index - 1:  # (peers that stopped announce their last round as they go offline)
                         self._upstream_rounds = [p.round for p in records if p.state not in ("joining", "syncing")]
+                    if k == 0 and self.index == 1:  # (those that can compute our senders' activations again)
+                        self._first_peers = [(p.peer_id, p.round) for p in hosts[0] if p.state in TRAINING_STATES
+                                             and not p.client and p.peer_id != self.node.peer_id]
                 if self.index + 1 < self.stages:
                     live = [p for p in hosts[self.index + 1] if p.state in TRAINING_STATES and not p.client
                             and p.peer_id != self.node.peer_id]
                     # A peer that is averaging runs no microbatch until it is done: while others train, wire to them.
                     training = [p for p in live if p.state == "training"] or live
+                    self._next_live = {p.peer_id for p in live}
                     self._next_peers = [(p.peer_id, max(p.tokens_per_s, 1.0)) for p in training]
                 target, why, delay = self._weaker(hosts)
                 if target is None or weaker_since is None or weaker_since[0] != target:
@@ -297,7 +302,7 @@ class Part:
                 if len(flight) >= MAX_WAITING_PER_PEER:
                     losses.append(flight.popleft().result()[1])
                 batch = batch.to(device)
-                flight.append(send(self.worker.output(batch[:, :-1]), batch[:, 1:].cpu(), 1.0))
+                flight.append(send(self.worker.output(batch[:, :-1]), batch.cpu(), 1.0))  # (its whole rows: server.py)
             losses += [future.result()[1] for future in flight]
         except Exception as e:  # noqa: BLE001 - no validation loss this round; training goes on
             logger.info("pipeline: no validation loss this round (%s)", str(e).splitlines()[0] if str(e) else e)

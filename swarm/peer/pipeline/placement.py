@@ -1,7 +1,8 @@
 """Where a stage peer goes, as pure functions of what it reads of the stages (Petals' `block_selection.py` is the
 model): the stage a joining peer hosts (`weakest_stage`) and the stage an unpinned peer moves to when the stages
 are out of balance (`stage_to_move_to`). Every peer with the same readings computes the same answer. What a peer
-can hold comes from its settings and device (`memory_limits`).
+can hold comes from its settings and device (`memory_limits`); whether the stage before finished a round, from the
+rounds its peers announce (`upstream_finished`).
 """
 
 from __future__ import annotations
@@ -65,3 +66,10 @@ def stage_to_move_to(counts: Sequence[int], capacities: Sequence[Optional[float]
         if min(after) > best_pace:
             best, best_pace = k, min(after)
     return best, "throughput" if best is not None else ""
+
+
+def upstream_finished(announced: list[int], round_no: int) -> bool:
+    """Whether the stage before finished `round_no`, from the rounds its peers announce: most of those that took
+    part in it (announce it or later) announce the next. One peer's word, which could be a lie, ends no round."""
+    rounds = [r for r in announced if r >= round_no]
+    return 2 * sum(r == round_no + 1 for r in rounds) > len(rounds)

@@ -29,6 +29,7 @@ from swarm.compression import decode, get_codec
 from swarm.dht.frames import FRAME_HEADER, recv_frame, send_frame
 from swarm.peer.pipeline.integrity import (EXCLUDE_SECONDS, LOSS_FRESH_SECONDS, LOSS_RULES, REQUEST_RULES, AnswerCheck,
                                            rms)
+from swarm.peer.pipeline.recompute import Recheck
 from swarm.peer.pipeline.routing import (BUSY, HEADER_BYTES, HOP_SECONDS, NoPeerTook, Router, WireMeter,
                                          payload_bound)
 from swarm.peer.pipeline.worker import Accept, Downstream, Execute, PipelineError, StageWorker
@@ -84,6 +85,9 @@ class StageServer:
         self.dropped = 0  # microbatches whose handler timed out: never trained on, never answered
         self.check = AnswerCheck(REQUEST_RULES)  # the activations each sender sent
         self.judge_losses = False  # hold senders' losses to the others' (a last stage whose senders are the first)
+        # The stage right after the first: training microbatches carry their whole rows of token ids (targets and
+        # inputs), and a sampled share of their activations is computed again by other first-stage peers
+        self.verify: Optional[Recheck] = None
         # (judged on the thread that trains: under _loss_lock; a sender is refused, never left out, by its losses)
         self.losses = AnswerCheck(LOSS_RULES, limit=None, fresh=LOSS_FRESH_SECONDS)
         self._loss_lock = threading.Lock()
@@ -114,25 +118,29 @@ class StageServer:
                     await send_frame(writer, msgpack.packb({"error": busy}))
                     # The sender writes its whole request before it reads an answer: what it sends is skipped for a
                     # few seconds, so that it reads our reason rather than a reset stream.
-                    await _skip(reader, 2 * FRAME_HEADER.size + payload_bound(b * t * h) + 4 * b * t, SKIP_SECONDS)
+                    await _skip(reader, 2 * FRAME_HEADER.size + payload_bound(b * t * h) + 4 * b * (t + 1),
+                                SKIP_SECONDS)
                     return
                 self.waiting[remote] += 1
                 held = True
                 payload = await recv_frame(reader, payload_bound(b * t * h))
-                ids = await recv_frame(reader, 4 * b * t)
+                ids = await recv_frame(reader, 4 * b * (t + 1))  # (the targets, or the whole rows: see _rows)
                 self.meter.received += len(payload) + len(ids)
                 try:
                     x = decode(payload)
                 except ValueError:  # CodecError: not a payload of any codec
                     x = torch.zeros(0)
-                targets = torch.from_numpy(np.frombuffer(ids, dtype=np.int32).astype(np.int64)) \
-                    if len(ids) == 4 * b * t else None
-                if x.numel() != b * t * h or targets is None or not torch.isfinite(x).all() or \
-                        targets.min() < 0 or targets.max() >= self.vocab_size:
+                inputs, targets, problem = self._rows(ids, b, t)
+                if problem is None and (x.numel() != b * t * h or not torch.isfinite(x).all()):
+                    problem = "activations or targets malformed"
+                if problem is not None:
                     self.refused["malformed"] += 1
-                    await send_frame(writer, msgpack.packb({"error": "activations or targets malformed"}))
+                    await send_frame(writer, msgpack.packb({"error": problem}))
                     return
                 problem = self._judge(remote, x, judged=not evaluate, claimed=claimed)
+                if problem is None and self.verify is not None and not evaluate:
+                    problem = await self.verify.judge(remote, x.reshape(b, t, h), inputs, claimed)
+                    self.refused["recomputed"] += problem is not None
                 if problem is not None:
                     self.refused["activations"] += 1
                     await send_frame(writer, msgpack.packb({"error": problem}))
@@ -194,6 +202,25 @@ class StageServer:
         else:
             logger.info("pipeline: refused the activations of peer %s: %s", remote, why)
         return f"activations refused: {why}"
+
+    def _rows(self, ids: bytes, b: int, t: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[str]]:
+        """The token ids of a microbatch of `b` rows of `t` tokens: its targets (b, t), or its whole rows (b, t + 1),
+        of which the targets are the last t and the inputs the first t (what a first stage sends, so that the stage
+        after it can have the activations computed again: `verify`, which needs them). Returns (the inputs, or None;
+        the targets; None), or (None, None, what is wrong)."""
+        rows = len(ids) == 4 * b * (t + 1)
+        if len(ids) != 4 * b * t and not rows:
+            return None, None, "activations or targets malformed"
+        if self.verify is not None and not rows:
+            return None, None, ("the stage after the first takes the whole rows of token ids (inputs and targets), "
+                                "so that other first-stage peers can compute the activations again: update swarm")
+        ids = torch.from_numpy(np.frombuffer(ids, dtype=np.int32).astype(np.int64))
+        if ids.min() < 0 or ids.max() >= self.vocab_size:
+            return None, None, "activations or targets malformed"
+        if not rows:
+            return None, ids.reshape(b, t), None
+        ids = ids.reshape(b, t + 1)
+        return ids[:, :-1], ids[:, 1:], None
 
     def _loss_check(self, remote: str) -> Accept:
         """What the training thread calls with the loss of a microbatch from `remote` before it applies anything:

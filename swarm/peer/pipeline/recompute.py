@@ -1,0 +1,263 @@
+"""A first stage's activations checked by computing them again (issue 37, class 9). A first-stage peer computes its
+activations from token ids, which travel with them (the microbatch's whole rows: server.py), so another peer of the
+first stage can compute them again. The stage right after the first holds a sampled share of each sender's training
+activations, and all of them until PROBATION agreed with another peer's (`Recheck`, in its StageServer), to what
+another first-stage peer computes for the same ids (`RecomputeServer`: a forward pass on its params as they stand,
+no gradient, no step), and to a third's when those two do not agree (integrity.decide with ACTIVATIONS: two copies
+of a stage drift apart within a round, so they are held to being the same computation, not the same bits).
+Activations that are not the computation, such as noise of the honest ones' norm, which no statistic shows, are then
+outvoted on their sender's first microbatch: nothing of it is applied, and the sender is left out with the evidence.
+A first-stage peer outvoted on what it computed again is left out too. Two first-stage peers that disagree, with no
+third, cannot be told apart (nothing applied, nobody left out); a lone first-stage peer is held only to its own
+history and to the loss its activations give (server.py).
+
+A first-stage peer computes again only for the next stage's peers it knows, one microbatch per asker at a time and
+MAX_RECOMPUTING in all; the rest are refused at once ("busy").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import random
+from collections import Counter
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from typing import Optional
+
+import msgpack
+import numpy as np
+import torch
+
+from swarm.compression import decode, get_codec
+from swarm.dht.frames import recv_frame, send_frame
+from swarm.dht.node import SwarmNode
+from swarm.peer.pipeline.integrity import (ACTIVATIONS, EXCLUDE_SECONDS, PROBATION, ROUND_STRIKES, Answer,
+                                           AnswerCheck, Verdict, decide, microbatch_id, same_round)
+from swarm.peer.pipeline.routing import BUSY, HEADER_BYTES, payload_bound
+from swarm.peer.pipeline.worker import PipelineError, StageWorker
+
+logger = logging.getLogger(__name__)
+
+RECOMPUTE_SECONDS = 15.0  # the longest an asker waits for activations computed again (then the comparison is lost;
+# two such, a second peer's and a third's, fit in the sender's hop: routing.HOP_SECONDS)
+MAX_RECOMPUTING = 2  # microbatches a first-stage peer computes again at once (one per asker)
+CODECS = ("none", "fp16", "bf16")
+
+
+def recompute_protocol(run_id: str, start: int, end: int) -> str:
+    return f"swarm.{run_id}.recompute.{start}-{end}"
+
+
+def _round_number(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+async def ask_recompute(node: SwarmNode, peer: str, protocol: str, inputs: torch.Tensor, hidden: int,
+                        codec: str = "fp16", timeout: float = RECOMPUTE_SECONDS) -> tuple[torch.Tensor, Optional[int]]:
+    """`peer`'s activations for the token ids `inputs` (b, t), shape (b, t, `hidden`), and the round of its stage it
+    says it computed them in (None: it does not say). Raises on any failure or malformed answer."""
+    b, t = inputs.shape
+    async with asyncio.timeout(timeout):
+        reader, writer = await node.open_stream(peer, protocol)
+        try:
+            await send_frame(writer, msgpack.packb({"shape": [b, t], "codec": codec}))
+            await send_frame(writer, inputs.to("cpu", torch.int32).contiguous().numpy().tobytes())
+            answer = msgpack.unpackb(await recv_frame(reader, HEADER_BYTES))
+            if not isinstance(answer, dict) or "error" in answer:
+                raise PipelineError(f"first-stage peer {peer[-8:]} did not compute the microbatch again: "
+                                    f"{answer.get('error') if isinstance(answer, dict) else answer!r}")
+            round_no = answer.get("round")
+            if round_no is not None and not _round_number(round_no):
+                raise PipelineError(f"first-stage peer {peer[-8:]} answered a round of {round_no!r}")
+            out = decode(await recv_frame(reader, payload_bound(b * t * hidden)))
+            if out.numel() != b * t * hidden or not torch.isfinite(out).all():
+                raise PipelineError(f"first-stage peer {peer[-8:]} answered {out.numel()} activations, not "
+                                    f"{b * t * hidden} finite ones")
+            return out.reshape(b, t, hidden), round_no
+        finally:
+            writer.close()
+
+
+class RecomputeServer:
+    """A first-stage peer's side: computes its stage's output for token ids an asker sends (`worker.output`: the
+    live params, eval mode, no gradient) and answers it with our stage's round (`round`, read on the event loop;
+    left out when it changed meanwhile). Serves only the peers `allowed()` lists (the next stage's), one microbatch
+    per peer at a time and `max_running` in all, of at most `max_tokens` ids below `vocab_size`."""
+
+    def __init__(self, worker: StageWorker, max_tokens: int, vocab_size: int, allowed: Callable[[], Collection[str]],
+                 loop: asyncio.AbstractEventLoop, max_running: int = MAX_RECOMPUTING):
+        self.worker, self.max_tokens, self.vocab_size, self.allowed = worker, max_tokens, vocab_size, allowed
+        self.loop, self.max_running = loop, max_running
+        self.round: Optional[Callable[[], int]] = None
+        self.running: Counter = Counter()
+        self.refused: Counter = Counter()
+        self.served = 0
+        self._thread: Optional[concurrent.futures.ThreadPoolExecutor] = None
+
+    async def handle(self, remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held = False
+        try:
+            async with asyncio.timeout(RECOMPUTE_SECONDS):
+                header = msgpack.unpackb(await recv_frame(reader, HEADER_BYTES))
+                shape = header.get("shape") if isinstance(header, dict) else None
+                codec = header.get("codec") if isinstance(header, dict) else None
+                problem = self._check(remote, shape, codec)
+                if problem is not None:
+                    self.refused[problem.split(":")[0] if problem.startswith(BUSY) else "request"] += 1
+                    await send_frame(writer, msgpack.packb({"error": problem}))
+                    return
+                b, t = shape
+                self.running[remote] += 1
+                held = True
+                ids = await recv_frame(reader, 4 * b * t)
+                inputs = torch.from_numpy(np.frombuffer(ids, dtype=np.int32).astype(np.int64)) \
+                    if len(ids) == 4 * b * t else None
+                if inputs is None or inputs.min() < 0 or inputs.max() >= self.vocab_size:
+                    self.refused["request"] += 1
+                    await send_frame(writer, msgpack.packb({"error": "token ids malformed"}))
+                    return
+                if self._thread is None:
+                    self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="recompute")
+                round_before = self.round() if self.round is not None else None
+                out = await self.loop.run_in_executor(self._thread, self.worker.output, inputs.reshape(b, t))
+                round_no = self.round() if self.round is not None else None
+                payload = get_codec(codec).encode(out.detach().float().reshape(-1).cpu())
+                await send_frame(writer, msgpack.packb(
+                    {"round": round_no} if round_no is not None and round_no == round_before else {}))
+                await send_frame(writer, payload)
+                self.served += 1
+        except asyncio.TimeoutError:
+            logger.info("gave up computing a microbatch again for %s: it took over %.0f s", remote[-8:],
+                        RECOMPUTE_SECONDS)
+        except (asyncio.IncompleteReadError, ConnectionError):  # the asker went away, or sent less than it said
+            return
+        except asyncio.CancelledError:  # the peer is stopping
+            return
+        finally:
+            if held:
+                self.running[remote] -= 1
+                if not self.running[remote]:
+                    del self.running[remote]
+
+    def _check(self, remote: str, shape: object, codec: object) -> Optional[str]:
+        """Why a request from `remote` is refused before its ids are read (None: it is not)."""
+        if remote not in self.allowed():
+            return "you are not a peer of the next stage that we know of"
+        if not isinstance(shape, list) or len(shape) != 2 or \
+                not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape):
+            return "shape is not (batch, tokens)"
+        if shape[0] * shape[1] > self.max_tokens:
+            return f"{shape[0] * shape[1]} tokens, over the {self.max_tokens} a microbatch may hold"
+        if not isinstance(codec, str) or codec not in CODECS:
+            return f"codec {codec!r} is not one for activations ({', '.join(CODECS)})"
+        if self.running[remote]:
+            return f"{BUSY}: a microbatch of yours is computed again already"
+        if sum(self.running.values()) >= self.max_running:
+            return f"{BUSY}: {self.max_running} microbatches are computed again already"
+        return None
+
+
+@dataclass
+class Recheck:
+    """The side of the stage right after the first: `judge` holds a sender's training activations to another
+    first-stage peer's for the same token ids (see the module). `peers()` lists the first stage's peers that can
+    compute again (not clients), with the round each announces; one in the sender's claimed round is asked where
+    there is one. The outvoted are left out in `check` (the server's check of its senders). `share` is the recipe's
+    pipeline.duplicate_share (0: nothing is computed again)."""
+
+    node: SwarmNode
+    protocol: str
+    peers: Callable[[], list[tuple[str, Optional[int]]]]
+    check: AnswerCheck
+    share: float
+    codec: str = "fp16"
+    timeout: float = RECOMPUTE_SECONDS
+    seed: Optional[int] = None
+    verified: Counter = field(default_factory=Counter)  # sender -> its activations that agreed with another's
+    odd_rounds: Counter = field(default_factory=Counter)  # sender -> its microbatches in a row of a far round
+    asked: int = 0  # microbatches we asked a first-stage peer to compute again
+    compared: int = 0
+    disputed: int = 0  # no two agreed: nothing applied
+    outvoted: int = 0  # peers left out for disagreeing with two that agree
+
+    def __post_init__(self) -> None:
+        self._random = random.Random(self.seed)
+
+    def sampled(self, sender: str) -> bool:
+        """Whether `sender`'s microbatch is computed again: while fewer than PROBATION of its microbatches agreed with
+        another peer's, and then a `share` of them, drawn at random."""
+        return self.share > 0 and (self.verified[sender] < PROBATION or self._random.random() < self.share)
+
+    async def judge(self, sender: str, x: torch.Tensor, inputs: torch.Tensor, claimed: Optional[int]) -> Optional[str]:
+        """None: `sender`'s activations `x` (b, t, h) for the token ids `inputs` (b, t), of its stage's round
+        `claimed`, may be trained on. Otherwise why not (one line, with the numbers): no two first-stage peers agree
+        on them, or they disagree with two that agree (then `sender` is left out), or they claim a round those two
+        were not in. With no other first-stage peer to ask, or when it does not answer, they stand."""
+        if not self.sampled(sender):
+            return None
+        first = Answer(sender, x, 0.0, claimed)
+        second = await self._another({sender}, inputs, x.shape[-1], claimed)
+        if second is None:
+            return None
+        self.compared += 1
+        verdict = decide(first, second, agreement=ACTIVATIONS)
+        if verdict.use is None:
+            third = await self._another({sender, second.peer}, inputs, x.shape[-1], claimed)
+            if third is None and not same_round(first, second):  # (nothing to compare with, as without a second)
+                return None
+            verdict = decide(first, second, third, ACTIVATIONS) if third is not None else verdict
+        return self._settle(sender, verdict, microbatch_id(x, inputs))
+
+    async def _another(self, exclude: set[str], inputs: torch.Tensor, hidden: int,
+                       claimed: Optional[int]) -> Optional[Answer]:
+        """The activations one more first-stage peer, not one of `exclude`, computes for `inputs` (one announcing
+        the round `claimed` where there is one); None when there is none, or it fails (the comparison is lost)."""
+        candidates = [(peer, round_no) for peer, round_no in self.peers()
+                      if peer not in exclude and not self.check.is_excluded(peer)]
+        pool = [peer for peer, round_no in candidates if round_no == claimed] or [peer for peer, _ in candidates]
+        if not pool:
+            return None
+        peer = self._random.choice(pool)
+        self.asked += 1
+        try:
+            out, round_no = await ask_recompute(self.node, peer, self.protocol, inputs, hidden, self.codec,
+                                                self.timeout)
+        except Exception as e:  # noqa: BLE001 - a peer that cannot compute it again compares nothing
+            logger.info("first-stage peer %s did not compute a microbatch again (%s)", peer[-8:],
+                        str(e).splitlines()[0] if str(e) else type(e).__name__)
+            return None
+        return Answer(peer, out, 0.0, round_no)
+
+    def _settle(self, sender: str, verdict: Verdict, microbatch: str) -> Optional[str]:
+        """What a comparison says: the agreeing peers' probation advances; an outvoted peer is left out at once, a
+        sender of a round far from the agreeing peers' at ROUND_STRIKES in a row; why `sender`'s microbatch is
+        refused (None: it agreed)."""
+        for peer in verdict.agreed:
+            self.verified[peer] += 1
+            self.odd_rounds.pop(peer, None)
+        if verdict.outvoted is not None and not self.check.is_excluded(verdict.outvoted):
+            self.outvoted += 1
+            self._leave_out(verdict.outvoted, f"outvoted on microbatch {microbatch}: {verdict.evidence}")
+        if verdict.odd_round is not None:
+            self.odd_rounds[verdict.odd_round] += verdict.far_round
+            if self.odd_rounds[verdict.odd_round] >= ROUND_STRIKES:
+                self._leave_out(verdict.odd_round, f"{ROUND_STRIKES} microbatches in a row claiming rounds far from "
+                                                   f"the others', the last {microbatch}: {verdict.evidence}")
+        if sender in verdict.agreed:
+            return None
+        if verdict.outvoted == sender:
+            return f"activations refused: outvoted on microbatch {microbatch}: {verdict.evidence}"
+        if verdict.use is None:
+            self.disputed += 1
+            logger.info("pipeline: no two first-stage peers agree on the activations of microbatch %s, nothing "
+                        "applied: %s", microbatch, verdict.evidence)
+            return f"activations refused: no two first-stage peers agree on them ({verdict.evidence})"
+        return f"activations refused: microbatch {microbatch}: {verdict.evidence}"
+
+    def _leave_out(self, peer: str, why: str) -> None:
+        self.check.exclude(peer, why)
+        self.verified.pop(peer, None)
+        self.odd_rounds.pop(peer, None)
+        logger.warning("pipeline: left out first-stage peer %s for %.0f s: %s", peer, EXCLUDE_SECONDS, why)
