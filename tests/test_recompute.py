@@ -5,7 +5,7 @@ the honest activations' norm is outvoted on its sender's first microbatch, appli
 with one warning; a peer that lies in what it computes again is outvoted in turn while the honest sender's
 microbatch is taken; two lone first-stage peers that disagree apply nothing and blame nobody; the verifying stage
 takes only whole rows of token ids, and a first-stage peer computes again only for the next stage's peers it
-knows, one microbatch each at a time."""
+knows, two microbatches each at a time."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from swarm.dht.frames import recv_frame, send_frame
 from swarm.model.stages import make_stages
 from swarm.peer.pipeline import routing
 from swarm.peer.pipeline.integrity import ACTIVATIONS, PROBATION, Answer, disagreement
-from swarm.peer.pipeline.recompute import RecomputeServer, Recheck, ask_recompute, recompute_protocol
+from swarm.peer.pipeline.recompute import MAX_PER_ASKER, RecomputeServer, Recheck, ask_recompute, recompute_protocol
 from swarm.peer.pipeline.routing import stage_protocol
 from swarm.peer.pipeline.server import StageServer
 from swarm.peer.pipeline.worker import PipelineError
@@ -171,7 +171,7 @@ def test_two_lone_first_stage_peers_that_disagree_apply_nothing_and_blame_nobody
 def test_the_verifying_stage_takes_whole_rows_only_and_recomputes_are_served_to_the_next_stage_only(p2p_network):
     """A sender that leaves out the inputs of its rows (sending the targets alone, as to a later stage) is refused
     with one line saying what to do: without them nothing can be computed again, so leaving them out buys no escape.
-    A first-stage peer computes again for the next stage's peers it knows only, of a bounded size, one at a time
+    A first-stage peer computes again for the next stage's peers it knows only, of a bounded size, two at a time
     each."""
     loop, node = p2p_network
     swarm = _Swarm(loop, node)
@@ -202,5 +202,5 @@ def test_the_verifying_stage_takes_whole_rows_only_and_recomputes_are_served_to_
     assert "malformed" in loop.run(malformed({"shape": [2, 8], "codec": "none"}, ids), timeout=30)["error"]
     assert "codec" in loop.run(malformed({"shape": [2, 8], "codec": "zip"}, ids), timeout=30)["error"]
     assert "shape" in loop.run(malformed({"shape": [2, True], "codec": "none"}, ids), timeout=30)["error"]
-    swarm.recomputes[1].running[swarm.last.peer_id] += 1  # (one of ours is being computed)
+    swarm.recomputes[1].running[swarm.last.peer_id] += MAX_PER_ASKER  # (as many of ours as it takes are running)
     assert loop.run(malformed({"shape": [2, 8], "codec": "none"}, ids), timeout=30)["error"].startswith("busy")

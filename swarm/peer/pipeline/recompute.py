@@ -11,8 +11,8 @@ A first-stage peer outvoted on what it computed again is left out too. Two first
 third, cannot be told apart (nothing applied, nobody left out); a lone first-stage peer is held only to its own
 history and to the loss its activations give (server.py).
 
-A first-stage peer computes again only for the next stage's peers it knows, one microbatch per asker at a time and
-MAX_RECOMPUTING in all; the rest are refused at once ("busy").
+A first-stage peer computes again only for the next stage's peers it knows, MAX_PER_ASKER microbatches per asker at
+a time and MAX_RECOMPUTING in all; the rest are refused at once ("busy").
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ logger = logging.getLogger(__name__)
 
 RECOMPUTE_SECONDS = 15.0  # the longest an asker waits for activations computed again (then the comparison is lost;
 # two such, a second peer's and a third's, fit in the sender's hop: routing.HOP_SECONDS)
-MAX_RECOMPUTING = 2  # microbatches a first-stage peer computes again at once (one per asker)
+MAX_RECOMPUTING = 4  # microbatches a first-stage peer computes again at once
+MAX_PER_ASKER = 2  # of them for one asker (a next-stage peer checks the microbatches of several senders at once)
 CODECS = ("none", "fp16", "bf16")
 
 
@@ -83,13 +84,14 @@ async def ask_recompute(node: SwarmNode, peer: str, protocol: str, inputs: torch
 class RecomputeServer:
     """A first-stage peer's side: computes its stage's output for token ids an asker sends (`worker.output`: the
     live params, eval mode, no gradient) and answers it with our stage's round (`round`, read on the event loop;
-    left out when it changed meanwhile). Serves only the peers `allowed()` lists (the next stage's), one microbatch
-    per peer at a time and `max_running` in all, of at most `max_tokens` ids below `vocab_size`."""
+    left out when it changed meanwhile). Serves only the peers `allowed()` lists (the next stage's), `max_per_asker`
+    microbatches per peer at a time and `max_running` in all, of at most `max_tokens` ids below `vocab_size`."""
 
     def __init__(self, worker: StageWorker, max_tokens: int, vocab_size: int, allowed: Callable[[], Collection[str]],
-                 loop: asyncio.AbstractEventLoop, max_running: int = MAX_RECOMPUTING):
+                 loop: asyncio.AbstractEventLoop, max_running: int = MAX_RECOMPUTING,
+                 max_per_asker: int = MAX_PER_ASKER):
         self.worker, self.max_tokens, self.vocab_size, self.allowed = worker, max_tokens, vocab_size, allowed
-        self.loop, self.max_running = loop, max_running
+        self.loop, self.max_running, self.max_per_asker = loop, max_running, max_per_asker
         self.round: Optional[Callable[[], int]] = None
         self.running: Counter = Counter()
         self.refused: Counter = Counter()
@@ -152,8 +154,8 @@ class RecomputeServer:
             return f"{shape[0] * shape[1]} tokens, over the {self.max_tokens} a microbatch may hold"
         if not isinstance(codec, str) or codec not in CODECS:
             return f"codec {codec!r} is not one for activations ({', '.join(CODECS)})"
-        if self.running[remote]:
-            return f"{BUSY}: a microbatch of yours is computed again already"
+        if self.running[remote] >= self.max_per_asker:
+            return f"{BUSY}: {self.running[remote]} microbatches of yours are computed again already"
         if sum(self.running.values()) >= self.max_running:
             return f"{BUSY}: {self.max_running} microbatches are computed again already"
         return None
