@@ -109,6 +109,11 @@ class AveragingRecipe(_Section):
         True, description="members check every reducer's centered_clip before applying it (a reducer that sends "
                           "back an average of its own making is refused and parted from them); costs about two "
                           "passes over the vector and one more exchange a round (README, Verified reducers)")
+    checked_groups: bool = Field(
+        False, description="form only groups whose every reducer another member checks: at least 3 members, 2 of "
+                           "them accepting connections (no pair, whose partner can move the average anywhere, and no "
+                           "lone reducer among client-mode peers, which receive no reports); needs verified "
+                           "reducers (docs/security.md)")
     min_phase_timeout: float = Field(5.0, gt=0, le=86400,
                                      description="floor of each phase's timeout; in between, timeouts follow "
                                                  "3x the slowest of the last rounds")
@@ -134,7 +139,22 @@ class AveragingRecipe(_Section):
     def _sizes(self) -> "AveragingRecipe":
         if self.target_group_size < self.min_group_size:
             raise ValueError("target_group_size must be >= min_group_size")
+        if self.checked_groups and self.target_group_size < 3:
+            raise ValueError("averaging.checked_groups needs groups of 3 or more: raise target_group_size")
+        if self.checked_groups and not combinations.reducers_verified(self.codec, self.aggregator,
+                                                                      self.verify_reducers):
+            raise ValueError("averaging.checked_groups needs reducers that members check: verify_reducers: true, "
+                             "aggregator: centered_clip and a codec of none, fp16, bf16, int8 or int4; set those "
+                             "or leave checked_groups out")
         return self
+
+    @property
+    def group_bounds(self) -> tuple[int, int]:
+        """(the fewest members a group may have, the fewest of them that accept connections): with checked_groups,
+        3 and 2, so that every reducer's result is checked by another member that can receive reports."""
+        if self.checked_groups:
+            return max(self.min_group_size, 3), 2
+        return self.min_group_size, 1
 
 
 class PipelineRecipe(_Section):
@@ -237,6 +257,8 @@ class Recipe(_Section):
             del fields["admission"]
         if fields["averaging"]["verify_reducers"]:  # (likewise: recipes without the field keep their digest)
             del fields["averaging"]["verify_reducers"]
+        if not fields["averaging"]["checked_groups"]:  # (and without this one)
+            del fields["averaging"]["checked_groups"]
         if fields["data"]["text_field"] == "text":  # the same, for recipes that read no other field
             del fields["data"]["text_field"]
         if fields["inner"]["optimizer"] == "adamw":  # (runs from before the option keep their digest)

@@ -100,6 +100,22 @@ def test_verified_reducers_are_on_by_default_and_keep_older_runs_digest():
     assert recipe_from_json(trusting.canonical_json()) == trusting
 
 
+def test_checked_groups_keep_the_digest_while_off_and_need_reducers_that_are_checked():
+    """`averaging.checked_groups` (no pair, no lone reducer among clients) is left out of the canonical JSON while
+    off; on, it counts, and groups then need 3 members, 2 accepting connections; it refuses a run whose reducers
+    nobody checks, with one line naming the fields."""
+    recipe = Recipe()
+    assert "checked_groups" not in recipe.canonical_json() and recipe.averaging.group_bounds == (1, 1)
+    checked = Recipe.model_validate({"averaging": {"checked_groups": True}})
+    assert checked.digest() != recipe.digest() and checked.averaging.group_bounds == (3, 2)
+    assert recipe_from_json(checked.canonical_json()) == checked
+    for unchecked in ({"verify_reducers": False}, {"aggregator": "mean"}, {"codec": "topk"}):
+        with pytest.raises(pydantic.ValidationError, match="checked_groups needs reducers that members check"):
+            AveragingRecipe.model_validate({"checked_groups": True, **unchecked})
+    with pytest.raises(pydantic.ValidationError, match="checked_groups needs groups of 3 or more"):
+        AveragingRecipe.model_validate({"checked_groups": True, "target_group_size": 2})
+
+
 def test_data_text_field_keeps_the_digest_of_recipes_that_do_not_set_it():
     # The canonical JSON of a recipe at the default text field is that of versions without the field, so peers
     # of both versions agree on the run; setting another field is a different run.

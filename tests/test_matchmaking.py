@@ -297,3 +297,39 @@ def test_peers_all_in_client_mode_wait_the_window_for_one_that_accepts_connectio
     group = results[0][0]
     assert [share > 0 for share in group.shares] == [peer == server for peer in group.members]
     assert list(group.clients) == [peer != server for peer in group.members]
+
+
+def test_a_run_of_checked_groups_forms_none_with_a_lone_server_among_clients_and_one_with_two():
+    """averaging.checked_groups (min_servers 2): clients receive no reports, so a lone server among them would reduce
+    every part with nobody to check it. Three peers of which one accepts connections wait out the window and form
+    no group (the old rule, min_servers 1, formed one); with a second server, four form one group before the
+    deadline and only the two servers reduce."""
+    board = Board()
+    nodes = [FakeNode(board) for _ in range(4)]
+    ids = sorted(n.peer_id for n in nodes)
+    servers = set(ids[1:3])
+
+    def match(node, attempt: int, timeout: float, expected: set[str], least: int):
+        return form_group(node, "run", 1, attempt, Candidate(DIGEST, 1.0, client=node.peer_id not in servers,
+                                                             weight=1.0), expected - {node.peer_id}, 3, 4, timeout,
+                          min_servers=least)
+
+    three = [n for n in nodes if n.peer_id != ids[2]]  # (one server, two clients)
+
+    async def lone_server(least: int, attempt: int):
+        return await asyncio.gather(*(match(n, attempt, 2.0, {m.peer_id for m in three}, least) for n in three))
+
+    started = time.monotonic()
+    assert all(group is None for group, _ in asyncio.run(lone_server(2, 0)))
+    assert 2.0 <= time.monotonic() - started < TIMEOUT / 2
+    assert all(group is not None for group, _ in asyncio.run(lone_server(1, 1))), "(the rule it replaces)"
+
+    async def two_servers():
+        return await asyncio.gather(*(match(n, 2, TIMEOUT, set(ids), 2) for n in nodes))
+
+    started = time.monotonic()
+    results = asyncio.run(two_servers())
+    assert time.monotonic() - started < TIMEOUT / 2
+    assert all(group is not None and list(group.members) == ids for group, _ in results), results
+    group = results[0][0]
+    assert [share > 0 for share in group.shares] == [peer in servers for peer in group.members]

@@ -322,7 +322,7 @@ def averager(loop, rounds, announcer, allreduce, groups):
     calls = []
 
     async def matchmaking(node, run_id, round_no, attempt, me_as, expected, min_size, target, timeout, *,
-                          excluded, not_waiting_for, still_in, push, verified):
+                          excluded, not_waiting_for, still_in, push, verified, min_servers=1):
         calls.append({"attempt": attempt, "excluded": set(excluded), "not_waiting_for": set(not_waiting_for),
                       "expected": set(expected)})
         members = groups.pop(0) if groups else None
@@ -331,7 +331,7 @@ def averager(loop, rounds, announcer, allreduce, groups):
         return Group.of(round_no, attempt, members, [1 / len(members)] * len(members), mix=False), len(members)
 
     recipe = SimpleNamespace(run_id="run", averaging=SimpleNamespace(
-        min_group_size=2, target_group_size=8, matchmaking_timeout=5.0, allreduce_timeout=10.0))
+        min_group_size=2, target_group_size=8, matchmaking_timeout=5.0, allreduce_timeout=10.0, group_bounds=(2, 1)))
     built = Averager(loop=loop, node=None, recipe=recipe, allreduce=allreduce, group_push=None,
                      announcer=announcer, rounds=rounds, faults=FaultPlan(None), metrics=PeerMetrics(),
                      link=LinkEstimate(), client_mode=False, flat_state=lambda: torch.zeros(4),

@@ -97,14 +97,15 @@ def bandwidth_class(bandwidth: float) -> int:
 
 
 def plan_groups(candidates: dict[str, Candidate], target_size: int, min_size: int, round_no: int,
-                attempt: int = 0) -> list[list[str]]:
+                attempt: int = 0, min_servers: int = 1) -> list[list[str]]:
     """Split this attempt's candidates into groups; a pure function, so every peer with the same view computes the
     same groups. Up to `target_size` candidates: one group, as `choose_members`; too few for two groups of
     `min_size`: one group of all of them (over the target by less than `min_size`). Otherwise all candidates,
     whatever their digest, in k = ceil(n / target_size) groups of nearly equal size. Even rounds: consecutive runs
     of the bandwidth order, so similar links average together. Odd rounds: every k-th peer in the order of (digest, bandwidth), so each group takes its members from as many
     of the previous round's groups (digests) as it can, and what each group learned spreads through the swarm:
-    with n = k * g the two layouts are the rows and columns of a grid."""
+    with n = k * g the two layouts are the rows and columns of a grid. Each group then gets `min_servers` members
+    that accept connections where the others can spare them (_give_every_group_reducers)."""
     salt = attempt_salt(round_no, attempt)
     candidates = settled(candidates, salt)
     n = len(candidates)
@@ -122,19 +123,24 @@ def plan_groups(candidates: dict[str, Candidate], target_size: int, min_size: in
         order = sorted(candidates, key=lambda peer: (candidates[peer].digest,
                                                      -bandwidth_class(candidates[peer].bandwidth), peer))
         groups = [order[i::k] for i in range(k)]
-    _give_every_group_a_reducer(groups, candidates)
+    _give_every_group_reducers(groups, candidates, min_servers)
     return [sorted(group) for group in groups]
 
 
-def _give_every_group_a_reducer(groups: list[list[str]], candidates: dict[str, Candidate]) -> None:
-    """A group of client-mode peers only could not average: swap one of them with a server of a group that has
-    two or more (deterministically: the first such group, its last server)."""
+def _give_every_group_reducers(groups: list[list[str]], candidates: dict[str, Candidate], least: int = 1) -> None:
+    """A group of client-mode peers only could not average, and one with a single server among clients is checked by
+    nobody (clients receive no reports: a verified run that refuses pairs needs two): while a group has fewer than
+    `least` servers, swap one of its clients with a server of a group that has more than `least` (deterministically:
+    the first such group, its last server)."""
+    def servers(group: list[str]) -> int:
+        return sum(not candidates[peer].client for peer in group)
+
     for group in groups:
-        if any(not candidates[peer].client for peer in group):
-            continue
-        donors = [g for g in groups if sum(not candidates[peer].client for peer in g) >= 2]
-        if not donors:
-            return
-        donor = donors[0]
-        server = [peer for peer in donor if not candidates[peer].client][-1]
-        donor[donor.index(server)], group[0] = group[0], server
+        while servers(group) < least:
+            donors = [g for g in groups if servers(g) > max(least, 1)]
+            clients = [k for k, peer in enumerate(group) if candidates[peer].client]
+            if not donors or not clients:
+                break
+            donor = donors[0]
+            server = [peer for peer in donor if not candidates[peer].client][-1]
+            donor[donor.index(server)], group[clients[0]] = group[clients[0]], server

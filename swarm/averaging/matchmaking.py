@@ -139,7 +139,7 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
                      expected: set[str], min_size: int, target_size: int, timeout: float,
                      excluded: Iterable[str] = (), not_waiting_for: Iterable[str] = (),
                      still_in: Optional[Callable[[], Optional[set[str]]]] = None,
-                     push: Optional[GroupPush] = None, verified: bool = False,
+                     push: Optional[GroupPush] = None, verified: bool = False, min_servers: int = 1,
                      tamper: Optional[Callable[[str, dict, int, int], dict]] = None) -> tuple[Optional[Group], int]:
     """Find this attempt's group: (group, others seen), with group None if no group of at least `min_size`
     formed within about `timeout` s. A peer that saw nobody else may retry under the same attempt number.
@@ -155,7 +155,9 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
     deadline for peers that will never come. With `push`, a leader also pushes its group to the members, and
     we take a group pushed to us by our leader as if read from the DHT. `verified`: the run checks its reducers
     (combinations.reducers_verified), so every entry carries a nonce commitment and a group of three or more that
-    does not carry them all is not formed. `tamper` (fault injection, faults.FaultPlan.tamper) may rewrite what we
+    does not carry them all is not formed. `min_servers`: members that accept connections a group needs (2 with
+    averaging.checked_groups: clients receive no reports, so a lone server among them, reducing every part, would
+    be checked by nobody). `tamper` (fault injection, faults.FaultPlan.tamper) may rewrite what we
     write, our entry ("entry") and the group we publish as leader ("final"); what we decide stays our own."""
     me = node.peer_id
     excluded = set(excluded) - {me}
@@ -176,10 +178,10 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
     # malformed, is not waited for until the deadline.
     malformed: set[str] = set()
     def enough(candidates: dict[str, Candidate]) -> bool:
-        # Everyone expected is here, enough of them, and one that accepts connections (clients only cannot reduce:
+        # Everyone expected is here, enough of them, and enough that accept connections (clients only cannot reduce:
         # we wait out the window for a server to come, so one that joins meanwhile averages with us).
         return expected <= set(candidates) and len(candidates) >= min_size and \
-            not all(c.client for c in candidates.values())
+            sum(not c.client for c in candidates.values()) >= min_servers
 
     while True:
         candidates = {**await _read_candidates(node, key, excluded, verified, malformed), me: me_as}
@@ -204,7 +206,7 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
     seen = len(candidates) - 1
     peaceful = settled(candidates, attempt_salt(round_no, attempt))
     vouched = lineages(peaceful)
-    groups = plan_groups(vouched, target_size, min_size, round_no, attempt)
+    groups = plan_groups(vouched, target_size, min_size, round_no, attempt, min_servers)
     members = next((group for group in groups if me in group), [])
     if not members:
         why = f"no other candidate holds my state {me_as.digest}: I re-sync once the swarm has averaged the round" \
@@ -213,10 +215,12 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
         return None, seen
     if len(members) < min_size:
         return None, seen
-    if all(candidates[peer].client for peer in members):
-        # Nobody in it accepts connections, so nobody can reduce (and the leader would publish nothing): after the
-        # window spent waiting for one, the averager says so once (averager.Averager._say_no_group).
-        logger.debug("round %d: every candidate of my group is in client mode; nobody can reduce", round_no)
+    if sum(not candidates[peer].client for peer in members) < max(min_servers, 1):
+        # Nobody in it accepts connections, so nobody can reduce (and the leader would publish nothing), or too few
+        # to check each other: after the window spent waiting for more, the averager says so once
+        # (averager.Averager._say_no_group).
+        logger.debug("round %d: fewer than %d candidates of my group accept connections", round_no,
+                     max(min_servers, 1))
         return None, seen
     leader = leader_of(members, round_no, attempt)
     if leader == me:
@@ -264,7 +268,7 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
                 return None, seen
             chosen, shares, phase_timeout, clients, mix, swarm_size, weights, commitments = \
                 mine[leader_of(mine, round_no, attempt)]
-            if len(chosen) < min_size:
+            if len(chosen) < min_size or sum(not client for client in clients) < min_servers:
                 return None, seen
             if set(chosen) - set(candidates):  # members we have not read yet (they wrote as we read)
                 candidates = {**await _read_candidates(node, key, excluded, verified, malformed), **candidates}

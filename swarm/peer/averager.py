@@ -119,16 +119,25 @@ class Averager:
     def _say_no_group(self, round_no: int, attempt: int, others_seen: int) -> None:
         """Why no group formed, in one line: too few peers for averaging.min_group_size is said once (DEBUG while it
         lasts), so a peer waiting for a partner says what it waits for instead of repeating every attempt."""
-        need = self.recipe.averaging.min_group_size
-        if self.client_mode and self._nobody_accepts_connections():
+        need, least_servers = self.recipe.averaging.group_bounds
+        servers = self._servers_online() if self.client_mode or least_servers > 1 else None
+        if self.client_mode and servers == 0:
             why = ("no peer of the swarm accepts connections: every peer online is in client mode (behind NAT or "
                    "--client-mode), so nobody can reduce the average; this peer averages as soon as one that "
                    "accepts connections joins (with a public address, a forwarded port or a router that maps ports)")
             level = logging.DEBUG if why == self._waiting_said else logging.INFO
             self._waiting_said = why
+        elif servers is not None and servers + (not self.client_mode) < least_servers:
+            why = (f"this run forms only groups whose reducers are checked (averaging.checked_groups), so a group "
+                   f"needs {least_servers} peers that accept connections, to check each other's reductions (a "
+                   f"client receives no reports), and the swarm has {servers + (not self.client_mode)}; this peer "
+                   "averages once another joins (with a public address, a forwarded port or a router that maps "
+                   "ports)")
+            level = logging.DEBUG if why == self._waiting_said else logging.INFO
+            self._waiting_said = why
         elif others_seen + 1 < need:
             why = (f"waiting for {counted(need - 1 - others_seen, 'more peer')}: this run averages in groups of at "
-                   f"least {need} (averaging.min_group_size) and matchmaking saw "
+                   f"least {need} (averaging.min_group_size, or 3 with checked_groups) and matchmaking saw "
                    f"{counted(others_seen, 'other peer')}")
             level = logging.DEBUG if why == self._waiting_said else logging.INFO
             self._waiting_said = why
@@ -137,10 +146,11 @@ class Averager:
             level, self._waiting_said = logging.INFO, ""
         logger.log(level, "round %d: %s; training on", round_no, why)
 
-    def _nobody_accepts_connections(self) -> bool:
-        """Whether some other peer trains now and every one of them announces client mode (ours we know)."""
+    def _servers_online(self) -> Optional[int]:
+        """How many other peers training now accept connections (None: no other peer trains; ours we know)."""
         live = self.announcer.live()
-        return bool(live) and all(record.client for record in live)
+        return sum(not record.client for record in live) if live else None
+
 
     def match(self, contribution: Contribution, attempt: int) -> tuple[Optional[Any], int]:
         """(the group we average with, or None; how many other peers matchmaking saw).
@@ -152,6 +162,7 @@ class Averager:
         that leave the round are no longer waited for; once the swarm has moved on without us, we stop waiting
         and re-sync."""
         r, round_no = self.recipe.averaging, contribution.round_no
+        least_members, least_servers = r.group_bounds
         rejected, unresponsive = self.rounds.excluded(round_no)
         rejected = self.faults.accusations(rejected, self.in_round(round_no), round_no)
         me_as = Candidate(contribution.digest, self.link.bandwidth, client=self.client_mode,
@@ -161,10 +172,10 @@ class Averager:
         tampering = {"tamper": self.faults.tamper} if self.faults.tampers else {}
         try:
             return self.loop.run(self.matchmaking(
-                self.node, self.recipe.run_id, round_no, attempt, me_as, self.in_round(round_no), r.min_group_size,
+                self.node, self.recipe.run_id, round_no, attempt, me_as, self.in_round(round_no), least_members,
                 r.target_group_size, r.matchmaking_timeout, excluded=rejected, not_waiting_for=unresponsive,
                 still_in=lambda: None if self.moved_on(round_no) else self.in_round(round_no),
-                push=self.group_push, verified=self.allreduce.verifiable, **tampering),
+                push=self.group_push, verified=self.allreduce.verifiable, min_servers=least_servers, **tampering),
                 timeout=3 * r.matchmaking_timeout + 30, interruptible=True)
         except TimeoutError:
             return None, 1
@@ -185,4 +196,4 @@ class Averager:
         """Whether the swarm finished this round without us and nobody is left to average it with."""
         r = self.recipe.averaging
         return self.announcer.swarm_reference().round > round_no and not self.announcer.others_still_in(
-            round_no, self.rounds.failed_peers(round_no), r.min_group_size, r.target_group_size)
+            round_no, self.rounds.failed_peers(round_no), r.group_bounds[0], r.target_group_size)
