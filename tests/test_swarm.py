@@ -148,6 +148,33 @@ def test_client_mode_peer_contributes_without_accepting_streams(swarm):
         assert all(torch.equal(t["global_after"], tensors[0]["global_after"]) for t in tensors)
 
 
+def test_checked_groups_keep_a_lone_server_from_reducing_for_clients_and_average_once_a_second_comes(swarm):
+    """averaging.checked_groups: one server and two client-mode peers form no group (the server would reduce every
+    part for clients, which receive no reports, checked by nobody), and each client says why in one line; once a
+    second server joins, the four average in groups whose reducers are the two servers, every member applying."""
+    import yaml
+    recipe = yaml.safe_load((Path(__file__).parent / "recipes" / "three.yaml").read_text())
+    recipe["averaging"].update(checked_groups=True, matchmaking_timeout=3)
+    path = swarm.workdir / "checked.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    _, maddr = swarm.bootstrap(recipe=path)
+    first = [swarm.peer(maddr, "--until-round", "2", *(["--client-mode"] if name != "server0" else []), name=name)
+             for name in ("server0", "client0", "client1")]
+    for client in first[1:]:
+        client.wait_for(r"forms only groups whose reducers are checked \(averaging.checked_groups\), so a group "
+                        r"needs 2 peers that accept connections", 120)
+    assert not any(peer.events("averaged") for peer in first), "a lone server reduced for clients"
+    second = swarm.peer(maddr, "--until-round", "2", name="server1")
+    peers = [*first, second]
+    for peer in peers:
+        assert peer.wait(240) == 0, peer.output()[-3000:]
+    servers = {peer.events("joined")[0]["peer_id"] for peer in (first[0], second)}
+    for peer in peers:
+        averaged = peer.events("averaged")
+        assert len(averaged) == 2 and all(e["group_size"] >= 3 and servers <= set(e["members"]) for e in averaged), \
+            averaged
+
+
 def test_more_peers_than_a_group_average_in_mixing_groups(swarm):
     """Four peers, groups of at most two: every round the swarm averages in two groups. Round 0 (all params equal)
     averages pseudo-gradients only, so the two groups end with different params; round 1 puts one member of each
