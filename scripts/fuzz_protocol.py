@@ -968,26 +968,29 @@ PIPE_HIDDEN, PIPE_VOCAB, PIPE_TOKENS = 4, 10, 64
 NEXT_STAGE = "QmNextStage"  # the one peer a first-stage peer here computes activations again for
 
 
-class _LastStage(torch.nn.Module):
-    """A last stage of one linear layer (what StageWorker needs: `first`, `last` and a module)."""
+class _OneLayer(torch.nn.Module):
+    """A stage of one layer (what StageWorker needs: `first`, `last` and a module): a first stage's embedding, or a
+    last stage's linear layer."""
 
-    first, last = False, True
-
-    def __init__(self):
+    def __init__(self, first: bool):
         super().__init__()
-        self.linear = torch.nn.Linear(PIPE_HIDDEN, PIPE_VOCAB)
+        self.first, self.last = first, not first
+        self.layer = torch.nn.Embedding(PIPE_VOCAB, PIPE_HIDDEN) if first else torch.nn.Linear(PIPE_HIDDEN, PIPE_VOCAB)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x)
+        return self.layer(x)
+
+
+def _worker(first: bool) -> Any:
+    from swarm.peer.pipeline.worker import StageWorker
+    stage = _OneLayer(first)
+    return StageWorker(stage, torch.optim.SGD(stage.parameters(), lr=0.0), lambda: 0.0, grad_clip=1.0)
 
 
 def _stage() -> dict:
     if "stage" not in _live:
         from swarm.peer.pipeline.server import StageServer
-        from swarm.peer.pipeline.worker import StageWorker
-        stage = _LastStage()
-        worker = StageWorker(stage, torch.optim.SGD(stage.parameters(), lr=0.0), lambda: 0.0, grad_clip=1.0)
-        server = StageServer(worker, PIPE_HIDDEN, PIPE_TOKENS, PIPE_VOCAB, _loop())
+        server = StageServer(_worker(first=False), PIPE_HIDDEN, PIPE_TOKENS, PIPE_VOCAB, _loop())
         # (the stage right after the first: it takes whole rows, and would have a share of the activations computed
         # again by the first stage's other peers; there are none here, so the sender's stand)
         server.verify = Recheck(None, "swarm.run.recompute.0-1", lambda: [], server.check, share=1.0)
@@ -1013,24 +1016,36 @@ def _stage_request_parse(value: Any) -> bool:
     """Whether the stage server computed the microbatch: a loss, then (unless it is a validation microbatch) the
     gradient of its activations; {"error": reason} is a refusal."""
     stage, variant = _stage(), _variant(value)
-    frames = variant.frames if variant.frames is not None else (stage["activations"], stage["targets"])
-    answer, refused = _run(stage["local"].ask(variant.by or "QmUpstream",
-                                              _frame(_body(variant)) + b"".join(map(_frame, frames))))
-    if stage["server"].waiting:
-        raise Misbehaved(f"holds {sum(stage['server'].waiting.values())} microbatches it answered")
-    if refused is not None:
+    served = _served(stage, variant, (stage["activations"], stage["targets"]), "QmUpstream", stage["server"].waiting)
+    if served is None:
         return False
-    answered = _frames_of(answer)
-    header = msgpack.unpackb(answered[0]) if answered else None
-    if isinstance(header, dict) and set(header) == {"error"} and isinstance(header["error"], str) and \
-            len(answered) == 1:
-        return False
+    header, answered = served
     evaluate = variant.message.get("eval") is True
     if not (isinstance(header, dict) and isinstance(header.get("loss"), float) and math.isfinite(header["loss"])
             and len(answered) == (1 if evaluate else 2)
             and (evaluate or decode(answered[1]).numel() == 2 * PIPE_HIDDEN)):
         raise Misbehaved(f"answered {_short(header)} in {len(answered)} frames")
     return True
+
+
+def _served(live: dict, variant: Variant, frames: tuple[bytes, ...], sender: str,
+            held: Counter) -> Optional[tuple[Any, list[bytes]]]:
+    """`variant` sent to a pipeline server (`live["local"]`), by `sender` unless it says otherwise, after its header
+    `frames` unless it gives its own: None when refused (a raised refusal, a closed stream, or {"error": reason}
+    alone), else (the answer's header, its frames). Misbehaved if the server still holds (`held`) what it answered."""
+    frames = variant.frames if variant.frames is not None else frames
+    answer, refused = _run(live["local"].ask(variant.by or sender,
+                                             _frame(_body(variant)) + b"".join(map(_frame, frames))))
+    if held:
+        raise Misbehaved(f"holds {sum(held.values())} requests it answered")
+    if refused is not None or not answer:  # (a stream closed with no answer: one that sent less than it said)
+        return None
+    answered = _frames_of(answer)
+    header = msgpack.unpackb(answered[0]) if answered else None
+    if isinstance(header, dict) and set(header) == {"error"} and isinstance(header["error"], str) and \
+            len(answered) == 1:
+        return None
+    return header, answered
 
 
 def _non_finite(payload: bytes, value: float) -> bytes:
@@ -1059,13 +1074,18 @@ def stage_request_others(seed: dict) -> Iterator[tuple[str, str, Any, bool]]:
     yield from _raw_frames(PIPE_HEADER_BYTES)
 
 
-def _stage_afterwards() -> Optional[str]:
-    server = _stage()["server"]
-    if not _stage_request_parse(stage_request_seed()):
-        return "refused an honest microbatch afterwards"
-    if len(server.refused) > REASONS_BOUND:
-        return f"counts its refusals by {len(server.refused)} reasons, as the senders wrote them (memory without bound)"
-    return None
+def _served_afterwards(live: str, parse: Callable[[Any], bool], seed: Callable[[], dict],
+                       what: str) -> Callable[[], Optional[str]]:
+    """A pipeline server's check once every mutation went through it (`_live[live]`): it still serves an honest
+    `what`, and counts its refusals by a bounded set of reasons."""
+    def afterwards() -> Optional[str]:
+        if not parse(seed()):
+            return f"refused an honest {what} afterwards"
+        refused = _live[live]["server"].refused
+        if len(refused) > REASONS_BOUND:
+            return f"counts its refusals by {len(refused)} reasons, as the senders wrote them (memory without bound)"
+        return None
+    return afterwards
 
 
 def _stage_answer_parse(value: Any) -> bool:
@@ -1107,25 +1127,9 @@ def stage_answer_others(seed: dict, tensor: str = "<gradient>") -> Iterator[tupl
     yield from _raw_frames(PIPE_HEADER_BYTES)
 
 
-class _FirstStage(torch.nn.Module):
-    """A first stage of one embedding (what a RecomputeServer's StageWorker needs)."""
-
-    first, last = True, False
-
-    def __init__(self):
-        super().__init__()
-        self.embedding = torch.nn.Embedding(PIPE_VOCAB, PIPE_HIDDEN)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.embedding(x)
-
-
 def _recompute() -> dict:
     if "recompute" not in _live:
-        from swarm.peer.pipeline.worker import StageWorker
-        stage = _FirstStage()
-        worker = StageWorker(stage, torch.optim.SGD(stage.parameters(), lr=0.0), lambda: 0.0, grad_clip=1.0)
-        server = RecomputeServer(worker, PIPE_TOKENS, PIPE_VOCAB, lambda: {NEXT_STAGE}, _loop())
+        server = RecomputeServer(_worker(first=True), PIPE_TOKENS, PIPE_VOCAB, lambda: {NEXT_STAGE}, _loop())
         server.round = lambda: 0
         _live["closers"].append(lambda: server._thread is not None and server._thread.shutdown())
         _live["recompute"] = {"server": server, "ids": np.zeros(2, np.int32).tobytes(),
@@ -1141,18 +1145,10 @@ def _recompute_request_parse(value: Any) -> bool:
     """Whether the first-stage peer computed the activations again: a header with its round, then the activations;
     {"error": reason} is a refusal."""
     recompute, variant = _recompute(), _variant(value)
-    frames = variant.frames if variant.frames is not None else (recompute["ids"],)
-    answer, refused = _run(recompute["local"].ask(variant.by or NEXT_STAGE,
-                                                  _frame(_body(variant)) + b"".join(map(_frame, frames))))
-    if recompute["server"].running:
-        raise Misbehaved(f"holds {sum(recompute['server'].running.values())} microbatches it answered")
-    if refused is not None or not answer:  # (a stream closed with no answer: one that sent less than it said)
+    served = _served(recompute, variant, (recompute["ids"],), NEXT_STAGE, recompute["server"].running)
+    if served is None:
         return False
-    answered = _frames_of(answer)
-    header = msgpack.unpackb(answered[0]) if answered else None
-    if isinstance(header, dict) and set(header) == {"error"} and isinstance(header["error"], str) and \
-            len(answered) == 1:
-        return False
+    header, answered = served
     if not (isinstance(header, dict) and header.get("round") == 0 and len(answered) == 2
             and decode(answered[1]).numel() == 2 * PIPE_HIDDEN):
         raise Misbehaved(f"answered {_short(header)} in {len(answered)} frames")
@@ -1170,15 +1166,6 @@ def recompute_request_others(seed: dict) -> Iterator[tuple[str, str, Any, bool]]
     yield "omit", "<ids>", sent(), False
     yield "inconsistent", "<asker>", Variant(message=seed, by="QmStranger"), False  # (not of the next stage)
     yield from _raw_frames(PIPE_HEADER_BYTES)
-
-
-def _recompute_afterwards() -> Optional[str]:
-    server = _recompute()["server"]
-    if not _recompute_request_parse(recompute_request_seed()):
-        return "refused an honest request afterwards"
-    if len(server.refused) > REASONS_BOUND:
-        return f"counts its refusals by {len(server.refused)} reasons, as the askers wrote them (memory without bound)"
-    return None
 
 
 def _recompute_answer_parse(value: Any) -> bool:
@@ -1234,7 +1221,8 @@ MESSAGE_TYPES += [
                 may_omit=frozenset({"scale", "eval", "round"}),  # (a whole batch's microbatch; one to train on; a
                 # sender's round only restarts the history its activations are held to)
                 whole=lambda v: v["shape"][0] * v["shape"][1] == 2,  # (the frames after it hold 2 tokens)
-                wire=True, max_bytes=PIPE_HEADER_BYTES, others=stage_request_others, afterwards=_stage_afterwards),
+                wire=True, max_bytes=PIPE_HEADER_BYTES, others=stage_request_others,
+                afterwards=_served_afterwards("stage", _stage_request_parse, stage_request_seed, "microbatch")),
     MessageType("stage_answer", "stage peer", lambda: {"loss": 2.5, "round": 3}, _stage_answer_parse,
                 {"loss": lambda x: isinstance(x, float) and math.isfinite(x) and x >= 0,  # (a cross-entropy)
                  "round": lambda x: x is None or isinstance(x, int) and not isinstance(x, bool) and x >= 0},
@@ -1245,7 +1233,8 @@ MESSAGE_TYPES += [
                  "codec": lambda x: isinstance(x, str) and x in ("none", "fp16", "bf16")},
                 whole=lambda v: v["shape"][0] * v["shape"][1] == 2,  # (the frame after it holds 2 ids)
                 wire=True, max_bytes=PIPE_HEADER_BYTES, others=recompute_request_others,
-                afterwards=_recompute_afterwards),
+                afterwards=_served_afterwards("recompute", _recompute_request_parse, recompute_request_seed,
+                                              "request")),
     MessageType("recompute_answer", "stage peer", lambda: {"round": 3}, _recompute_answer_parse,
                 {"round": lambda x: x is None or isinstance(x, int) and not isinstance(x, bool) and x >= 0},
                 may_omit=frozenset({"round"}),  # (an answer whose round ended while it ran says none)

@@ -13,8 +13,8 @@ import hashlib
 import math
 import statistics
 import time
-from collections import deque
-from collections.abc import Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -267,6 +267,24 @@ class Verdict:
     odd_round: Optional[str] = None
     far_round: bool = False
     evidence: str = ""
+
+
+def tally(verdict: Verdict, microbatch: str, verified: Counter, odd_rounds: Counter,
+          leave_out: Callable[[str, str], None]) -> None:
+    """What a settled comparison says about its peers (a router's answers, routing.py; a first stage's activations
+    computed again, recompute.py): the agreeing peers' probation advances (`verified`); the one outvoted is left out
+    at once (`leave_out(peer, why)`, with the evidence); one of a round far from the agreeing peers' counts a strike
+    in `odd_rounds`, and is left out at ROUND_STRIKES in a row."""
+    for peer in verdict.agreed:
+        verified[peer] += 1
+        odd_rounds.pop(peer, None)
+    if verdict.outvoted is not None:
+        leave_out(verdict.outvoted, f"outvoted on microbatch {microbatch}: {verdict.evidence}")
+    if verdict.odd_round is not None:
+        odd_rounds[verdict.odd_round] += verdict.far_round
+        if odd_rounds[verdict.odd_round] >= ROUND_STRIKES:
+            leave_out(verdict.odd_round, f"{ROUND_STRIKES} answers in a row claiming rounds far from the others', "
+                                         f"the last on microbatch {microbatch}: {verdict.evidence}")
 
 
 def microbatch_id(x: torch.Tensor, targets: torch.Tensor) -> str:

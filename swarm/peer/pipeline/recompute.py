@@ -33,8 +33,8 @@ import torch
 from swarm.compression import decode, get_codec
 from swarm.dht.frames import recv_frame, send_frame
 from swarm.dht.node import SwarmNode
-from swarm.peer.pipeline.integrity import (ACTIVATIONS, EXCLUDE_SECONDS, PROBATION, ROUND_STRIKES, Answer,
-                                           AnswerCheck, Verdict, decide, microbatch_id, same_round)
+from swarm.peer.pipeline.integrity import (ACTIVATIONS, EXCLUDE_SECONDS, PROBATION, Answer, AnswerCheck, Verdict,
+                                           decide, microbatch_id, same_round, tally)
 from swarm.peer.pipeline.routing import BUSY, HEADER_BYTES, payload_bound
 from swarm.peer.pipeline.worker import PipelineError, StageWorker
 
@@ -233,20 +233,11 @@ class Recheck:
         return Answer(peer, out, 0.0, round_no)
 
     def _settle(self, sender: str, verdict: Verdict, microbatch: str) -> Optional[str]:
-        """What a comparison says: the agreeing peers' probation advances; an outvoted peer is left out at once, a
-        sender of a round far from the agreeing peers' at ROUND_STRIKES in a row; why `sender`'s microbatch is
-        refused (None: it agreed)."""
-        for peer in verdict.agreed:
-            self.verified[peer] += 1
-            self.odd_rounds.pop(peer, None)
+        """What a comparison says (integrity.tally: probation, the outvoted left out, far rounds), and why `sender`'s
+        microbatch is refused (None: it agreed)."""
         if verdict.outvoted is not None and not self.check.is_excluded(verdict.outvoted):
             self.outvoted += 1
-            self._leave_out(verdict.outvoted, f"outvoted on microbatch {microbatch}: {verdict.evidence}")
-        if verdict.odd_round is not None:
-            self.odd_rounds[verdict.odd_round] += verdict.far_round
-            if self.odd_rounds[verdict.odd_round] >= ROUND_STRIKES:
-                self._leave_out(verdict.odd_round, f"{ROUND_STRIKES} microbatches in a row claiming rounds far from "
-                                                   f"the others', the last {microbatch}: {verdict.evidence}")
+        tally(verdict, microbatch, self.verified, self.odd_rounds, self._leave_out)
         if sender in verdict.agreed:
             return None
         if verdict.outvoted == sender:
@@ -259,6 +250,8 @@ class Recheck:
         return f"activations refused: microbatch {microbatch}: {verdict.evidence}"
 
     def _leave_out(self, peer: str, why: str) -> None:
+        if self.check.is_excluded(peer):  # (settled on two microbatches at once: one warning is enough)
+            return
         self.check.exclude(peer, why)
         self.verified.pop(peer, None)
         self.odd_rounds.pop(peer, None)

@@ -30,9 +30,9 @@ import torch
 from swarm.compression import decode, get_codec
 from swarm.dht.frames import recv_frame, send_frame
 from swarm.dht.node import SwarmNode
-from swarm.peer.pipeline.integrity import (ANSWER_RULES, EXCLUDE_SECONDS, PROBATION, ROUND_STRIKES, Answer,
-                                           AnswerCheck, Verdict, decide, microbatch_id, routing_weights, same_round,
-                                           sensitivity, smoothed)
+from swarm.peer.pipeline.integrity import (ANSWER_RULES, EXCLUDE_SECONDS, PROBATION, Answer, AnswerCheck, Verdict,
+                                           decide, microbatch_id, routing_weights, same_round, sensitivity, smoothed,
+                                           tally)
 from swarm.peer.pipeline.worker import Downstream, Evaluate, PipelineError
 from swarm.runtime import LoopThread
 
@@ -338,19 +338,10 @@ class Router:
         """What a comparison of answers says about their peers: agreed (their probation advances), outvoted (left out
         at once, with the evidence), or of a round the others were not in (not used; left out at ROUND_STRIKES in a
         row of rounds far from theirs)."""
-        for peer in verdict.agreed:
-            self.verified[peer] += 1
-            self.odd_rounds.pop(peer, None)
         if verdict.outvoted is not None and not self.check.is_excluded(verdict.outvoted):
             self.outvoted += 1
-            self._leave_out(verdict.outvoted, f"outvoted on microbatch {microbatch}: {verdict.evidence}")
-        if verdict.odd_round is None:
-            return
-        self.odd_rounds[verdict.odd_round] += verdict.far_round
-        if self.odd_rounds[verdict.odd_round] >= ROUND_STRIKES:
-            self._leave_out(verdict.odd_round, f"{ROUND_STRIKES} answers in a row claiming rounds far from the "
-                                               f"others', the last on microbatch {microbatch}: {verdict.evidence}")
-        else:
+        tally(verdict, microbatch, self.verified, self.odd_rounds, self._leave_out)
+        if verdict.odd_round is not None and not self.check.is_excluded(verdict.odd_round):
             logger.info("pipeline: stage peer %s's answer to microbatch %s was of another round, not compared: %s",
                         verdict.odd_round, microbatch, verdict.evidence)
 
