@@ -992,8 +992,9 @@ def _stage() -> dict:
         from swarm.peer.pipeline.server import StageServer
         server = StageServer(_worker(first=False), PIPE_HIDDEN, PIPE_TOKENS, PIPE_VOCAB, _loop())
         # (the stage right after the first: it takes whole rows, and would have a share of the activations computed
-        # again by the first stage's other peers; there are none here, so the sender's stand)
-        server.verify = Recheck(None, "swarm.run.recompute.0-1", lambda: [], server.check, share=1.0)
+        # again by the first stage's other peers; the sender, a client, is the only one here, so its stand)
+        server.verify = Recheck(None, "swarm.run.recompute.0-1", lambda: [("QmUpstream", True, 0)], server.check,
+                                share=1.0)
         _live["closers"].append(lambda: server._thread is not None and server._thread.shutdown())
         _live["stage"] = {"server": server, "activations": get_codec("none").encode(torch.ones(2 * PIPE_HIDDEN)),
                           "targets": np.zeros(3, np.int32).tobytes(),  # (a row of 2 inputs and 2 targets)
@@ -1070,6 +1071,7 @@ def stage_request_others(seed: dict) -> Iterator[tuple[str, str, Any, bool]]:
     yield "negative", "<targets>", sent(stage["activations"], np.full(2, -1, np.int32).tobytes()), False
     yield "inconsistent", "<targets>", sent(stage["activations"], np.zeros(1, np.int32).tobytes()), False
     yield "omit", "<inputs>", sent(stage["activations"], np.zeros(2, np.int32).tobytes()), False  # (targets alone)
+    yield "inconsistent", "<sender>", Variant(message=seed, by="QmStranger"), False  # (no first-stage peer it knows)
     yield "overlong", "<targets>", sent(stage["activations"], np.zeros(4, np.int32).tobytes()), False
     yield from _raw_frames(PIPE_HEADER_BYTES)
 

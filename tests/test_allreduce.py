@@ -238,7 +238,7 @@ def test_plan_groups_is_the_same_for_every_viewer_and_gives_every_group_a_reduce
 
 def test_plan_groups_gives_every_group_two_servers_where_the_run_checks_its_groups():
     """With min_servers 2 (averaging.checked_groups), a group holding one server among clients takes a second from a
-    group that can spare one; where none can, the group stays short (its members then form no group)."""
+    group that can spare one, and where the servers are too few for every group, there are fewer groups."""
     mbit = 125_000.0
     c = {f"p{i}": Candidate("d0", (100 - i) * mbit, client=i >= 4) for i in range(8)}  # p0..p3 servers, the fastest
     plain = plan_groups(c, 4, 3, 0)  # (even rounds: runs of the bandwidth order, so the servers land together)
@@ -246,8 +246,13 @@ def test_plan_groups_gives_every_group_two_servers_where_the_run_checks_its_grou
     checked = plan_groups(c, 4, 3, 0, min_servers=2)
     assert all(sum(not c[p].client for p in g) == 2 for g in checked), checked
     assert sorted(p for g in checked for p in g) == sorted(c)
-    short = {**c, "p2": Candidate("d0", 98 * mbit, client=True), "p3": Candidate("d0", 97 * mbit, client=True)}
-    assert sorted(sum(not short[p].client for p in g) for g in plan_groups(short, 4, 3, 0, min_servers=2)) == [0, 2]
+    # Three servers and six clients, groups of 4: three groups of one server each would leave nobody averaging;
+    # there are two groups instead, or one, whatever the round's layout, each with two servers or more.
+    few = {f"p{i}": Candidate(f"d{i % 2}", (100 - i) * mbit, client=i >= 3) for i in range(9)}
+    for round_no in range(4):
+        groups = plan_groups(few, 4, 3, round_no, min_servers=2)
+        assert all(sum(not few[p].client for p in g) >= 2 for g in groups), (round_no, groups)
+        assert sorted(p for g in groups for p in g) == sorted(few)
 
 
 def test_deadlines_follow_measured_rounds_and_grow_after_timeouts():

@@ -72,11 +72,11 @@ class _Swarm:
             recompute.round = lambda: 0
             loop.run(peer.add_stream_handler(self.protocol, recompute.handle), timeout=30)
             self.recomputes.append(recompute)
-        self.server.verify = Recheck(self.last, self.protocol, lambda: [(p.peer_id, 0) for p in self.nodes],
+        self.server.verify = Recheck(self.last, self.protocol, lambda: [(p.peer_id, False, 0) for p in self.nodes],
                                      self.server.check, share, codec="none", seed=5)
         loop.run(self.last.add_stream_handler(stage_protocol(RUN, *BOUNDS[1]), self.server.handle), timeout=30)
 
-    def send(self, k: int, seed: int, garbage: bool = False, rows: bool = True) -> str:
+    def send(self, k: int, seed: int, garbage: bool = False, rows: bool = True, claim: int = 0) -> str:
         """First-stage peer `k` sends its activations for a batch (noise of their norm with `garbage`): "ok", or why
         it was refused. The last stage's params must be unchanged by a refusal."""
         batch = _batch(seed)
@@ -89,7 +89,7 @@ class _Swarm:
         try:
             self.loop.run(routing.call_stage(self.nodes[k], self.last.peer_id, stage_protocol(RUN, *BOUNDS[1]), x,
                                              batch if rows else batch[:, 1:], "none", routing.WireMeter(), 30,
-                                             our_round=0), timeout=60)
+                                             our_round=claim), timeout=60)
             return "ok"
         except PipelineError as e:
             assert all(torch.equal(a, b) for a, b in zip(before, self.server.worker.stage.parameters())), \
@@ -159,13 +159,35 @@ def test_a_peer_lying_in_what_it_computes_again_is_outvoted_and_the_honest_sende
 
 
 def test_two_lone_first_stage_peers_that_disagree_apply_nothing_and_blame_nobody(p2p_network):
+    """Whatever round the noise sender claims (its own, the next, one far off): nothing of it is applied, and
+    nobody is left out; the claim chooses nothing and compares nothing."""
     loop, node = p2p_network
     swarm = _Swarm(loop, node, firsts=2, share=1.0)
-    why = swarm.send(1, 3, garbage=True)
-    assert "no two first-stage peers agree" in why, why
-    assert not swarm.server.check.excluded and swarm.server.verify.disputed == 1
+    for claim in (0, 1, 7):
+        why = swarm.send(1, 3 + claim, garbage=True, claim=claim)
+        assert "no two first-stage peers agree" in why, (claim, why)
+    assert not swarm.server.check.excluded and swarm.server.verify.disputed == 3
     assert swarm.send(0, 4) == "ok" and swarm.send(1, 5) == "ok", "honest microbatches of both are taken"
     assert swarm.server.worker.microbatches == 2
+
+
+def test_strangers_make_nobody_compute_and_a_peer_far_from_the_stages_round_is_not_asked(p2p_network):
+    """A sender the verifying stage does not know as a first-stage peer is told to come back (busy, so an honest
+    one just joined is not held to it), and nobody computes anything for it. A first-stage peer announcing a round
+    far from the stage's (one still at the recipe's init) is never asked to compute again."""
+    loop, node = p2p_network
+    swarm = _Swarm(loop, node, share=1.0)
+    stranger = node()
+    with torch.no_grad():
+        x = swarm.stages[0](_batch(9)[:, :-1])
+    with pytest.raises(routing.StageBusy, match="do not know you as a peer of the first stage"):
+        loop.run(routing.call_stage(stranger, swarm.last.peer_id, stage_protocol(RUN, *BOUNDS[1]), x, _batch(9),
+                                    "none", routing.WireMeter(), 30), timeout=60)
+    assert swarm.server.verify.asked == 0 and not swarm.server.worker.microbatches
+    far = swarm.nodes[2].peer_id
+    swarm.server.verify.peers = lambda: [(p.peer_id, False, 40 if p.peer_id == far else 3) for p in swarm.nodes]
+    assert [swarm.send(k, 20 + step) for step in range(4) for k in range(2)] == ["ok"] * 8
+    assert swarm.recomputes[2].served == 0 and swarm.recomputes[0].served + swarm.recomputes[1].served == 8
 
 
 def test_the_verifying_stage_takes_whole_rows_only_and_recomputes_are_served_to_the_next_stage_only(p2p_network):
@@ -181,6 +203,10 @@ def test_the_verifying_stage_takes_whole_rows_only_and_recomputes_are_served_to_
     with pytest.raises(PipelineError, match="not a peer of the next stage"):
         loop.run(ask_recompute(stranger, swarm.nodes[0].peer_id, swarm.protocol, _batch(1)[:, :-1], HIDDEN),
                  timeout=30)
+    swarm.recomputes[0].max_seq = 8
+    with pytest.raises(PipelineError, match="rows of 9 tokens, over the run's 8"):
+        loop.run(ask_recompute(swarm.last, swarm.nodes[0].peer_id, swarm.protocol,
+                               torch.zeros((1, 9), dtype=torch.long), HIDDEN), timeout=30)
     with pytest.raises(PipelineError, match="over the 64 a microbatch may hold"):
         loop.run(ask_recompute(swarm.last, swarm.nodes[0].peer_id, swarm.protocol,
                                torch.zeros((9, 8), dtype=torch.long), HIDDEN), timeout=30)

@@ -110,6 +110,8 @@ def plan_groups(candidates: dict[str, Candidate], target_size: int, min_size: in
     candidates = settled(candidates, salt)
     n = len(candidates)
     k = min(-(-n // max(target_size, 1)), n // max(min_size, 1))
+    if min_servers > 1:  # (fewer, larger groups where too few accept connections for every group to have enough)
+        k = min(k, max(sum(not c.client for c in candidates.values()) // min_servers, 1))
     if k <= 1:
         # Too few for two groups of min_size: one group a little over the target rather than peers left out.
         members = choose_members(candidates, max(target_size, n), salt)

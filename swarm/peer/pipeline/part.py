@@ -70,7 +70,7 @@ class Part:
         self.router: Optional[Router] = None
         self.server: Optional[StageServer] = None  # a serving stage's, once started
         self.recompute: Optional[RecomputeServer] = None  # a first stage's: our activations for the next stage's check
-        self._first_peers: list[tuple[str, int]] = []  # (the stage after the first: the first stage's, with rounds)
+        self._first_peers: list[tuple[str, bool, int]] = []  # (the stage after the first: the first stage's peers)
         self._next_live: set[str] = set()  # the next stage's live peers, averaging or not (who may ask us to recompute)
         limit, capacity = memory_limits(settings)
         parts = part_params(recipe, model)
@@ -162,8 +162,9 @@ class Part:
             self.router = Router(self.node, stage_protocol(self.recipe.run_id, *self.all_bounds[self.index + 1]),
                                  lambda: self._next_peers, duplicate_share=self.recipe.pipeline.duplicate_share)
         if self.first:  # the next stage's peers may ask us to compute activations again (recompute.py)
-            self.recompute = RecomputeServer(self.worker, self.recipe.data.batch_size * self.recipe.data.seq_len,
-                                             self.model.config.vocab_size, lambda: self._next_live, self.loop.loop)
+            data = self.recipe.data
+            self.recompute = RecomputeServer(self.worker, data.batch_size * data.seq_len, self.model.config.vocab_size,
+                                             lambda: self._next_live, self.loop.loop, max_seq=data.seq_len)
             self.loop.run(self.node.add_stream_handler(recompute_protocol(self.recipe.run_id, *self.bounds),
                                                        self.recompute.handle), timeout=30)
             # Each batch cut into k, and a microbatch in flight for every stage at all times, so that none waits for
@@ -193,9 +194,8 @@ class Part:
                                                        server.handle), timeout=30)
 
     def follow(self, round_no: Callable[[], int]) -> None:
-        """Give our server and router our stage's round (read on the event loop): our answers say it, so that senders
-        compare one round's, and our training microbatches say it, so that the next stage holds them to what we
-        sent in that round."""
+        """Give our server, router and recompute server our stage's round (read on the event loop): our answers and
+        training microbatches say it (so the next stage holds them to what we sent in that round)."""
         for part in (self.server, self.router, self.recompute):
             if part is not None:
                 part.round = round_no
@@ -234,8 +234,8 @@ class Part:
                     if k == self.index - 1:  # (peers that stopped announce their last round as they go offline)
                         self._upstream_rounds = [p.round for p in records if p.state not in ("joining", "syncing")]
                     if k == 0 and self.index == 1:  # (those that can compute our senders' activations again)
-                        self._first_peers = [(p.peer_id, p.round) for p in hosts[0] if p.state in TRAINING_STATES
-                                             and not p.client and p.peer_id != self.node.peer_id]
+                        self._first_peers = [(p.peer_id, p.client, p.round) for p in hosts[0]
+                                             if p.state in TRAINING_STATES and p.peer_id != self.node.peer_id]
                 if self.index + 1 < self.stages:
                     live = [p for p in hosts[self.index + 1] if p.state in TRAINING_STATES and not p.client
                             and p.peer_id != self.node.peer_id]

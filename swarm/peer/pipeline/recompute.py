@@ -21,6 +21,7 @@ import asyncio
 import concurrent.futures
 import logging
 import random
+import statistics
 from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from swarm.compression import decode, get_codec
 from swarm.dht.frames import recv_frame, send_frame
 from swarm.dht.node import SwarmNode
 from swarm.peer.pipeline.integrity import (ACTIVATIONS, EXCLUDE_SECONDS, PROBATION, Answer, AnswerCheck, Verdict,
-                                           decide, microbatch_id, same_round, tally)
+                                           decide, microbatch_id, tally)
 from swarm.peer.pipeline.routing import BUSY, HEADER_BYTES, payload_bound
 from swarm.peer.pipeline.worker import PipelineError, StageWorker
 
@@ -89,8 +90,9 @@ class RecomputeServer:
 
     def __init__(self, worker: StageWorker, max_tokens: int, vocab_size: int, allowed: Callable[[], Collection[str]],
                  loop: asyncio.AbstractEventLoop, max_running: int = MAX_RECOMPUTING,
-                 max_per_asker: int = MAX_PER_ASKER):
+                 max_per_asker: int = MAX_PER_ASKER, max_seq: Optional[int] = None):
         self.worker, self.max_tokens, self.vocab_size, self.allowed = worker, max_tokens, vocab_size, allowed
+        self.max_seq = max_seq  # the longest row (the recipe's seq_len: attention costs its square)
         self.loop, self.max_running, self.max_per_asker = loop, max_running, max_per_asker
         self.round: Optional[Callable[[], int]] = None
         self.running: Counter = Counter()
@@ -105,29 +107,35 @@ class RecomputeServer:
                 header = msgpack.unpackb(await recv_frame(reader, HEADER_BYTES))
                 shape = header.get("shape") if isinstance(header, dict) else None
                 codec = header.get("codec") if isinstance(header, dict) else None
-                problem = self._check(remote, shape, codec)
+                problem = self._check(remote, shape, codec) or self._busy(remote)
                 if problem is not None:
-                    self.refused[problem.split(":")[0] if problem.startswith(BUSY) else "request"] += 1
+                    self.refused[BUSY if problem.startswith(BUSY) else "request"] += 1
                     await send_frame(writer, msgpack.packb({"error": problem}))
                     return
                 b, t = shape
-                self.running[remote] += 1
-                held = True
-                ids = await recv_frame(reader, 4 * b * t)
+                ids = await recv_frame(reader, 4 * b * t)  # (before a slot is taken: an asker that stalls holds none)
                 inputs = torch.from_numpy(np.frombuffer(ids, dtype=np.int32).astype(np.int64)) \
                     if len(ids) == 4 * b * t else None
-                if inputs is None or inputs.min() < 0 or inputs.max() >= self.vocab_size:
-                    self.refused["request"] += 1
-                    await send_frame(writer, msgpack.packb({"error": "token ids malformed"}))
+                problem = "token ids malformed" if inputs is None or inputs.min() < 0 or \
+                    inputs.max() >= self.vocab_size else self._busy(remote)
+                if problem is not None:
+                    self.refused[BUSY if problem.startswith(BUSY) else "request"] += 1
+                    await send_frame(writer, msgpack.packb({"error": problem}))
                     return
+                self.running[remote] += 1
+                held = True
                 if self._thread is None:
                     self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="recompute")
                 round_before = self.round() if self.round is not None else None
-                out = await self.loop.run_in_executor(self._thread, self.worker.output, inputs.reshape(b, t))
+                # (the copy to the CPU and the encoding in that thread too: on a GPU they wait for the forward)
+                payload = await self.loop.run_in_executor(self._thread, lambda: get_codec(codec).encode(
+                    self.worker.output(inputs.reshape(b, t)).detach().float().reshape(-1).cpu()))
                 round_no = self.round() if self.round is not None else None
-                payload = get_codec(codec).encode(out.detach().float().reshape(-1).cpu())
-                await send_frame(writer, msgpack.packb(
-                    {"round": round_no} if round_no is not None and round_no == round_before else {}))
+                if round_no != round_before:  # (an outer step moved our params meanwhile: no answer of one state)
+                    self.refused[BUSY] += 1
+                    await send_frame(writer, msgpack.packb({"error": f"{BUSY}: our round ended while we computed"}))
+                    return
+                await send_frame(writer, msgpack.packb({} if round_no is None else {"round": round_no}))
                 await send_frame(writer, payload)
                 self.served += 1
         except asyncio.TimeoutError:
@@ -152,8 +160,13 @@ class RecomputeServer:
             return "shape is not (batch, tokens)"
         if shape[0] * shape[1] > self.max_tokens:
             return f"{shape[0] * shape[1]} tokens, over the {self.max_tokens} a microbatch may hold"
+        if self.max_seq is not None and shape[1] > self.max_seq:
+            return f"rows of {shape[1]} tokens, over the run's {self.max_seq}"
         if not isinstance(codec, str) or codec not in CODECS:
             return f"codec {codec!r} is not one for activations ({', '.join(CODECS)})"
+        return None
+
+    def _busy(self, remote: str) -> Optional[str]:
         if self.running[remote] >= self.max_per_asker:
             return f"{BUSY}: {self.running[remote]} microbatches of yours are computed again already"
         if sum(self.running.values()) >= self.max_running:
@@ -164,21 +177,25 @@ class RecomputeServer:
 @dataclass
 class Recheck:
     """The side of the stage right after the first: `judge` holds a sender's training activations to another
-    first-stage peer's for the same token ids (see the module). `peers()` lists the first stage's peers that can
-    compute again (not clients), with the round each announces; one in the sender's claimed round is asked where
-    there is one. The outvoted are left out in `check` (the server's check of its senders). `share` is the recipe's
-    pipeline.duplicate_share (0: nothing is computed again)."""
+    first-stage peer's for the same token ids (see the module). `peers()` lists the first stage's training peers,
+    each with whether it is a client (it accepts no streams, so it cannot compute again) and the round it announces;
+    a sender it does not list is told to come back (busy), so that strangers make nobody compute. Those asked are
+    drawn at random among the others that announce a round within one of the stage's median (a peer still at the
+    recipe's init, which could not sync, computes nothing for anyone), whatever round the sender says it is in: the
+    rule is loose enough for peers a round apart, and a sender's claim chooses nothing. The outvoted are left out in
+    `check` (the server's check of its senders). `share` is the recipe's pipeline.duplicate_share (0: nothing is
+    computed again)."""
 
     node: SwarmNode
     protocol: str
-    peers: Callable[[], list[tuple[str, Optional[int]]]]
+    peers: Callable[[], list[tuple[str, bool, int]]]
     check: AnswerCheck
     share: float
     codec: str = "fp16"
     timeout: float = RECOMPUTE_SECONDS
     seed: Optional[int] = None
     verified: Counter = field(default_factory=Counter)  # sender -> its activations that agreed with another's
-    odd_rounds: Counter = field(default_factory=Counter)  # sender -> its microbatches in a row of a far round
+    odd_rounds: Counter = field(default_factory=Counter)  # (tally's: no round is compared here, so it stays empty)
     asked: int = 0  # microbatches we asked a first-stage peer to compute again
     compared: int = 0
     disputed: int = 0  # no two agreed: nothing applied
@@ -192,45 +209,48 @@ class Recheck:
         another peer's, and then a `share` of them, drawn at random."""
         return self.share > 0 and (self.verified[sender] < PROBATION or self._random.random() < self.share)
 
-    async def judge(self, sender: str, x: torch.Tensor, inputs: torch.Tensor, claimed: Optional[int]) -> Optional[str]:
-        """None: `sender`'s activations `x` (b, t, h) for the token ids `inputs` (b, t), of its stage's round
-        `claimed`, may be trained on. Otherwise why not (one line, with the numbers): no two first-stage peers agree
-        on them, or they disagree with two that agree (then `sender` is left out), or they claim a round those two
-        were not in. With no other first-stage peer to ask, or when it does not answer, they stand."""
+    async def judge(self, sender: str, x: torch.Tensor, rows: torch.Tensor) -> Optional[str]:
+        """None: `sender`'s activations `x` (b, t, h) for the whole rows of token ids `rows` (b, t + 1) may be trained
+        on. Otherwise why not (one line, with the numbers): `sender` is no first-stage peer we know of (yet: busy),
+        no two first-stage peers agree on them, or they disagree with two that agree (then `sender` is left out).
+        With no other first-stage peer to ask, or when it does not answer, they stand."""
+        if sender not in {peer for peer, _, _ in self.peers()}:
+            return f"{BUSY}: we do not know you as a peer of the first stage (yet); try again in a moment"
         if not self.sampled(sender):
             return None
-        first = Answer(sender, x, 0.0, claimed)
-        second = await self._another({sender}, inputs, x.shape[-1], claimed)
+        inputs = rows[:, :-1]
+        first = Answer(sender, x, 0.0)
+        second = await self._another({sender}, inputs, x.shape[-1])
         if second is None:
             return None
         self.compared += 1
         verdict = decide(first, second, agreement=ACTIVATIONS)
         if verdict.use is None:
-            third = await self._another({sender, second.peer}, inputs, x.shape[-1], claimed)
-            if third is None and not same_round(first, second):  # (nothing to compare with, as without a second)
-                return None
+            third = await self._another({sender, second.peer}, inputs, x.shape[-1])
             verdict = decide(first, second, third, ACTIVATIONS) if third is not None else verdict
-        return self._settle(sender, verdict, microbatch_id(x, inputs))
+        return self._settle(sender, verdict, microbatch_id(x, rows))
 
-    async def _another(self, exclude: set[str], inputs: torch.Tensor, hidden: int,
-                       claimed: Optional[int]) -> Optional[Answer]:
-        """The activations one more first-stage peer, not one of `exclude`, computes for `inputs` (one announcing
-        the round `claimed` where there is one); None when there is none, or it fails (the comparison is lost)."""
-        candidates = [(peer, round_no) for peer, round_no in self.peers()
-                      if peer not in exclude and not self.check.is_excluded(peer)]
-        pool = [peer for peer, round_no in candidates if round_no == claimed] or [peer for peer, _ in candidates]
+    async def _another(self, exclude: set[str], inputs: torch.Tensor, hidden: int) -> Optional[Answer]:
+        """The activations one more first-stage peer, not one of `exclude` and drawn at random, computes for
+        `inputs`; None when there is none, or it fails (the comparison is lost). Its round is left out: activations
+        are compared whatever round each was computed in."""
+        servers = [(peer, round_no) for peer, client, round_no in self.peers() if not client]
+        if not servers:
+            return None
+        middle = statistics.median_low(round_no for _, round_no in servers)
+        pool = [peer for peer, round_no in servers if abs(round_no - middle) <= 1 and peer not in exclude
+                and not self.check.is_excluded(peer)]
         if not pool:
             return None
-        peer = self._random.choice(pool)
+        peer = self._random.choice(sorted(pool))
         self.asked += 1
         try:
-            out, round_no = await ask_recompute(self.node, peer, self.protocol, inputs, hidden, self.codec,
-                                                self.timeout)
+            out, _ = await ask_recompute(self.node, peer, self.protocol, inputs, hidden, self.codec, self.timeout)
         except Exception as e:  # noqa: BLE001 - a peer that cannot compute it again compares nothing
             logger.info("first-stage peer %s did not compute a microbatch again (%s)", peer[-8:],
                         str(e).splitlines()[0] if str(e) else type(e).__name__)
             return None
-        return Answer(peer, out, 0.0, round_no)
+        return Answer(peer, out, 0.0)
 
     def _settle(self, sender: str, verdict: Verdict, microbatch: str) -> Optional[str]:
         """What a comparison says (integrity.tally: probation, the outvoted left out, far rounds), and why `sender`'s

@@ -130,7 +130,7 @@ class StageServer:
                     x = decode(payload)
                 except ValueError:  # CodecError: not a payload of any codec
                     x = torch.zeros(0)
-                inputs, targets, problem = self._rows(ids, b, t)
+                rows, targets, problem = self._rows(ids, b, t)
                 if problem is None and (x.numel() != b * t * h or not torch.isfinite(x).all()):
                     problem = "activations or targets malformed"
                 if problem is not None:
@@ -139,7 +139,7 @@ class StageServer:
                     return
                 problem = self._judge(remote, x, judged=not evaluate, claimed=claimed)
                 if problem is None and self.verify is not None and not evaluate:
-                    problem = await self.verify.judge(remote, x.reshape(b, t, h), inputs, claimed)
+                    problem = await self.verify.judge(remote, x.reshape(b, t, h), rows)
                     self.refused["recomputed"] += problem is not None
                 if problem is not None:
                     self.refused["activations"] += 1
@@ -206,21 +206,21 @@ class StageServer:
     def _rows(self, ids: bytes, b: int, t: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[str]]:
         """The token ids of a microbatch of `b` rows of `t` tokens: its targets (b, t), or its whole rows (b, t + 1),
         of which the targets are the last t and the inputs the first t (what a first stage sends, so that the stage
-        after it can have the activations computed again: `verify`, which needs them). Returns (the inputs, or None;
-        the targets; None), or (None, None, what is wrong)."""
-        rows = len(ids) == 4 * b * (t + 1)
-        if len(ids) != 4 * b * t and not rows:
+        after it can have the activations computed again: `verify`, which needs them). Returns (the whole rows, or
+        None; the targets; None), or (None, None, what is wrong)."""
+        whole = len(ids) == 4 * b * (t + 1)
+        if len(ids) != 4 * b * t and not whole:
             return None, None, "activations or targets malformed"
-        if self.verify is not None and not rows:
+        if self.verify is not None and not whole:
             return None, None, ("the stage after the first takes the whole rows of token ids (inputs and targets), "
                                 "so that other first-stage peers can compute the activations again: update swarm")
         ids = torch.from_numpy(np.frombuffer(ids, dtype=np.int32).astype(np.int64))
         if ids.min() < 0 or ids.max() >= self.vocab_size:
             return None, None, "activations or targets malformed"
-        if not rows:
+        if not whole:
             return None, ids.reshape(b, t), None
-        ids = ids.reshape(b, t + 1)
-        return ids[:, :-1], ids[:, 1:], None
+        rows = ids.reshape(b, t + 1)
+        return rows, rows[:, 1:], None
 
     def _loss_check(self, remote: str) -> Accept:
         """What the training thread calls with the loss of a microbatch from `remote` before it applies anything:
