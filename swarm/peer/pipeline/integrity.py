@@ -228,11 +228,12 @@ class Agreement:
 
 ANSWERS = Agreement()  # a next stage's input-gradients (above)
 # A first stage's activations recomputed by another of its peers (recompute.py). Two copies of the first stage of
-# tests/recipes/stages.yaml's model, stepped on different text from one point, gave activations of cosine 0.74 and
-# 0.54 after 64 and 300 steps each from the recipe's init, 0.95 and 0.87 from 300 steps in, and 0.20 where one had
-# taken no step and the other 300 (their norms then 1/100 of each other: no norm is held to another's here, the
-# sender's own history holds its scale, server.py); noise of their norm: 0.009. Held to 0.1 at most, for tiny
-# microbatches (noise then passes about once in a hundred: 2.3 sigmas of 512 values).
+# tests/recipes/stages.yaml's model, stepped on different batches of the bundled corpus from one point, gave
+# activations (8,192 values, threshold 0.066) of cosine 0.54 and 0.39 after 64 and 300 steps each from the recipe's
+# init, 0.91 and 0.88 from 300 steps in, and 0.14 to 0.29 where one had taken 0 or 10 steps and the other 64 or
+# 300 (their norms then 1/14 to 1/90 of each other: no norm is held to another's here, the sender's own history
+# holds its scale, server.py); noise of their norm: 0.014 and 0.003 (scripts/bench_drift.py). Held to 0.1 at most,
+# for tiny microbatches (noise then passes about once in a hundred: 2.3 sigmas of 512 values).
 ACTIVATIONS = Agreement(norm_factor=math.inf, cosine_cap=0.1, what="activation")
 PROBATION = MIN_ANSWERS  # a peer's answers are all computed twice until this many agreed with another peer's
 # Peers of a stage are one round apart for a while, honestly: one averaged while another waits in matchmaking or
