@@ -199,6 +199,9 @@ def test_the_verifying_stage_takes_whole_rows_only_and_recomputes_are_served_to_
     swarm = _Swarm(loop, node)
     why = swarm.send(0, 1, rows=False)
     assert "whole rows of token ids" in why and "update swarm" in why, why
+    swarm.server.max_seq = 4  # (attention costs the square of a row: rows past the run's seq_len are refused)
+    assert "rows of 8 tokens, over the run's 4" in swarm.send(0, 1)
+    swarm.server.max_seq = None
     stranger = node()
     with pytest.raises(PipelineError, match="not a peer of the next stage"):
         loop.run(ask_recompute(stranger, swarm.nodes[0].peer_id, swarm.protocol, _batch(1)[:, :-1], HIDDEN),

@@ -186,7 +186,7 @@ class Part:
                                    self.work.answer, window=2 * max(self.settings.microbatches, 1))
             # Senders are judged by their microbatches' losses only where the loss is ours (the last stage) and they
             # computed from tokens (the first): a last stage after a middle one would blame an honest middle peer.
-            server.judge_losses = self.index == 1 and self.stages == 2
+            server.judge_losses, server.max_seq = self.index == 1 and self.stages == 2, data.seq_len
             if self.index == 1:  # the first stage's activations, a share of them computed again by its other peers
                 server.verify = Recheck(self.node, recompute_protocol(self.recipe.run_id, *self.all_bounds[0]),
                                         lambda: self._first_peers, server.check, self.recipe.pipeline.duplicate_share)

@@ -73,6 +73,7 @@ class StageServer:
         self.lie = lie
         self.round: Optional[Callable[[], int]] = None
         self.worker, self.hidden, self.max_tokens, self.vocab_size = worker, hidden, max_tokens, vocab_size
+        self.max_seq: Optional[int] = None  # the longest row a microbatch may hold (a peer's: its recipe's seq_len)
         self.loop, self.downstream, self.timeout = loop, downstream, timeout
         # Where the worker runs a microbatch: by default in a thread of the server's own, one at a time; a peer hands
         # it to its training thread instead (swarm/peer/pipeline/part.py), which also takes its outer steps.
@@ -250,6 +251,8 @@ class StageServer:
             return f"hidden size {shape[2]}, not {self.hidden}"
         if shape[0] * shape[1] > self.max_tokens:
             return f"{shape[0] * shape[1]} tokens, over the {self.max_tokens} a microbatch may hold"
+        if self.max_seq is not None and shape[1] > self.max_seq:  # (attention costs the square of a row's length)
+            return f"rows of {shape[1]} tokens, over the run's {self.max_seq}"
         if not isinstance(codec, str) or codec not in ("none", "fp16", "bf16", "int8"):
             return f"codec {codec!r} is not one for activations (none, fp16, bf16, int8)"
         return None
