@@ -333,3 +333,28 @@ def test_a_run_of_checked_groups_forms_none_with_a_lone_server_among_clients_and
     assert all(group is not None and list(group.members) == ids for group, _ in results), results
     group = results[0][0]
     assert [share > 0 for share in group.shares] == [peer in servers for peer in group.members]
+
+
+def test_a_peer_that_never_came_is_waited_for_only_as_long_as_its_patience_and_reported_missed():
+    """A peer announced in the round that writes no entry (a liar whose heartbeat says it trains, or one stuck)
+    kept every attempt waiting the whole window. With a patience of 1 s for it (Averager halves it each matchmaking
+    it misses), the others form their group after about 1 s, and report it missed; the peers that came are
+    reported as come."""
+    board = Board()
+    nodes = [FakeNode(board) for _ in range(3)]
+    ghost = FakeNode(board).peer_id  # (never writes an entry)
+    ids = {n.peer_id for n in nodes}
+    attendances = [{} for _ in nodes]
+
+    async def main():
+        return await asyncio.gather(*(
+            form_group(n, "run", 1, 0, Candidate(DIGEST, 1.0, client=False, weight=1.0), ids | {ghost} - {n.peer_id},
+                       2, 4, TIMEOUT, patience={ghost: 1.0}, attendance=attendance)
+            for n, attendance in zip(nodes, attendances)))
+
+    started = time.monotonic()
+    results = asyncio.run(main())
+    assert 1.0 <= time.monotonic() - started < TIMEOUT / 4
+    assert all(group is not None and set(group.members) == ids for group, _ in results), results
+    for n, attendance in zip(nodes, attendances):
+        assert attendance == {"came": ids - {n.peer_id}, "missed": {ghost}}, attendance

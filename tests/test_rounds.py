@@ -322,7 +322,8 @@ def averager(loop, rounds, announcer, allreduce, groups):
     calls = []
 
     async def matchmaking(node, run_id, round_no, attempt, me_as, expected, min_size, target, timeout, *,
-                          excluded, not_waiting_for, still_in, push, verified, min_servers=1):
+                          excluded, not_waiting_for, still_in, push, verified, min_servers=1, patience=None,
+                          attendance=None):
         calls.append({"attempt": attempt, "excluded": set(excluded), "not_waiting_for": set(not_waiting_for),
                       "expected": set(expected)})
         members = groups.pop(0) if groups else None
@@ -337,6 +338,30 @@ def averager(loop, rounds, announcer, allreduce, groups):
                      link=LinkEstimate(), client_mode=False, flat_state=lambda: torch.zeros(4),
                      matchmaking=matchmaking)
     return built, calls
+
+
+def test_a_peer_that_never_comes_is_waited_for_half_as_long_each_time_and_fully_again_once_it_comes(loop):
+    """The averager's patience with a peer that was waited for in vain: the whole window, then half of it each
+    matchmaking it misses again, the whole window once it comes; at most MAX_NO_SHOWS peers remembered."""
+    from swarm.peer import averager as averager_module
+    rounds, announcer = machine(), FakeAnnouncer()
+    built, calls = averager(loop, rounds, announcer, FakeAllReduce([]), [])
+    patiences = []
+
+    async def matchmaking(*args, patience=None, attendance=None, **kwargs):
+        patiences.append(dict(patience))
+        attendance.update(script.pop(0))
+        return None, 0
+
+    built.matchmaking = matchmaking
+    script = [{"came": {"a"}, "missed": {"ghost"}}, {"came": {"a"}, "missed": {"ghost"}}, {"came": {"ghost"}}, {}]
+    contribution = SimpleNamespace(round_no=3, digest="d" * 16, weight=1.0)
+    for attempt in range(4):
+        built.match(contribution, attempt)
+    assert patiences == [{}, {"ghost": 2.5}, {"ghost": 1.25}, {}], patiences
+    for k in range(averager_module.MAX_NO_SHOWS + 5):
+        built._attended({"missed": {f"p{k}"}})
+    assert len(built.no_shows) == averager_module.MAX_NO_SHOWS and "p0" not in built.no_shows
 
 
 def test_the_averager_redoes_a_round_at_once_without_the_member_that_failed(loop):

@@ -140,6 +140,7 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
                      excluded: Iterable[str] = (), not_waiting_for: Iterable[str] = (),
                      still_in: Optional[Callable[[], Optional[set[str]]]] = None,
                      push: Optional[GroupPush] = None, verified: bool = False, min_servers: int = 1,
+                     patience: Optional[dict[str, float]] = None, attendance: Optional[dict[str, set[str]]] = None,
                      tamper: Optional[Callable[[str, dict, int, int], dict]] = None) -> tuple[Optional[Group], int]:
     """Find this attempt's group: (group, others seen), with group None if no group of at least `min_size`
     formed within about `timeout` s. A peer that saw nobody else may retry under the same attempt number.
@@ -157,12 +158,18 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
     (combinations.reducers_verified), so every entry carries a nonce commitment and a group of three or more that
     does not carry them all is not formed. `min_servers`: members that accept connections a group needs (2 with
     averaging.checked_groups: clients receive no reports, so a lone server among them, reducing every part, would
-    be checked by nobody). `tamper` (fault injection, faults.FaultPlan.tamper) may rewrite what we
+    be checked by nobody). `patience`: seconds we wait at most for an expected peer (the whole window for one not
+    named: Averager shortens it for a peer that never came in the rounds before). `attendance`, when given, gets
+    "came" (the candidates we decided with) and "missed" (expected peers, still in the round by their
+    announcements, whose entry never came). `tamper` (fault injection, faults.FaultPlan.tamper) may rewrite what we
     write, our entry ("entry") and the group we publish as leader ("final"); what we decide stays our own."""
     me = node.peer_id
     excluded = set(excluded) - {me}
     expected = set(expected) - excluded - set(not_waiting_for)
-    deadline = time.monotonic() + timeout
+    awaited, in_round = set(expected), set(expected)  # (whom we waited for; of them, those still in the round)
+    started = time.monotonic()
+    deadline = started + timeout
+    patience = patience or {}
     key = group_key(run_id, round_no, attempt)
     ttl = 3 * timeout + 30
     me_as = replace(me_as, excluded=tuple(sorted(excluded)))
@@ -186,14 +193,17 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
     while True:
         candidates = {**await _read_candidates(node, key, excluded, verified, malformed), me: me_as}
         expected -= malformed - set(candidates)
+        waited = time.monotonic() - started
+        expected -= {peer for peer in expected if peer not in candidates and patience.get(peer, timeout) <= waited}
         if enough(candidates):
             break
         if still_in is not None:
-            in_round = still_in()
-            if in_round is None:
+            now_in = still_in()
+            if now_in is None:
                 logger.info("round %d: the swarm moved on while I waited for a group", round_no)
                 return None, max(len(candidates) - 1, 1)
-            expected &= in_round | set(candidates)
+            in_round &= now_in | set(candidates)
+            expected &= now_in | set(candidates)
             if enough(candidates):
                 break
         if time.monotonic() >= deadline:
@@ -201,8 +211,12 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
             await asyncio.sleep(SETTLE_SECONDS)
             candidates = {**await _read_candidates(node, key, excluded, verified, malformed), me: me_as}
             break
-        await asyncio.sleep(poll)
+        await asyncio.sleep(min(poll, max(deadline - time.monotonic(), 0.0), *(
+            max(patience[peer] - (time.monotonic() - started), 0.0) + 0.01 for peer in expected if peer in patience)))
         poll = min(poll * 1.5, POLL_SECONDS)
+    if attendance is not None:
+        attendance["came"] = set(candidates) - {me}
+        attendance["missed"] = (awaited & in_round) - set(candidates) - malformed
     seen = len(candidates) - 1
     peaceful = settled(candidates, attempt_salt(round_no, attempt))
     vouched = lineages(peaceful)

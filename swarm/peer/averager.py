@@ -23,6 +23,7 @@ from swarm.words import counted
 
 logger = logging.getLogger("swarm.peer")
 DEFAULT_BANDWIDTH = 12.5e6  # bytes/s (100 Mbit/s) until the first all-reduce measures the real link
+MAX_NO_SHOWS = 1024  # peers a peer remembers as no-shows (see Averager.no_shows): Sybil records are many
 
 
 @dataclass
@@ -58,6 +59,10 @@ class Averager:
         self.events = events if events is not None else EventLog()
         self.stopping = stopping  # set by a stop signal: no new attempt starts after it
         self._waiting_said = ""  # what the last "no group" line said, so a peer waiting alone says it once
+        # peer -> matchmakings in a row it was waited for, in its round by its announcements, and never came: we
+        # wait half as long for it each time (a peer that announces itself and never comes, a liar or one stuck,
+        # cost every round the whole window), and the whole window again once it comes
+        self.no_shows: dict[str, int] = {}
 
     def reduce(self, contribution: Contribution, attempt: int) -> Outcome:
         """Matchmaking and all-reduce of `contribution`, starting at `attempt`; redone at once (a new attempt)
@@ -170,15 +175,29 @@ class Averager:
                           commitment=self.allreduce.commitment(round_no, attempt))
         # (an injected fault that rewrites what we write; named only then, so a matchmaking of a test's stays as is)
         tampering = {"tamper": self.faults.tamper} if self.faults.tampers else {}
+        patience = {peer: r.matchmaking_timeout / 2 ** count for peer, count in self.no_shows.items()}
+        attendance: dict[str, set[str]] = {}
         try:
             return self.loop.run(self.matchmaking(
                 self.node, self.recipe.run_id, round_no, attempt, me_as, self.in_round(round_no), least_members,
                 r.target_group_size, r.matchmaking_timeout, excluded=rejected, not_waiting_for=unresponsive,
                 still_in=lambda: None if self.moved_on(round_no) else self.in_round(round_no),
-                push=self.group_push, verified=self.allreduce.verifiable, min_servers=least_servers, **tampering),
+                push=self.group_push, verified=self.allreduce.verifiable, min_servers=least_servers,
+                patience=patience, attendance=attendance, **tampering),
                 timeout=3 * r.matchmaking_timeout + 30, interruptible=True)
         except TimeoutError:
             return None, 1
+        finally:
+            self._attended(attendance)
+
+    def _attended(self, attendance: dict[str, set[str]]) -> None:
+        """Count the peers a matchmaking waited for in vain (`no_shows`), and forget those that came."""
+        for peer in attendance.get("came", ()):
+            self.no_shows.pop(peer, None)
+        for peer in attendance.get("missed", ()):
+            self.no_shows[peer] = self.no_shows.pop(peer, 0) + 1  # (re-inserted: the oldest first, for the bound)
+        while len(self.no_shows) > MAX_NO_SHOWS:
+            del self.no_shows[next(iter(self.no_shows))]
 
     def run(self, group, contribution: Contribution):
         """The all-reduce itself; a mixing group (members of different global params) also averages the params
