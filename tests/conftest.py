@@ -165,10 +165,9 @@ def http_get(url: str, method: str = "GET") -> tuple[int, dict, bytes]:
         return e.code, dict(e.headers), e.read()
 
 
-@pytest.fixture
-def p2p_network():
+def _p2p_network():
     """(loop, add): `add()` starts one more real node on 127.0.0.1 (its own p2pd), bootstrapped from the first;
-    every node is shut down at the end of the test."""
+    every node is shut down at the end."""
     from swarm.dht.node import NetworkOptions, SwarmNode
     from swarm.runtime import LoopThread
 
@@ -184,6 +183,12 @@ def p2p_network():
     for node in nodes:
         node.shutdown()
     loop.close()
+
+
+p2p_network = pytest.fixture(_p2p_network)
+# (the same, once for a whole test module: for tests that each register their own protocols on a few nodes, whose
+# start, a p2pd and a DHT process each, would otherwise cost every test a second or so a node)
+p2p_network_shared = pytest.fixture(_p2p_network, scope="module", name="p2p_network_shared")
 
 
 def wait_until(condition, timeout: float, step: float = 0.02) -> bool:

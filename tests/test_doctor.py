@@ -355,6 +355,7 @@ def test_json_output_is_one_document_for_scripts():
 
 
 # ---- against a real swarm ---------------------------------------------------------------------------------------
+@pytest.mark.slow  # (a real bootstrap and peers: 10-19 s, the full suite runs it)
 def test_a_bootstrap_of_a_different_run(swarm):
     """Everything else passes, the dial-back through the real bootstrap included; only the run differs."""
     _, maddr = swarm.bootstrap()
@@ -369,6 +370,7 @@ def test_a_bootstrap_of_a_different_run(swarm):
         assert any(line.startswith(f"ok      {name}: ") for line in lines), (name, lines)
 
 
+@pytest.mark.slow  # (a real bootstrap and peers: 10-19 s, the full suite runs it)
 def test_an_identity_in_use_by_a_live_peer(swarm):
     _, maddr = swarm.bootstrap()
     identity = swarm.workdir / "peer.id"
@@ -380,6 +382,7 @@ def test_an_identity_in_use_by_a_live_peer(swarm):
     assert check_identity(str(swarm.workdir / "other.id")).ok
 
 
+@pytest.mark.slow  # (a real bootstrap and peers: 10-19 s, the full suite runs it)
 def test_a_peer_nobody_can_dial_goes_on_in_client_mode(swarm):
     """Its announced address has nobody listening: join reports it, restarts its node in client mode by itself, and
     the swarm (bootstrap, one ordinary peer and it) completes rounds with it."""

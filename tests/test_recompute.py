@@ -10,6 +10,8 @@ knows, two microbatches each at a time."""
 from __future__ import annotations
 
 import copy
+import functools
+import itertools
 import logging
 
 import msgpack
@@ -54,18 +56,35 @@ def _drifted_copies(n: int, steps: int = 20) -> list:
     return copies
 
 
-class _Swarm:
-    """Three first-stage peers (nodes, their stage copies, their recompute servers) and a verifying last stage."""
+@functools.lru_cache(maxsize=None)
+def _copies(n: int) -> tuple:
+    return tuple(_drifted_copies(n))
 
-    def __init__(self, loop, node, firsts: int = 3, share: float = 0.25):
-        self.loop = loop
+
+@pytest.fixture(scope="module")
+def shared(p2p_network_shared):
+    """(loop, six real nodes on 127.0.0.1) for every test of this module: each test serves its protocols under a
+    run id of its own (_Swarm), so that nodes, whose start costs a second or so each, are started once."""
+    loop, add = p2p_network_shared
+    return loop, [add() for _ in range(6)]
+
+
+class _Swarm:
+    """First-stage peers (nodes, their stage copies, their recompute servers; three by default) and a verifying last
+    stage, on `shared`'s nodes, under a run id of their own."""
+
+    runs = itertools.count()
+
+    def __init__(self, shared, firsts: int = 3, share: float = 0.25):
+        loop, nodes = shared
+        self.loop, self.run = loop, f"{RUN}-{next(self.runs)}"
         self.stage1 = make_stages(_model(), BOUNDS)[1]
-        self.last = node()
+        self.last, self.stranger = nodes[0], nodes[5]
         self.server = StageServer(_worker(copy.deepcopy(self.stage1)), HIDDEN, max_tokens=64, vocab_size=VOCAB,
                                   loop=loop.loop)
-        self.protocol = recompute_protocol(RUN, *BOUNDS[0])
-        self.nodes = [node() for _ in range(firsts)]
-        self.stages = _drifted_copies(firsts)
+        self.protocol = recompute_protocol(self.run, *BOUNDS[0])
+        self.nodes = nodes[1:1 + firsts]
+        self.stages = [copy.deepcopy(stage) for stage in _copies(firsts)]
         self.recomputes = []
         for peer, stage in zip(self.nodes, self.stages):
             recompute = RecomputeServer(_worker(stage), 64, VOCAB, lambda: {self.last.peer_id}, loop.loop)
@@ -74,7 +93,7 @@ class _Swarm:
             self.recomputes.append(recompute)
         self.server.verify = Recheck(self.last, self.protocol, lambda: [(p.peer_id, False, 0) for p in self.nodes],
                                      self.server.check, share, codec="none", seed=5)
-        loop.run(self.last.add_stream_handler(stage_protocol(RUN, *BOUNDS[1]), self.server.handle), timeout=30)
+        loop.run(self.last.add_stream_handler(stage_protocol(self.run, *BOUNDS[1]), self.server.handle), timeout=30)
 
     def send(self, k: int, seed: int, garbage: bool = False, rows: bool = True, claim: int = 0) -> str:
         """First-stage peer `k` sends its activations for a batch (noise of their norm with `garbage`): "ok", or why
@@ -87,7 +106,7 @@ class _Swarm:
             x = noise * (x.norm() / noise.norm())
         before = [p.detach().clone() for p in self.server.worker.stage.parameters()]
         try:
-            self.loop.run(routing.call_stage(self.nodes[k], self.last.peer_id, stage_protocol(RUN, *BOUNDS[1]), x,
+            self.loop.run(routing.call_stage(self.nodes[k], self.last.peer_id, stage_protocol(self.run, *BOUNDS[1]), x,
                                              batch if rows else batch[:, 1:], "none", routing.WireMeter(), 30,
                                              our_round=claim), timeout=60)
             return "ok"
@@ -110,13 +129,13 @@ def test_honest_copies_of_a_first_stage_agree_and_noise_of_their_norm_does_not()
         "zeros are no computation"
 
 
-def test_noise_from_a_first_stage_peer_is_outvoted_on_its_first_microbatch_and_applied_nowhere(p2p_network, caplog):
+def test_noise_from_a_first_stage_peer_is_outvoted_on_its_first_microbatch_and_applied_nowhere(shared, caplog):
     """Peer 2 sends noise of its activations' norm from its first microbatch: the last stage has peer 0 or 1
     compute it again, they disagree, the third agrees with the other, and peer 2 is left out (one warning naming it)
     with nothing of it applied; its later microbatches are refused as left out. The honest peers' microbatches, all
     computed again while on probation and a share after, are all taken: their drift is no disagreement."""
-    loop, node = p2p_network
-    swarm = _Swarm(loop, node)
+    loop, _ = shared
+    swarm = _Swarm(shared)
     liar = swarm.nodes[2].peer_id
     outcomes = {k: [] for k in range(3)}
     with caplog.at_level(logging.WARNING, logger="swarm.peer.pipeline.recompute"):
@@ -136,12 +155,12 @@ def test_noise_from_a_first_stage_peer_is_outvoted_on_its_first_microbatch_and_a
           f"{[r.served for r in swarm.recomputes]}")
 
 
-def test_a_peer_lying_in_what_it_computes_again_is_outvoted_and_the_honest_sender_is_taken(p2p_network, caplog):
+def test_a_peer_lying_in_what_it_computes_again_is_outvoted_and_the_honest_sender_is_taken(shared):
     """Peer 2 computes again honestly nothing: it answers noise of the true activations' norm. Whenever it is asked,
     the third peer agrees with the sender, so peer 2 is left out and the sender's microbatch is taken; it is asked no
     more once left out."""
-    loop, node = p2p_network
-    swarm = _Swarm(loop, node, share=1.0)
+    loop, _ = shared
+    swarm = _Swarm(shared, share=1.0)
     liar = swarm.recomputes[2]
     honest_output = liar.worker.output
 
@@ -158,11 +177,10 @@ def test_a_peer_lying_in_what_it_computes_again_is_outvoted_and_the_honest_sende
     assert swarm.server.worker.microbatches == 12
 
 
-def test_two_lone_first_stage_peers_that_disagree_apply_nothing_and_blame_nobody(p2p_network):
+def test_two_lone_first_stage_peers_that_disagree_apply_nothing_and_blame_nobody(shared):
     """Whatever round the noise sender claims (its own, the next, one far off): nothing of it is applied, and
     nobody is left out; the claim chooses nothing and compares nothing."""
-    loop, node = p2p_network
-    swarm = _Swarm(loop, node, firsts=2, share=1.0)
+    swarm = _Swarm(shared, firsts=2, share=1.0)
     for claim in (0, 1, 7):
         why = swarm.send(1, 3 + claim, garbage=True, claim=claim)
         assert "no two first-stage peers agree" in why, (claim, why)
@@ -171,17 +189,17 @@ def test_two_lone_first_stage_peers_that_disagree_apply_nothing_and_blame_nobody
     assert swarm.server.worker.microbatches == 2
 
 
-def test_strangers_make_nobody_compute_and_a_peer_far_from_the_stages_round_is_not_asked(p2p_network):
+def test_strangers_make_nobody_compute_and_a_peer_far_from_the_stages_round_is_not_asked(shared):
     """A sender the verifying stage does not know as a first-stage peer is told to come back (busy, so an honest
     one just joined is not held to it), and nobody computes anything for it. A first-stage peer announcing a round
     far from the stage's (one still at the recipe's init) is never asked to compute again."""
-    loop, node = p2p_network
-    swarm = _Swarm(loop, node, share=1.0)
-    stranger = node()
+    loop, _ = shared
+    swarm = _Swarm(shared, share=1.0)
+    stranger = swarm.stranger
     with torch.no_grad():
         x = swarm.stages[0](_batch(9)[:, :-1])
     with pytest.raises(routing.StageBusy, match="do not know you as a peer of the first stage"):
-        loop.run(routing.call_stage(stranger, swarm.last.peer_id, stage_protocol(RUN, *BOUNDS[1]), x, _batch(9),
+        loop.run(routing.call_stage(stranger, swarm.last.peer_id, stage_protocol(swarm.run, *BOUNDS[1]), x, _batch(9),
                                     "none", routing.WireMeter(), 30), timeout=60)
     assert swarm.server.verify.asked == 0 and not swarm.server.worker.microbatches
     far = swarm.nodes[2].peer_id
@@ -190,19 +208,19 @@ def test_strangers_make_nobody_compute_and_a_peer_far_from_the_stages_round_is_n
     assert swarm.recomputes[2].served == 0 and swarm.recomputes[0].served + swarm.recomputes[1].served == 8
 
 
-def test_the_verifying_stage_takes_whole_rows_only_and_recomputes_are_served_to_the_next_stage_only(p2p_network):
+def test_the_verifying_stage_takes_whole_rows_only_and_recomputes_are_served_to_the_next_stage_only(shared):
     """A sender that leaves out the inputs of its rows (sending the targets alone, as to a later stage) is refused
     with one line saying what to do: without them nothing can be computed again, so leaving them out buys no escape.
     A first-stage peer computes again for the next stage's peers it knows only, of a bounded size, two at a time
     each."""
-    loop, node = p2p_network
-    swarm = _Swarm(loop, node)
+    loop, _ = shared
+    swarm = _Swarm(shared)
     why = swarm.send(0, 1, rows=False)
     assert "whole rows of token ids" in why and "update swarm" in why, why
     swarm.server.max_seq = 4  # (attention costs the square of a row: rows past the run's seq_len are refused)
     assert "rows of 8 tokens, over the run's 4" in swarm.send(0, 1)
     swarm.server.max_seq = None
-    stranger = node()
+    stranger = swarm.stranger
     with pytest.raises(PipelineError, match="not a peer of the next stage"):
         loop.run(ask_recompute(stranger, swarm.nodes[0].peer_id, swarm.protocol, _batch(1)[:, :-1], HIDDEN),
                  timeout=30)
