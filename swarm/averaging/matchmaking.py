@@ -211,8 +211,9 @@ async def form_group(node: SwarmNode, run_id: str, round_no: int, attempt: int, 
             await asyncio.sleep(SETTLE_SECONDS)
             candidates = {**await _read_candidates(node, key, excluded, verified, malformed), me: me_as}
             break
-        await asyncio.sleep(min(poll, max(deadline - time.monotonic(), 0.0), *(
-            max(patience[peer] - (time.monotonic() - started), 0.0) + 0.01 for peer in expected if peer in patience)))
+        await asyncio.sleep(min(poll, max(deadline - time.monotonic(), 0.0), *(  # (until a patience runs out)
+            max(patience[peer] - (time.monotonic() - started), 0.0) + 0.01 for peer in expected - set(candidates)
+            if peer in patience)))
         poll = min(poll * 1.5, POLL_SECONDS)
     if attendance is not None:
         attendance["came"] = set(candidates) - {me}
