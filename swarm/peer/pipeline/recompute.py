@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import msgpack
-import numpy as np
 import torch
 
 from swarm.compression import decode, get_codec
@@ -36,7 +35,7 @@ from swarm.dht.frames import recv_frame, send_frame
 from swarm.dht.node import SwarmNode
 from swarm.peer.pipeline.integrity import (ACTIVATIONS, EXCLUDE_SECONDS, PROBATION, Answer, AnswerCheck, Verdict,
                                            decide, microbatch_id, tally)
-from swarm.peer.pipeline.routing import BUSY, HEADER_BYTES, payload_bound
+from swarm.peer.pipeline.routing import BUSY, HEADER_BYTES, payload_bound, round_number, size_problem, token_ids
 from swarm.peer.pipeline.worker import PipelineError, StageWorker
 
 logger = logging.getLogger(__name__)
@@ -50,10 +49,6 @@ CODECS = ("none", "fp16", "bf16")
 
 def recompute_protocol(run_id: str, start: int, end: int) -> str:
     return f"swarm.{run_id}.recompute.{start}-{end}"
-
-
-def _round_number(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 async def ask_recompute(node: SwarmNode, peer: str, protocol: str, inputs: torch.Tensor, hidden: int,
@@ -71,7 +66,7 @@ async def ask_recompute(node: SwarmNode, peer: str, protocol: str, inputs: torch
                 raise PipelineError(f"first-stage peer {peer[-8:]} did not compute the microbatch again: "
                                     f"{answer.get('error') if isinstance(answer, dict) else answer!r}")
             round_no = answer.get("round")
-            if round_no is not None and not _round_number(round_no):
+            if round_no is not None and not round_number(round_no):
                 raise PipelineError(f"first-stage peer {peer[-8:]} answered a round of {round_no!r}")
             out = decode(await recv_frame(reader, payload_bound(b * t * hidden)))
             if out.numel() != b * t * hidden or not torch.isfinite(out).all():
@@ -109,19 +104,13 @@ class RecomputeServer:
                 codec = header.get("codec") if isinstance(header, dict) else None
                 problem = self._check(remote, shape, codec) or self._busy(remote)
                 if problem is not None:
-                    self.refused[BUSY if problem.startswith(BUSY) else "request"] += 1
-                    await send_frame(writer, msgpack.packb({"error": problem}))
-                    return
+                    return await self._refuse(writer, problem)
                 b, t = shape
                 ids = await recv_frame(reader, 4 * b * t)  # (before a slot is taken: an asker that stalls holds none)
-                inputs = torch.from_numpy(np.frombuffer(ids, dtype=np.int32).astype(np.int64)) \
-                    if len(ids) == 4 * b * t else None
-                problem = "token ids malformed" if inputs is None or inputs.min() < 0 or \
-                    inputs.max() >= self.vocab_size else self._busy(remote)
+                inputs = token_ids(ids, self.vocab_size) if len(ids) == 4 * b * t else None
+                problem = "token ids malformed" if inputs is None else self._busy(remote)
                 if problem is not None:
-                    self.refused[BUSY if problem.startswith(BUSY) else "request"] += 1
-                    await send_frame(writer, msgpack.packb({"error": problem}))
-                    return
+                    return await self._refuse(writer, problem)
                 self.running[remote] += 1
                 held = True
                 if self._thread is None:
@@ -132,9 +121,7 @@ class RecomputeServer:
                     self.worker.output(inputs.reshape(b, t)).detach().float().reshape(-1).cpu()))
                 round_no = self.round() if self.round is not None else None
                 if round_no != round_before:  # (an outer step moved our params meanwhile: no answer of one state)
-                    self.refused[BUSY] += 1
-                    await send_frame(writer, msgpack.packb({"error": f"{BUSY}: our round ended while we computed"}))
-                    return
+                    return await self._refuse(writer, f"{BUSY}: our round ended while we computed")
                 await send_frame(writer, msgpack.packb({} if round_no is None else {"round": round_no}))
                 await send_frame(writer, payload)
                 self.served += 1
@@ -151,6 +138,12 @@ class RecomputeServer:
                 if not self.running[remote]:
                     del self.running[remote]
 
+    async def _refuse(self, writer: asyncio.StreamWriter, problem: str) -> None:
+        """Answer `problem` (one line), counted by kind ("busy" or "request": never by the text, which quotes what
+        the asker wrote)."""
+        self.refused[BUSY if problem.startswith(BUSY) else "request"] += 1
+        await send_frame(writer, msgpack.packb({"error": problem}))
+
     def _check(self, remote: str, shape: object, codec: object) -> Optional[str]:
         """Why a request from `remote` is refused before its ids are read (None: it is not)."""
         if remote not in self.allowed():
@@ -158,10 +151,9 @@ class RecomputeServer:
         if not isinstance(shape, list) or len(shape) != 2 or \
                 not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape):
             return "shape is not (batch, tokens)"
-        if shape[0] * shape[1] > self.max_tokens:
-            return f"{shape[0] * shape[1]} tokens, over the {self.max_tokens} a microbatch may hold"
-        if self.max_seq is not None and shape[1] > self.max_seq:
-            return f"rows of {shape[1]} tokens, over the run's {self.max_seq}"
+        too_large = size_problem(shape[0], shape[1], self.max_tokens, self.max_seq)
+        if too_large is not None:
+            return too_large
         if not isinstance(codec, str) or codec not in CODECS:
             return f"codec {codec!r} is not one for activations ({', '.join(CODECS)})"
         return None
@@ -195,7 +187,6 @@ class Recheck:
     timeout: float = RECOMPUTE_SECONDS
     seed: Optional[int] = None
     verified: Counter = field(default_factory=Counter)  # sender -> its activations that agreed with another's
-    odd_rounds: Counter = field(default_factory=Counter)  # (tally's: no round is compared here, so it stays empty)
     asked: int = 0  # microbatches we asked a first-stage peer to compute again
     compared: int = 0
     disputed: int = 0  # no two agreed: nothing applied
@@ -253,26 +244,23 @@ class Recheck:
         return Answer(peer, out, 0.0)
 
     def _settle(self, sender: str, verdict: Verdict, microbatch: str) -> Optional[str]:
-        """What a comparison says (integrity.tally: probation, the outvoted left out, far rounds), and why `sender`'s
-        microbatch is refused (None: it agreed)."""
+        """What a comparison says (integrity.tally: probation, the outvoted left out), and why `sender`'s microbatch
+        is refused (None: it agreed; with no rounds compared, a sender that did not agree was outvoted or disputed)."""
         if verdict.outvoted is not None and not self.check.is_excluded(verdict.outvoted):
             self.outvoted += 1
-        tally(verdict, microbatch, self.verified, self.odd_rounds, self._leave_out)
+        tally(verdict, microbatch, self.verified, Counter(), self._leave_out)  # (no rounds compared: none odd)
         if sender in verdict.agreed:
             return None
-        if verdict.outvoted == sender:
-            return f"activations refused: outvoted on microbatch {microbatch}: {verdict.evidence}"
         if verdict.use is None:
             self.disputed += 1
             logger.info("pipeline: no two first-stage peers agree on the activations of microbatch %s, nothing "
                         "applied: %s", microbatch, verdict.evidence)
             return f"activations refused: no two first-stage peers agree on them ({verdict.evidence})"
-        return f"activations refused: microbatch {microbatch}: {verdict.evidence}"
+        return f"activations refused: outvoted on microbatch {microbatch}: {verdict.evidence}"
 
     def _leave_out(self, peer: str, why: str) -> None:
         if self.check.is_excluded(peer):  # (settled on two microbatches at once: one warning is enough)
             return
         self.check.exclude(peer, why)
         self.verified.pop(peer, None)
-        self.odd_rounds.pop(peer, None)
         logger.warning("pipeline: left out first-stage peer %s for %.0f s: %s", peer, EXCLUDE_SECONDS, why)

@@ -104,7 +104,7 @@ async def call_stage(node: SwarmNode, peer: str, protocol: str, x: torch.Tensor,
             loss, round_no = answer.get("loss"), answer.get("round")
             if not isinstance(loss, float) or not np.isfinite(loss) or loss < 0:  # (a cross-entropy)
                 raise PipelineError(f"stage peer {peer[-8:]} answered a loss of {loss!r}")
-            if round_no is not None and (not isinstance(round_no, int) or isinstance(round_no, bool) or round_no < 0):
+            if round_no is not None and not round_number(round_no):
                 raise PipelineError(f"stage peer {peer[-8:]} answered a round of {round_no!r}")
             if evaluate:
                 return None, loss, round_no
@@ -130,6 +130,27 @@ def _submitter(loop: "asyncio.AbstractEventLoop | LoopThread") -> Callable[[Awai
 def payload_bound(values: int) -> int:
     """The largest payload a codec makes of `values` floats: fp32 and a header."""
     return 4 * values + 4096
+
+
+def round_number(value: object) -> bool:
+    """Whether `value`, as a peer wrote it, is a round: an integer of at least 0 (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def size_problem(rows: int, tokens: int, max_tokens: int, max_seq: Optional[int]) -> Optional[str]:
+    """Why a microbatch of `rows` rows of `tokens` tokens is too large for a server (None: it is not): over
+    `max_tokens` in all, or rows over `max_seq` (attention costs the square of a row's length)."""
+    if rows * tokens > max_tokens:
+        return f"{rows * tokens} tokens, over the {max_tokens} a microbatch may hold"
+    if max_seq is not None and tokens > max_seq:
+        return f"rows of {tokens} tokens, over the run's {max_seq}"
+    return None
+
+
+def token_ids(ids: bytes, vocab_size: int) -> Optional[torch.Tensor]:
+    """The int32 token ids a peer sent, as int64, or None if one is outside the vocabulary."""
+    tokens = torch.from_numpy(np.frombuffer(ids, dtype=np.int32).astype(np.int64))
+    return None if tokens.numel() and (tokens.min() < 0 or tokens.max() >= vocab_size) else tokens
 
 
 @dataclass

@@ -22,7 +22,6 @@ from collections.abc import Awaitable, Callable
 from typing import Optional
 
 import msgpack
-import numpy as np
 import torch
 
 from swarm.compression import decode, get_codec
@@ -31,7 +30,7 @@ from swarm.peer.pipeline.integrity import (EXCLUDE_SECONDS, LOSS_FRESH_SECONDS, 
                                            rms)
 from swarm.peer.pipeline.recompute import Recheck
 from swarm.peer.pipeline.routing import (BUSY, HEADER_BYTES, HOP_SECONDS, NoPeerTook, Router, WireMeter,
-                                         payload_bound)
+                                         payload_bound, round_number, size_problem, token_ids)
 from swarm.peer.pipeline.worker import Accept, Downstream, Execute, PipelineError, StageWorker
 
 logger = logging.getLogger(__name__)
@@ -107,7 +106,7 @@ class StageServer:
                 problem = self._check(shape, codec) or (
                     None if isinstance(scale, float) and 0.0 < scale <= 1.0 else f"scale {scale!r} is not in (0, 1]") \
                     or (None if isinstance(evaluate, bool) else f"eval {evaluate!r} is not true or false") or (
-                    None if claimed is None or _round_number(claimed) else f"round {claimed!r} is not a round number")
+                    None if claimed is None or round_number(claimed) else f"round {claimed!r} is not a round number")
                 if problem is not None:
                     self.refused["header"] += 1  # (by kind: the problem quotes what the sender wrote)
                     await send_frame(writer, msgpack.packb({"error": problem}))
@@ -215,8 +214,8 @@ class StageServer:
         if self.verify is not None and not whole:
             return None, None, ("the stage after the first takes the whole rows of token ids (inputs and targets), "
                                 "so that other first-stage peers can compute the activations again: update swarm")
-        ids = torch.from_numpy(np.frombuffer(ids, dtype=np.int32).astype(np.int64))
-        if ids.min() < 0 or ids.max() >= self.vocab_size:
+        ids = token_ids(ids, self.vocab_size)
+        if ids is None:
             return None, None, "activations or targets malformed"
         if not whole:
             return None, ids.reshape(b, t), None
@@ -249,10 +248,9 @@ class StageServer:
             return "shape is not (batch, tokens, hidden)"
         if shape[2] != self.hidden:
             return f"hidden size {shape[2]}, not {self.hidden}"
-        if shape[0] * shape[1] > self.max_tokens:
-            return f"{shape[0] * shape[1]} tokens, over the {self.max_tokens} a microbatch may hold"
-        if self.max_seq is not None and shape[1] > self.max_seq:  # (attention costs the square of a row's length)
-            return f"rows of {shape[1]} tokens, over the run's {self.max_seq}"
+        too_large = size_problem(shape[0], shape[1], self.max_tokens, self.max_seq)
+        if too_large is not None:
+            return too_large
         if not isinstance(codec, str) or codec not in ("none", "fp16", "bf16", "int8"):
             return f"codec {codec!r} is not one for activations (none, fp16, bf16, int8)"
         return None
@@ -419,7 +417,3 @@ def _settle(future: asyncio.Future, result, error: Optional[BaseException]) -> N
         future.set_exception(error)
     else:
         future.set_result(result)
-
-
-def _round_number(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
