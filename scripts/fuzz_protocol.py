@@ -992,7 +992,7 @@ def _stage() -> dict:
         from swarm.peer.pipeline.server import StageServer
         server = StageServer(_worker(first=False), PIPE_HIDDEN, PIPE_TOKENS, PIPE_VOCAB, _loop())
         # (the stage right after the first: it takes whole rows, and would have a share of the activations computed
-        # again by the first stage's other peers; the sender, a client, is the only one here, so its stand)
+        # again by the first stage's other peers; the sender, a client, is the only one here: its activations stand)
         server.verify = Recheck(None, "swarm.run.recompute.0-1", lambda: [("QmUpstream", True, 0)], server.check,
                                 share=1.0)
         _live["closers"].append(lambda: server._thread is not None and server._thread.shutdown())
