@@ -13,6 +13,7 @@ peer runs (swarm/simulation.py), at the same total tokens and the same inner bat
   (h), (i): as (b) and (c), with the plain weighted mean where (b)-(f) use the recipe's default aggregator
       (centered_clip, robust to lying members; see swarm/averaging/aggregate.py)
   (j), (k): as (b) and (a), with Muon as the inner optimizer (recipe inner.optimizer: muon, lr --muon-lr)
+  (l): as (b), Streaming DiLoCo: the model cut into --fragments fragments, one averaged every H / P steps
 
 on the bundled corpus (or --data-source), and prints final validation loss and bytes each worker sent (butterfly
 all-reduce accounting), then one JSON line.
@@ -78,7 +79,10 @@ def main() -> None:
     parser.add_argument("--muon-lr", type=float,
                         help="(j), (k): the inner lr with Muon (recipe inner.optimizer: muon; default: --lr for (j), "
                              "--dp-lr for (k))")
-    parser.add_argument("--only", help="comma-separated subset of a,b,c,d,e,f,g,h,i,j,k")
+    parser.add_argument("--fragments", type=int, default=4,
+                        help="(l): Streaming DiLoCo's fragments P (recipe outer.fragments): each of them averaged "
+                             "every H steps, one every H / P")
+    parser.add_argument("--only", help="comma-separated subset of a,b,c,d,e,f,g,h,i,j,k,l")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     m, h, rounds = args.workers, args.inner_steps, args.rounds
@@ -101,6 +105,7 @@ def main() -> None:
         single = parse_recipe({**fields, "outer": {**fields["outer"], "lr": args.outer_lr_single}})
         muon_inner = {"optimizer": "muon", "lr": args.muon_lr or args.lr}
         muon = parse_recipe({**fields, "inner": {**fields["inner"], **muon_inner}})
+        streaming = parse_recipe({**fields, "outer": {**fields["outer"], "fragments": args.fragments}})
         muon_baseline = parse_recipe({**fields, "inner": {**dp_inner, "optimizer": "muon",
                                                           "lr": args.muon_lr or dp_inner["lr"]}})
     except RecipeError as exc:
@@ -138,6 +143,9 @@ def main() -> None:
         "j": (f"DiLoCo M={m} H={h} Muon", lambda: simulate_diloco(muon, data, shards, rounds, h, "none")),
         "k": ("data-parallel Muon",
               lambda: simulate_data_parallel(muon_baseline, data, shards, steps=h * rounds, eval_every=h)),
+        # Streaming DiLoCo: (b) with its model cut into fragments, one of them averaged every H / P steps
+        "l": (f"Streaming DiLoCo M={m} H={h} P={args.fragments} fp32",
+              lambda: simulate_diloco(streaming, data, shards, rounds, h, "none")),
     }
     chosen = args.only.split(",") if args.only else list(configs)
     rows = []

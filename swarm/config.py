@@ -19,6 +19,13 @@ from swarm import combinations
 from swarm.combinations import AGGREGATORS, RING_MODES
 
 
+def sync_steps(steps: int, fragments: int, fragment: int) -> int:
+    """Inner steps before fragment `fragment`'s sync when each of `fragments` is synced every `steps` steps, the
+    syncs as evenly spaced as whole steps allow (steps 50, fragments 4: 12, 13, 12, 13): the k-th sync of a cycle
+    comes at step floor((k + 1) * steps / fragments), so each fragment's syncs are exactly `steps` apart."""
+    return (fragment + 1) * steps // fragments - fragment * steps // fragments
+
+
 class RecipeError(ValueError):
     """A recipe that cannot be used; the message names the field and what to do."""
 
@@ -88,6 +95,12 @@ class OuterRecipe(_Section):
     max_pseudo_grad_norm: float = Field(1e4, gt=0, description="a larger local norm is treated as diverged")
     overlap: bool = Field(False, description="average round t in the background while round t+1 trains, and apply "
                                              "its outer update one round late (Streaming DiLoCo's overlap)")
+    fragments: int = Field(
+        1, ge=1, le=64, description="Streaming DiLoCo: split the model (a stage's part of it) into this many "
+                                    "fragments of whole parameters; each round averages one of them in turn "
+                                    "(round r: fragment r mod fragments), every fragments-th of tokens_per_round, "
+                                    "so each fragment is averaged once per tokens_per_round and a sync sends a "
+                                    "fragment's bytes, not the model's")
 
 
 class AveragingRecipe(_Section):
@@ -238,6 +251,27 @@ class Recipe(_Section):
             raise ValueError("pipeline.stages other than 1 does not run with outer.overlap yet: set one or the other")
         return self
 
+    @model_validator(mode="after")
+    def _fragments(self) -> "Recipe":
+        steps, fragments = self.inner_steps_per_round, self.outer.fragments
+        if steps and steps < fragments:
+            raise ValueError(f"inner_steps_per_round {steps} is less than outer.fragments {fragments}: each "
+                             f"fragment's sync needs a step of its own")
+        if self.tokens_per_round < fragments:
+            raise ValueError(f"tokens_per_round {self.tokens_per_round} is less than outer.fragments {fragments}")
+        return self
+
+    def tokens_per_sync(self) -> int:
+        """The swarm's tokens between two outer steps: tokens_per_round, or a fragment's share of it."""
+        return self.tokens_per_round // self.outer.fragments
+
+    def steps_per_sync(self, round_no: int = 0) -> Optional[int]:
+        """The inner steps of round `round_no`: inner_steps_per_round, or its fragment's share of it (see
+        sync_steps); None: rounds end by the swarm's tokens."""
+        if not self.inner_steps_per_round:
+            return None
+        return sync_steps(self.inner_steps_per_round, self.outer.fragments, round_no % self.outer.fragments)
+
     def stage_run_id(self, stage: int) -> str:
         """The run id a stage's peers average, sync and announce under (the run's own for a one-stage run)."""
         if self.pipeline.stages == "auto":
@@ -259,6 +293,8 @@ class Recipe(_Section):
             del fields["averaging"]["verify_reducers"]
         if not fields["averaging"]["checked_groups"]:  # (and without this one)
             del fields["averaging"]["checked_groups"]
+        if fields["outer"]["fragments"] == 1:  # (runs from before Streaming DiLoCo keep their digest)
+            del fields["outer"]["fragments"]
         if fields["data"]["text_field"] == "text":  # the same, for recipes that read no other field
             del fields["data"]["text_field"]
         if fields["inner"]["optimizer"] == "adamw":  # (runs from before the option keep their digest)

@@ -13,7 +13,7 @@ import torch
 
 from swarm.averaging.aggregate import aggregate_parts
 from swarm.compression import ErrorFeedback, get_codec
-from swarm.config import Recipe
+from swarm.config import Recipe, sync_steps
 from swarm.data.prepare import RunData
 from swarm.peer.diloco import DiLoCo
 from swarm.model.build import build_model, n_blocks
@@ -46,14 +46,22 @@ def simulate_diloco(recipe: Recipe, data: RunData, shards: list[int], rounds: in
 
     With `overlap_delay` = d (outer.overlap, as the peers run it): workers never wait for the average; round t's
     average arrives d inner steps into round t+1 and is applied then, each worker keeping the progress it made
-    since its round-t snapshot (d >= inner_steps: one full round late, Streaming DiLoCo's worst case)."""
+    since its round-t snapshot (d >= inner_steps: one full round late, Streaming DiLoCo's worst case).
+
+    With the recipe's `outer.fragments` P > 1 (Streaming DiLoCo, as the peers run it: swarm/peer/diloco.py), each
+    round is P syncs of about inner_steps / P steps (config.sync_steps), sync k averaging and stepping fragment k
+    alone, so each fragment is averaged every `inner_steps` steps; `val_losses` are one a round (after its P
+    syncs)."""
+    fragments = recipe.outer.fragments
+    if fragments > 1 and (overlap_delay is not None or inner_steps < fragments):
+        raise ValueError("fragments take no overlap_delay here, and at least as many inner_steps as they are")
     codec = get_codec(codec_name or recipe.averaging.codec)
     workers = [build_model(recipe.model, data.vocab_size).to(device) for _ in shards]
     diloco = DiLoCo(workers[0], recipe.outer)  # global params + outer optimizer; worker 0's model is its local
     optimizers = [make_inner_optimizer(model, recipe.inner) for model in workers]
     batches = [data.train.batches(shard, recipe.data.num_shards, recipe.data.batch_size, recipe.data.seed)
                for shard in shards]
-    feedback = [ErrorFeedback() for _ in shards]
+    feedback = [[ErrorFeedback() for _ in range(fragments)] for _ in shards]
     tokens_per_step = recipe.data.batch_size * recipe.data.seq_len
     result = SimulationResult(diloco.global_params)
     evaluator = build_model(recipe.model, data.vocab_size).to(device) if overlap_delay is not None else workers[0]
@@ -72,7 +80,10 @@ def simulate_diloco(recipe: Recipe, data: RunData, shards: list[int], rounds: in
         global_now = torch.cat([g.view(-1) for g in diloco.global_params])
         _add_flat(workers[index], global_now - snapshots[index])
 
-    for round_no in range(rounds):
+    for sync in range(rounds * fragments):
+        round_no, fragment = sync // fragments, diloco.fragment()
+        steps = sync_steps(inner_steps, fragments, fragment)
+        start, end = diloco.fragments[fragment]
         arrived = pending
         if arrived is not None:
             apply(*arrived)  # the global update is the same whenever a worker sees it; workers re-base at step d
@@ -80,10 +91,11 @@ def simulate_diloco(recipe: Recipe, data: RunData, shards: list[int], rounds: in
         contributions = []
         for index, model in enumerate(workers):
             if overlap_delay is None and index:  # worker 0's local params are reset by the outer step
+                reset = slice(None) if sync == 0 else slice(*diloco.fragments[diloco.fragment(diloco.round - 1)])
                 with torch.no_grad():
-                    for local, global_ in zip(model.parameters(), diloco.global_params):
+                    for local, global_ in zip(list(model.parameters())[reset], diloco.global_params[reset]):
                         local.copy_(global_)
-            for step in range(inner_steps):
+            for step in range(steps):
                 if arrived is not None and step == min(overlap_delay, inner_steps):
                     rebase(index)
                 lr = learning_rate(recipe.inner, schedule_tokens(diloco.tokens_seen, step * tokens_per_step,
@@ -93,15 +105,15 @@ def simulate_diloco(recipe: Recipe, data: RunData, shards: list[int], rounds: in
             if arrived is not None and overlap_delay >= inner_steps:
                 rebase(index)  # one full round late: just before this round's snapshot
             with torch.no_grad():
-                pseudo_gradient = torch.cat([(g - l.detach().cpu().float()).view(-1)
-                                             for g, l in zip(diloco.global_params, model.parameters())])
+                pseudo_gradient = torch.cat([(g - l.detach().cpu().float()).view(-1) for g, l in
+                                             zip(diloco.global_params[start:end], list(model.parameters())[start:end])])
             if overlap_delay is not None:
                 snapshots[index] = _flat(model)
-            to_send = feedback[index].compensate(pseudo_gradient)
+            to_send = feedback[index][fragment].compensate(pseudo_gradient)
             payload = codec.encode(to_send)
             delivered = codec.decode(payload) if codec.name != "none" else to_send
-            feedback[index].update(to_send, delivered)
-            contributions.append((delivered, inner_steps * tokens_per_step, len(payload)))
+            feedback[index][fragment].update(to_send, delivered)
+            contributions.append((delivered, steps * tokens_per_step, len(payload)))
         average, total_weight = aggregate_parts(aggregator_name or recipe.averaging.aggregator,
                                                 [vector for vector, _, _ in contributions],
                                                 [weight for _, weight, _ in contributions], [1.0] * len(shards))
@@ -112,11 +124,13 @@ def simulate_diloco(recipe: Recipe, data: RunData, shards: list[int], rounds: in
             apply(average, total_weight)
         else:
             pending = (average, total_weight)
-            if round_no == rounds - 1:
+            if sync == rounds * fragments - 1:
                 apply(*pending)  # stopping: the last average is applied, as a stopping peer does
         group_size = len(shards)
         result.bytes_per_worker += _allreduce_bytes(contributions[0][2], len(shards))
         result.tokens += total_weight
+        if fragment != fragments - 1:
+            continue  # (validation once a round, after its last fragment's sync)
         if evaluator is not workers[0]:
             with torch.no_grad():
                 for param, global_ in zip(evaluator.parameters(), diloco.global_params):

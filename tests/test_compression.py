@@ -381,6 +381,27 @@ def test_error_feedback_state_round_trips_through_safetensors(tmp_path):
         restored.load_state_dict({"residual": torch.zeros(3), "momentum": torch.zeros(3)})
 
 
+def test_fragment_feedback_keeps_each_fragments_residual_and_restores_only_those_that_fit():
+    from swarm.compression import FragmentFeedback
+
+    single, fragments = FragmentFeedback([500]), FragmentFeedback([300, 200])
+    codec = get_codec("int4")
+    for feedback in (single, fragments):
+        for k, size in enumerate(feedback.sizes):
+            to_send = feedback[k].compensate(_gaussian(size, seed=k))
+            feedback[k].update(to_send, codec.decode(codec.encode(to_send)))
+    assert set(single.state_dict()) == {"residual"}  # (a checkpoint of a plain run, as before fragments)
+    assert set(fragments.state_dict()) == {"residual.0", "residual.1"}
+    restored = FragmentFeedback([300, 200])
+    assert restored.load_state_dict(fragments.state_dict()) == 2
+    assert all(torch.equal(restored[k].residual, fragments[k].residual) for k in range(2))
+    other = FragmentFeedback([250, 250])  # a checkpoint of another cut: nothing of it fits
+    assert other.load_state_dict(fragments.state_dict()) == 0 and other.state_dict() == {}
+    assert FragmentFeedback([500]).load_state_dict(fragments.state_dict()) == 0
+    fragments.reset()
+    assert fragments.state_dict() == {}
+
+
 # ---------------------------------------------------------------- bounded fuzz (scripts/fuzz_codecs.py runs 100k+)
 
 

@@ -116,6 +116,20 @@ def test_checked_groups_keep_the_digest_while_off_and_need_reducers_that_are_che
         AveragingRecipe.model_validate({"checked_groups": True, "target_group_size": 2})
 
 
+def test_fragments_keep_the_digest_at_one_and_divide_the_round():
+    """`outer.fragments` (Streaming DiLoCo) is left out of the canonical JSON at 1; more cut a round's tokens (or
+    fixed steps, as evenly as whole steps go) into that many syncs; fewer steps than fragments is refused."""
+    recipe = Recipe()
+    assert "fragments" not in recipe.canonical_json() and recipe.tokens_per_sync() == recipe.tokens_per_round
+    streaming = Recipe.model_validate({"outer": {"fragments": 4}, "tokens_per_round": 32_768})
+    assert streaming.digest() != recipe.digest() and recipe_from_json(streaming.canonical_json()) == streaming
+    assert streaming.tokens_per_sync() == 8192 and streaming.steps_per_sync() is None
+    fixed = Recipe.model_validate({"outer": {"fragments": 4}, "inner_steps_per_round": 50})
+    assert [fixed.steps_per_sync(r) for r in range(8)] == [12, 13, 12, 13] * 2  # (each fragment every 50 steps)
+    with pytest.raises(pydantic.ValidationError, match="inner_steps_per_round 3 is less than outer.fragments 4"):
+        Recipe.model_validate({"outer": {"fragments": 4}, "inner_steps_per_round": 3})
+
+
 def test_data_text_field_keeps_the_digest_of_recipes_that_do_not_set_it():
     # The canonical JSON of a recipe at the default text field is that of versions without the field, so peers
     # of both versions agree on the run; setting another field is a different run.

@@ -283,3 +283,58 @@ def test_the_outer_step_is_torchs_sgd_bit_for_bit_without_a_models_worth_of_grad
     if momentum:
         assert all(torch.equal(optimizers[0].state[a]["momentum_buffer"], optimizers[1].state[b]["momentum_buffer"])
                    for a, b in zip(ours, torchs))
+
+
+def test_fragments_are_runs_of_whole_parameters_of_about_equal_size():
+    from swarm.peer.diloco import fragment_bounds
+
+    sizes = [100, 10, 10, 50, 50, 10, 10, 100]
+    for parts in range(1, len(sizes) + 1):
+        bounds = fragment_bounds(sizes, parts)
+        assert len(bounds) == parts and bounds[0][0] == 0 and bounds[-1][1] == len(sizes)
+        assert all(a < b for a, b in bounds) and all(b == c for (_, b), (c, _) in zip(bounds, bounds[1:]))
+    assert [sum(sizes[a:b]) for a, b in fragment_bounds(sizes, 2)] == [170, 170]
+    assert [sum(sizes[a:b]) for a, b in fragment_bounds(sizes, 4)] == [100, 70, 70, 100]
+    with pytest.raises(ValueError, match="cannot cut 8 parameters into 9 fragments: set outer.fragments to at most 8"):
+        fragment_bounds(sizes, 9)
+
+
+def test_a_fragment_round_steps_its_fragment_alone_and_replays_to_the_same_state():
+    """Streaming DiLoCo: round r's outer step moves fragment r mod P's params and momentum and resets its local
+    params only; the others keep their local progress. A peer behind replays the steps, each on its fragment."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])  # 8 params: 4 fragments of 2
+    ahead, behind = DiLoCo(model, OuterRecipe(fragments=4)), DiLoCo(_copy(model), OuterRecipe(fragments=4))
+    assert ahead.fragments == [(0, 2), (2, 4), (4, 6), (6, 8)] and ahead.fragment_sizes() == [20] * 4
+    assert behind.digest() == ahead.digest()
+    with torch.no_grad():
+        for p in ahead.local_params:
+            p.add_(1.0)  # local progress everywhere
+    for round_no in range(6):
+        fragment = ahead.fragment()
+        assert fragment == round_no % 4
+        before = [p.clone() for p in ahead.global_params]
+        pseudo = ahead.pseudo_gradient(fragment)
+        assert pseudo.numel() == 20 and torch.allclose(pseudo, torch.full((20,), -1.0))
+        with pytest.raises(ValueError, match="expected 20"):
+            ahead.outer_step(torch.ones(ahead.numel), tokens=1)
+        ahead.outer_step(torch.full((20,), 0.1 * (round_no + 1)), tokens=10)
+        a, b = ahead.fragments[fragment]
+        moved = [i for i, (p, q) in enumerate(zip(before, ahead.global_params)) if not torch.equal(p, q)]
+        assert moved == list(range(a, b))
+        for i, (local, global_) in enumerate(zip(ahead.local_params, ahead.global_params)):
+            assert torch.equal(local, global_) == (a <= i < b), (round_no, i)  # (the others: 1.0 of progress)
+        with torch.no_grad():
+            for p in ahead.local_params[a:b]:
+                p.add_(1.0)
+    assert ahead.round == 6
+    ahead.hashed()
+    steps = ahead.steps_since(0, behind.digest())
+    assert [s.round for s in steps] == list(range(6))
+    behind.replay(steps)
+    assert (behind.round, behind.digest()) == (6, ahead.digest())
+
+
+def _copy(model):
+    import copy
+    return copy.deepcopy(model)

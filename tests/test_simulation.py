@@ -1,5 +1,6 @@
 """The distributed system computes exactly the algorithm we benchmark: a real 2-peer swarm (fixed seeds, data
-shards 0 and 1, 5 inner steps per round) ends 3 rounds with the same global params as the in-process simulation."""
+shards 0 and 1, 5 inner steps per round) ends 3 rounds with the same global params as the in-process simulation,
+and so does one of Streaming DiLoCo (4 fragments)."""
 
 from __future__ import annotations
 
@@ -30,34 +31,39 @@ ROUNDS = 3
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_real_swarm_matches_simulation(swarm, cache_dir, optimizer):
-    recipe_path = RECIPE
-    if optimizer != "adamw":  # (the recipe's inner optimizer: the peers and the simulation build the same)
-        fields = yaml.safe_load(RECIPE.read_text())
-        fields["inner"]["optimizer"] = optimizer
-        recipe_path = swarm.workdir / f"{optimizer}.yaml"
+@pytest.mark.parametrize("variant", ["adamw", "muon", "fragments"])
+def test_real_swarm_matches_simulation(swarm, cache_dir, variant):
+    """`fragments`: Streaming DiLoCo, 4 fragments each averaged every 8 inner steps, one every 2; the peers'
+    8 outer steps are the simulation's 2 rounds."""
+    recipe_path, syncs, fields = RECIPE, ROUNDS, yaml.safe_load(RECIPE.read_text())
+    if variant == "muon":  # (the recipe's inner optimizer: the peers and the simulation build the same)
+        fields["inner"]["optimizer"] = "muon"
+    if variant == "fragments":
+        fields["outer"], fields["inner_steps_per_round"], syncs = {"fragments": 4}, 8, 8
+    if variant != "adamw":
+        recipe_path = swarm.workdir / f"{variant}.yaml"
         recipe_path.write_text(yaml.safe_dump(fields))
     _, maddr = swarm.bootstrap(recipe=recipe_path)
-    peers = [swarm.peer(maddr, "--data-shard", str(shard), "--max-rounds", str(ROUNDS),
+    peers = [swarm.peer(maddr, "--data-shard", str(shard), "--max-rounds", str(syncs),
                         "--trace-dir", str(swarm.workdir / f"trace{shard}"), name=f"peer{shard}")
              for shard in (0, 1)]
     for peer in peers:
         assert peer.wait(240) == 0, peer.output()[-3000:]
 
     recipe = load_recipe(recipe_path)
-    assert recipe.inner.optimizer == optimizer
+    assert recipe.inner.optimizer == ("muon" if variant == "muon" else "adamw")
+    assert recipe.outer.fragments == (4 if variant == "fragments" else 1)
     data = _data(recipe, cache_dir)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the peers ran with one thread: same kernels, same rounding
     try:
-        simulated = simulate_diloco(recipe, data, shards=[0, 1], rounds=ROUNDS,
+        simulated = simulate_diloco(recipe, data, shards=[0, 1], rounds=syncs // recipe.outer.fragments,
                                     inner_steps=recipe.inner_steps_per_round)
     finally:
         torch.set_num_threads(threads)
     expected = torch.cat([p.view(-1) for p in simulated.global_params])
     for shard in (0, 1):
-        last = swarm.workdir / f"trace{shard}" / f"round-{ROUNDS - 1:06d}"
+        last = swarm.workdir / f"trace{shard}" / f"round-{syncs - 1:06d}"
         meta = json.loads(last.with_suffix(".json").read_text())
         assert len(meta["members"]) == 2
         real = load_file(str(last.with_suffix(".safetensors")))["global_after"]

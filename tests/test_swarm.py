@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from swarm.averaging.aggregate import aggregator
@@ -90,10 +91,17 @@ def test_two_peers_train_three_rounds_with_exact_averages(swarm):
     assert not bootstrap.session_alive()
 
 
-def test_overlapping_rounds_keep_peers_identical(swarm):
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_overlapping_rounds_keep_peers_identical(swarm, fragments):
     """With outer.overlap the all-reduce of round t runs while round t+1 trains: every peer must still apply the
-    exact average, hold the same global params, and keep its local progress made meanwhile."""
+    exact average, hold the same global params, and keep its local progress made meanwhile. With 2 fragments
+    (Streaming DiLoCo with overlap) each round averages half the model, rounds as long as before."""
     recipe = Path(__file__).parent / "recipes" / "overlap.yaml"
+    if fragments > 1:
+        fields = yaml.safe_load(recipe.read_text())
+        fields["outer"]["fragments"], fields["tokens_per_round"] = fragments, fragments * fields["tokens_per_round"]
+        recipe = swarm.workdir / "fragments.yaml"
+        recipe.write_text(yaml.safe_dump(fields))
     _, maddr = swarm.bootstrap(recipe=recipe)
     peers = [swarm.peer(maddr, "--until-round", str(ROUNDS), "--trace-dir", str(swarm.workdir / f"trace{i}"),
                         name=f"peer{i}") for i in range(2)]
@@ -108,6 +116,8 @@ def test_overlapping_rounds_keep_peers_identical(swarm):
         expected = (a["pseudo_gradient"] * meta_a["weight"] + b["pseudo_gradient"] * meta_b["weight"]) / total
         torch.testing.assert_close(a["average"], expected, rtol=1e-5, atol=1e-7)
         assert torch.equal(a["global_after"], b["global_after"])
+        changed = (a["global_after"] != a["global_before"]).float().mean()  # (a fragment's share of the params)
+        assert (0.3 < changed < 0.7) if fragments == 2 else changed > 0.9, float(changed)
     for trace in traces:  # delayed updates still learn: the global params' validation loss (fixed held-out
         # batches, so not the noise of one training batch) falls from round to round
         val = [trace[r][0]["val_loss"] for r in range(ROUNDS)]

@@ -6,7 +6,7 @@ and tested error bound, one versioned wire format, and error feedback for the lo
 """
 
 from swarm.compression.base import MAX_ABS_VALUE, MAX_DECODED_ABS, Codec
-from swarm.compression.error_feedback import ErrorFeedback
+from swarm.compression.error_feedback import ErrorFeedback, FragmentFeedback
 from swarm.compression.errors import CodecError
 from swarm.compression.registry import CODEC_NAMES, CODEC_OPTIONS, decode, get_codec
 from swarm.compression.wire import HARD_MAX_NUMEL, WIRE_VERSION, WireHeader, decode_header
@@ -21,6 +21,7 @@ __all__ = [
     "Codec",
     "CodecError",
     "ErrorFeedback",
+    "FragmentFeedback",
     "WireHeader",
     "decode",
     "decode_header",

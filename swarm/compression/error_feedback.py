@@ -72,3 +72,39 @@ class ErrorFeedback:
         if not isinstance(residual, torch.Tensor) or not residual.is_floating_point():
             raise ValueError(f"error feedback residual must be a float tensor, got {type(residual).__name__}")
         self._residual = residual.detach().to(torch.float32).contiguous().clone()
+
+
+class FragmentFeedback:
+    """One ErrorFeedback per fragment of a model that is averaged a fragment at a time (Streaming DiLoCo: the
+    recipe's outer.fragments): what a fragment's codec did not deliver is carried to that fragment's next sync.
+    `sizes`: each fragment's elements. Saved as "residual" for a single fragment (as one ErrorFeedback saves it),
+    else "residual.K" for fragment K."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.sizes = list(sizes)
+        self.parts = [ErrorFeedback() for _ in self.sizes]
+
+    def __getitem__(self, fragment: int) -> ErrorFeedback:
+        return self.parts[fragment]
+
+    def _key(self, fragment: int) -> str:
+        return RESIDUAL_KEY if len(self.parts) == 1 else f"{RESIDUAL_KEY}.{fragment}"
+
+    def reset(self) -> None:
+        for part in self.parts:
+            part.reset()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {self._key(k): part.residual for k, part in enumerate(self.parts) if part.residual is not None}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> int:
+        """Restore the residuals of `state` that are of a fragment of ours and of its size (a checkpoint of
+        another fragment count or model leaves the others empty: they start again from nothing); returns how many
+        were restored."""
+        restored = 0
+        for k, part in enumerate(self.parts):
+            residual = state.get(self._key(k))
+            if isinstance(residual, torch.Tensor) and residual.numel() == self.sizes[k]:
+                part.load_state_dict({RESIDUAL_KEY: residual})
+                restored += 1
+        return restored

@@ -84,7 +84,8 @@ class ProgressLine:
         """Redraw with the peer's current numbers (at most every `min_interval` seconds unless the state
         changed). `view` is the announcer's swarm view, from which the swarm's rate and peers are read. The next
         average comes when the swarm's tokens reach the recipe's tokens_per_round, or, in a recipe with
-        inner_steps_per_round, after that many of our own steps."""
+        inner_steps_per_round, after that many of our own steps (a fragment's share of either with
+        outer.fragments)."""
         if not self.enabled:
             return
         now = time.monotonic()
@@ -93,12 +94,12 @@ class ProgressLine:
         self._last_draw, self._state = now, state
         others_in_round = at_round(others(view, peer_id), round_no)
         swarm_rate = tokens_per_s + sum(p.tokens_per_s for p in others_in_round)  # ours live, theirs announced
-        if recipe.inner_steps_per_round:
+        if recipe.steps_per_sync():
             tokens_per_step = recipe.data.batch_size * recipe.data.seq_len
-            done, target, rate = steps_in_round * tokens_per_step, recipe.inner_steps_per_round * tokens_per_step, \
+            done, target, rate = steps_in_round * tokens_per_step, recipe.steps_per_sync() * tokens_per_step, \
                 tokens_per_s
         else:
-            done, target, rate = swarm_tokens, recipe.tokens_per_round, swarm_rate
+            done, target, rate = swarm_tokens, recipe.tokens_per_sync(), swarm_rate
         text = format_progress(state, round_no, tokens_per_s, swarm_rate, loss, seconds_to_average(target, done, rate),
                                done / target, len(others_in_round) + 1, last_group_size)
         with self._lock:

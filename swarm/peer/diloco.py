@@ -3,6 +3,13 @@ live beside the local model; a round's pseudo-gradient is global minus local, an
 group's average of them and resets the local model to the new global params. The last few outer steps are kept
 (OuterStep), so a peer a few rounds behind can replay them instead of downloading the whole state.
 
+With `outer.fragments` P > 1 (Streaming DiLoCo, arXiv 2501.18512) the params are cut into P fragments of whole
+parameters, in order and of about equal size (`fragment_bounds`), and round r averages and steps fragment r mod P
+alone: its pseudo-gradient is taken, its outer step applied and its local params reset, while the other fragments
+train on. Each fragment is so averaged every P rounds, and a round's tokens are a P-th of a plain round's.
+The state (round, digest, replay log, state sync, checkpoints) stays one: the round number says which fragment
+comes next, so every peer of a round agrees on it.
+
 The state digest (round, params, outer momentum) is hashed on a thread of its own after each change of the state,
 with blake3 over the tensors' memory (no copy), so the training thread trains on meanwhile and the event loop,
 which announces the digest, never waits for it: `identity()` is the last (round, digest) known, `digest()` waits
@@ -23,7 +30,7 @@ import blake3
 import torch
 
 from swarm.compression import decode
-from swarm.config import OuterRecipe
+from swarm.config import OuterRecipe, RecipeError
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,26 @@ class OuterStep:
         return out
 
 
+def fragment_bounds(sizes: list[int], parts: int) -> list[tuple[int, int]]:
+    """Cut parameters of `sizes` elements, in order, into `parts` runs [start, end) of parameter indices, none
+    empty, each ending at the parameter boundary nearest to its share of the total. RecipeError if there are fewer
+    parameters than parts."""
+    if not 1 <= parts <= len(sizes):
+        raise RecipeError(f"the recipe's outer.fragments {parts}: cannot cut {len(sizes)} parameters into {parts} "
+                          f"fragments: set outer.fragments to at most {len(sizes)}")
+    total, bounds, start, running = sum(sizes), [], 0, 0
+    for k in range(1, parts):
+        target, end = total * k / parts, start + 1
+        running += sizes[start]
+        while end < len(sizes) - (parts - k) and abs(running + sizes[end] - target) < abs(running - target):
+            running += sizes[end]
+            end += 1
+        bounds.append((start, end))
+        start = end
+    bounds.append((start, len(sizes)))
+    return bounds
+
+
 def _momenta(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> list[Optional[torch.Tensor]]:
     return [optimizer.state.get(p, {}).get("momentum_buffer") for p in params]
 
@@ -106,6 +133,7 @@ class DiLoCo:
         self.outer_optimizer = torch.optim.SGD(self.global_params, lr=outer.lr, momentum=outer.momentum,
                                                nesterov=outer.nesterov and outer.momentum > 0)
         self.numel = sum(p.numel() for p in self.global_params)
+        self.fragments = fragment_bounds([p.numel() for p in self.global_params], outer.fragments)
         self.round = 0
         self.tokens_seen = 0
         self.lock = threading.RLock()  # guards global params and optimizer state against concurrent readers
@@ -125,29 +153,53 @@ class DiLoCo:
         self.log_bytes = 8 * self.numel if log_bytes is None else log_bytes
         self._rehash()
 
-    def pseudo_gradient(self) -> torch.Tensor:
-        """Flat fp32 vector of global minus local params, in parameter order."""
+    def fragment(self, round_no: Optional[int] = None) -> int:
+        """The fragment round `round_no` (by default the current one) averages."""
+        return (self.round if round_no is None else round_no) % len(self.fragments)
+
+    def _span(self, fragment: Optional[int]) -> tuple[int, int]:
+        return (0, len(self.global_params)) if fragment is None else self.fragments[fragment]
+
+    def fragment_numel(self, fragment: Optional[int] = None) -> int:
+        """Elements of `fragment` (None: of the whole model)."""
+        start, end = self._span(fragment)
+        return sum(p.numel() for p in self.global_params[start:end])
+
+    def fragment_sizes(self) -> list[int]:
+        return [self.fragment_numel(k) for k in range(len(self.fragments))]
+
+    def pseudo_gradient(self, fragment: Optional[int] = None) -> torch.Tensor:
+        """Flat fp32 vector of global minus local params of `fragment` (None: all), in parameter order."""
+        start, end = self._span(fragment)
+        out, at = torch.empty(self.fragment_numel(fragment), dtype=torch.float32), 0
         with torch.no_grad():
-            return torch.cat([(g - l.detach().to("cpu", torch.float32)).view(-1)
-                              for g, l in zip(self.global_params, self.local_params)])
+            for g, l in zip(self.global_params[start:end], self.local_params[start:end]):
+                part = out[at:at + g.numel()].view_as(g)
+                part.copy_(l.detach())  # (one copy, cast on the way: no whole-model temporary)
+                torch.sub(g, part, out=part)
+                at += g.numel()
+        return out
 
     def outer_step(self, average: torch.Tensor, tokens: int,
                    wire: Optional[list[tuple[int, int, bytes]]] = None, log: bool = True) -> None:
         """Apply the averaged pseudo-gradient with the outer optimizer, advance the round, reset local params.
         `wire`: the encoded chunks `average` was decoded from (AllReduceResult.wire), kept for replaying; `log`
         False for a step nobody could replay (from a mixing group's state, which only its members held)."""
-        if average.numel() != self.numel:
-            raise ValueError(f"averaged pseudo-gradient has {average.numel()} elements, expected {self.numel}")
+        fragment = self.fragment()
+        start, end = self._span(fragment)
+        if average.numel() != self.fragment_numel(fragment):
+            raise ValueError(f"averaged pseudo-gradient has {average.numel()} elements, expected "
+                             f"{self.fragment_numel(fragment)}")
         self.settle()
         before, round_before = self.digest() if log else "", self.round
         with self.lock, torch.no_grad():
-            _outer_update(self.global_params, self.outer_optimizer, average)
+            _outer_update(self.global_params[start:end], self.outer_optimizer, average)
             self.round += 1
             self.tokens_seen += int(tokens)
             kept = None if wire or not log else average.to(torch.float32).clone()
             self._rehash(None if not log else lambda after: self._log(
                 [OuterStep(round_before, before, after, int(tokens), kept, tuple(wire) if wire else None)]))
-        self.reset_local()
+        self.reset_local(fragment)
 
     def _log(self, steps: list[OuterStep]) -> None:
         with self._log_lock:
@@ -235,7 +287,9 @@ class DiLoCo:
             for step in steps:
                 if step.round != round_no or step.digest != digest:
                     raise ValueError(f"the outer step of round {step.round} is not from our state")
-                _outer_update(params, optimizer, step.vector(self.numel))
+                fragment = self.fragment(round_no)
+                first_param, end_param = self._span(fragment)
+                _outer_update(params[first_param:end_param], optimizer, step.vector(self.fragment_numel(fragment)))
                 round_no, tokens_seen = round_no + 1, tokens_seen + step.tokens
                 digest = state_digest(params, _momenta(params, optimizer), round_no)
                 if digest != step.after:
@@ -256,10 +310,11 @@ class DiLoCo:
         self._log(steps)  # so we can pass them on
         self.reset_local()
 
-    def flat_local(self) -> torch.Tensor:
-        """Local params, flat fp32 on the CPU (parameter order)."""
+    def flat_local(self, fragment: Optional[int] = None) -> torch.Tensor:
+        """Local params of `fragment` (None: all), flat fp32 on the CPU (parameter order)."""
+        start, end = self._span(fragment)
         with torch.no_grad():
-            return torch.cat([p.detach().to("cpu", torch.float32).view(-1) for p in self.local_params])
+            return torch.cat([p.detach().to("cpu", torch.float32).view(-1) for p in self.local_params[start:end]])
 
     def flat_global(self) -> torch.Tensor:
         """A copy of the global params, flat (parameter order)."""
@@ -293,17 +348,20 @@ class DiLoCo:
                 self.replay_log.clear()  # a mixed state is nobody's to replay from
             self._rehash()
 
-    def reset_local(self) -> None:
-        """Local params := global params (cast to the model's device and dtype)."""
+    def reset_local(self, fragment: Optional[int] = None) -> None:
+        """Local params of `fragment` (None: all) := global params (cast to the model's device and dtype)."""
+        start, end = self._span(fragment)
         with torch.no_grad():
-            for local, global_ in zip(self.local_params, self.global_params):
+            for local, global_ in zip(self.local_params[start:end], self.global_params[start:end]):
                 local.copy_(global_.to(local.device, local.dtype))
 
-    def add_to_local(self, delta: torch.Tensor) -> None:
-        """Local params += `delta` (flat fp32, parameter order): re-applies local progress on new global params."""
+    def add_to_local(self, delta: torch.Tensor, fragment: Optional[int] = None) -> None:
+        """Local params of `fragment` (None: all) += `delta` (flat fp32, parameter order): re-applies local
+        progress on new global params."""
+        start, end = self._span(fragment)
         with torch.no_grad():
             offset = 0
-            for local in self.local_params:
+            for local in self.local_params[start:end]:
                 local.add_(delta[offset:offset + local.numel()].view_as(local).to(local.device, local.dtype))
                 offset += local.numel()
 

@@ -18,7 +18,7 @@ from swarm.averaging.allreduce import COMMIT_GRACE, GroupAllReduce
 from swarm.averaging.deadlines import AdaptiveDeadlines
 from swarm.averaging.faults import SLOWDOWN, FaultPlan
 from swarm.averaging.group_push import GroupPush
-from swarm.compression import ErrorFeedback
+from swarm.compression import FragmentFeedback
 from swarm.checks import require_recipe
 from swarm.settings import PeerSettings
 from swarm.dht.node import SwarmNode
@@ -93,8 +93,8 @@ class Peer:
         take_part(self.node, r, self.settings.invite)  # a private run's stranger stops here, saying what to do
         if self.settings.recipe_file:  # --recipe: refuse to start unless the swarm's is this one
             require_recipe(self.settings.recipe_file, self.settings.data_dir or self.settings.cache_dir, r)
-        logger.info("run %s (recipe %s): codec %s, %d tokens per round", r.run_id, r.digest()[:12],
-                    r.averaging.codec, r.tokens_per_round)
+        logger.info("run %s (recipe %s): codec %s, %d tokens per round, each averaging 1/%d of the model", r.run_id,
+                    r.digest()[:12], r.averaging.codec, r.tokens_per_sync(), r.outer.fragments)
 
     def _build_data_and_model(self) -> None:
         s, r = self.settings, self.recipe
@@ -109,7 +109,7 @@ class Peer:
         self.settings = s = self.part.settings  # (a stage's checkpoints go in a directory of their own)
         self.diloco = DiLoCo(self.part.module, r.outer, log_bytes=None if s.replay_log_mb is None else
                              int(s.replay_log_mb * 1e6))
-        self.error_feedback = ErrorFeedback()
+        self.error_feedback = FragmentFeedback(self.diloco.fragment_sizes())
         self.inner_optimizer = make_inner_optimizer(self.part.module, r.inner)
         self.checkpoints = ckpt.CheckpointWriter(s.checkpoints.dir, s.checkpoints.keep, s.checkpoints.series,
                                                  self.metrics, self.events) if s.checkpoints.dir else None
@@ -138,10 +138,10 @@ class Peer:
             self.loop.run(serve_state(self.node, r.run_id, self.diloco, self.faults), timeout=30)
             if self.shared is not None:
                 self.shared.serve(corrupt=self.faults.serves_corrupt_data())
-        self.rounds = Rounds(overlap=r.outer.overlap, tokens_per_round=r.tokens_per_round,
-                             steps_per_round=r.inner_steps_per_round,
+        self.rounds = Rounds(overlap=r.outer.overlap, tokens_per_round=r.tokens_per_sync(),
+                             steps_per_round=lambda: r.steps_per_sync(self.rounds.counting_round(self.diloco.round)),
                              retry_tokens=0 if not (self.part.whole or self.part.first) else  # (pipeline/part.py)
-                             max(r.tokens_per_round // 4, r.data.batch_size * r.data.seq_len))
+                             max(r.tokens_per_sync() // 4, r.data.batch_size * r.data.seq_len))
         self.announcer = Announcer(self.node, r.run_id, self.n_blocks, self._record, self.metrics)
         self.device_info, self.block_range = describe_device(self.device), self.part.bounds
         self.link = LinkEstimate()
@@ -331,12 +331,13 @@ class Peer:
             with torch.no_grad():
                 for param in self.diloco.local_params:
                     param.add_(1e3)  # finite, but far from anything a round of training can do
-        pseudo_gradient = self.error_feedback.compensate(self.diloco.pseudo_gradient())
+        fragment = self.diloco.fragment()  # (Streaming DiLoCo: this round's fragment alone; else all)
+        pseudo_gradient = self.error_feedback[fragment].compensate(self.diloco.pseudo_gradient(fragment))
         norm = float(pseudo_gradient.norm())
         if not math.isfinite(norm) or norm > r.outer.max_pseudo_grad_norm:
             self._recover(f"pseudo-gradient norm {norm:.3g} over the recipe's bound")
             return None
-        snapshot = self.diloco.flat_local() if r.outer.overlap else None
+        snapshot = self.diloco.flat_local(fragment) if r.outer.overlap else None
         weight = self.faults.declared_weight(min(self.rounds.tokens_in_round, r.max_contribution_tokens()),
                                              r.max_contribution_tokens(), self.diloco.round)  # (what others accept)
         return Contribution(self.diloco.round, pseudo_gradient, weight, self.diloco.digest(), snapshot)
@@ -347,12 +348,13 @@ class Peer:
 
     def _apply(self, averaged: Averaged) -> None:
         contribution, result, group = averaged.contribution, averaged.result, averaged.group
-        n, timeline = self.diloco.numel, Timeline(averaged.phases)
+        n, fragment = contribution.pseudo_gradient.numel(), self.diloco.fragment(contribution.round_no)
+        timeline = Timeline(averaged.phases)
         average, mixed_state = result.average[:n], result.average[n:] if group.mix else None
         timeline.add("checkpoint", self.diloco.settle())  # (the last checkpoint's write, if it is still going)
-        self.error_feedback.update(contribution.pseudo_gradient, result.delivered[:n])
+        self.error_feedback[fragment].update(contribution.pseudo_gradient, result.delivered[:n])
         global_before = self.diloco.flat_global() if self.settings.trace_dir else None
-        progress_since = None if contribution.snapshot is None else self.diloco.flat_local() - contribution.snapshot
+        progress = None if contribution.snapshot is None else self.diloco.flat_local(fragment) - contribution.snapshot
         if mixed_state is not None:
             self.diloco.load_flat_state(mixed_state)
             self.metrics.mixing_rounds.inc()
@@ -368,8 +370,8 @@ class Peer:
             if self.part.whole else self.part.validation_loss(self.eval_batches, self.device)  # (a first stage's)
         self.val_loss = measured if measured is not None else self.val_loss  # (None: not measured this round)
         timeline.lap("validation")
-        if progress_since is not None:
-            self.diloco.add_to_local(progress_since)  # overlap: keep the steps made while averaging
+        if progress is not None:
+            self.diloco.add_to_local(progress, fragment)  # overlap: keep the steps made while averaging
         digest = self.diloco.digest()
         timeline.lap("digest")  # (what the training thread waited for the hash, which ran beside validation)
         if self.checkpoints is not None and self.diloco.round % self.recipe.checkpoint_every == 0:
@@ -382,7 +384,7 @@ class Peer:
         if self.settings.trace_dir:
             write_trace(self.settings.trace_dir, self.node.peer_id, averaged, global_before, average, mixed_state,
                         self.diloco.flat_global(), self.loss, self.val_loss, digest)
-        if progress_since is None:
+        if progress is None:
             self.announcer.refresh_now(self.loop)
         else:
             # Overlap: our tokens already counted toward the next round, so the view needs no refresh before

@@ -92,11 +92,14 @@ class Rounds:
     to `hand_in`; it runs on the calling thread, or on a background thread when `overlap` is set.
     """
 
-    def __init__(self, *, overlap: bool, tokens_per_round: int, steps_per_round: Optional[int], retry_tokens: int,
+    def __init__(self, *, overlap: bool, tokens_per_round: int,
+                 steps_per_round: Union[None, int, Callable[[], Optional[int]]], retry_tokens: int,
                  clock: Callable[[], float] = time.monotonic):
         self.overlap = overlap
         self.tokens_per_round = tokens_per_round
-        self.steps_per_round = steps_per_round  # a fixed inner step count per round instead of the swarm's tokens
+        # A fixed inner step count per round instead of the swarm's tokens: a number, or a function of nothing that
+        # gives the count of the round we train toward (Streaming DiLoCo's syncs differ by a step), or None.
+        self.steps_per_round = steps_per_round
         self.retry_tokens = retry_tokens  # tokens to train after a failed round before trying again
         self.clock = clock
         self._lock = threading.RLock()
@@ -146,8 +149,9 @@ class Rounds:
         word: pipeline/part.py, behind) gets no more microbatches of it: its round is due with what it has, even
         nothing (a contribution of weight 0 still takes the group's average; waiting for tokens that never come
         left such a peer in its round for good once its stage's other peers averaged without it)."""
-        if self.steps_per_round:
-            due = self.steps_in_round >= self.steps_per_round
+        steps = self.steps_per_round() if callable(self.steps_per_round) else self.steps_per_round
+        if steps:
+            due = self.steps_in_round >= steps
         else:
             due = upstream_done or swarm_tokens >= self.tokens_per_round or (
                 self.tokens_in_round > 0 and handed_in and swarm_tokens >= HANDED_IN_SHARE * self.tokens_per_round)

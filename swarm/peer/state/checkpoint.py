@@ -233,8 +233,7 @@ def resume(checkpoint: Checkpoint, diloco, error_feedback) -> bool:
         return False
     residual = {key.split(".", 1)[1]: value for key, value in checkpoint.tensors.items()
                 if key.startswith("error_feedback.")}
-    if residual and residual.get("residual", torch.empty(0)).numel() == diloco.numel:
-        error_feedback.load_state_dict(residual)
+    error_feedback.load_state_dict(residual)  # (those of our fragments' sizes)
     logger.info("resumed from checkpoint %s (round %d, %d tokens seen)", checkpoint.path, checkpoint.round,
                 checkpoint.tokens_seen)
     return True
