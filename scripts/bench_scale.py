@@ -11,6 +11,7 @@ each peer logs as it stops. Prints a table, then one JSON line.
     python scripts/bench_scale.py --size 92m                 # 2 CPU peers, rounds of about 60 s of compute
     python scripts/bench_scale.py --size 25m --rounds 2 --inner-steps 3 --num-threads 1
     python scripts/bench_scale.py --size 25m,92m --peers 4 --checkpoints --log-dir /tmp/scale-logs
+    python scripts/bench_scale.py --size 92m --fragments 4 --overlap --rounds 9   # Streaming DiLoCo, 4 fragments
     python scripts/bench_scale.py --size 350m --device cuda --rounds 3 --round-seconds 120
     python scripts/bench_scale.py --size 92m --codec none --corpus ~/books.txt
 
@@ -84,9 +85,11 @@ def gpt2_config(size: str, seq_len: int) -> dict:
 
 
 def make_recipe(*, size: str, peers: int, inner_steps: int, batch: int, seq_len: int, rounds: int, source: str,
-                codec: Optional[str]) -> dict:
+                codec: Optional[str], fragments: int = 1, overlap: bool = False) -> dict:
     """The run's recipe: every peer averages after exactly `inner_steps` inner steps, in one group of all `peers`
-    (no peer averages alone); the codec and the checks are the recipe's defaults unless `codec` is given."""
+    (no peer averages alone); the codec and the checks are the recipe's defaults unless `codec` is given. With
+    `fragments` (Streaming DiLoCo) a sync of one fragment comes every inner_steps / fragments steps, each fragment
+    averaged every `inner_steps`; `overlap`: outer.overlap."""
     tokens_per_step = batch * seq_len
     averaging = {"min_group_size": peers, "target_group_size": peers, "matchmaking_timeout": 60.0,
                  "allreduce_timeout": 300.0}  # (slow CPU peers of a large model: a timeout is not what we measure)
@@ -96,6 +99,7 @@ def make_recipe(*, size: str, peers: int, inner_steps: int, batch: int, seq_len:
             "model": {"config_file": "config.json"},
             "data": {"source": source, "vocab_size": VOCAB, "seq_len": seq_len, "batch_size": batch},
             "inner": {"lr": 6e-4, "warmup_tokens": inner_steps * tokens_per_step},
+            "outer": {"fragments": fragments, "overlap": overlap},
             "averaging": averaging,
             "inner_steps_per_round": inner_steps,
             "tokens_per_round": peers * inner_steps * tokens_per_step,
@@ -412,7 +416,8 @@ def run_size(args: argparse.Namespace, size: str, workdir: Path, deadline: float
         print(f"[{size}] probe: {tokens_per_s:.0f} tokens/s alone; {inner_steps} inner steps a round for about "
               f"{args.round_seconds:.0f} s of compute", file=sys.stderr, flush=True)
     recipe = make_recipe(size=size, peers=args.peers, inner_steps=inner_steps, batch=args.batch,
-                         seq_len=args.seq_len, rounds=args.rounds, source=source, codec=args.codec)
+                         seq_len=args.seq_len, rounds=args.rounds, source=source, codec=args.codec,
+                         fragments=args.fragments, overlap=args.overlap)
     recipe_path = base / "recipe.json"
     recipe_path.write_text(json.dumps(recipe, indent=1))
     children: list[Child] = []
@@ -460,6 +465,7 @@ def run_size(args: argparse.Namespace, size: str, workdir: Path, deadline: float
                 "batch": args.batch, "seq_len": args.seq_len, "codec": args.codec or "recipe default",
                 "peers_started": args.peers, "threads": threads, "device": args.device,
                 "checkpoints": args.checkpoints, "rounds_asked": args.rounds, "timed_out": timed_out,
+                "fragments": args.fragments, "overlap": args.overlap,
                 "all": aggregate(summaries), "peers": summaries}
     finally:
         stop_children(children[::-1], STOP_GRACE if not memory else 10.0)
@@ -488,6 +494,10 @@ def main() -> None:
     parser.add_argument("--codec", help="the recipe's averaging.codec (default: the recipe's default)")
     parser.add_argument("--corpus", help="a text file or directory to train on (default: the bundled corpus)")
     parser.add_argument("--checkpoints", action="store_true", help="give each peer a --checkpoint-dir")
+    parser.add_argument("--fragments", type=int, default=1,
+                        help="the recipe's outer.fragments (Streaming DiLoCo): a sync of one fragment every "
+                             "inner steps / fragments; --rounds then counts syncs")
+    parser.add_argument("--overlap", action="store_true", help="the recipe's outer.overlap")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--num-threads", type=int, help="torch threads a peer (default: cores / peers)")
     parser.add_argument("--skip-rounds", type=int, default=1, help="rounds left out of the means at the start")

@@ -19,6 +19,13 @@ from swarm import combinations
 from swarm.combinations import AGGREGATORS, RING_MODES
 
 
+# The replay log's default size (swarm/peer/diloco.py), bytes a parameter: a round of fp16 averages, two of int8;
+# the same rounds with outer.fragments (a fragment's step costs a fragment's bytes); a lossless run's is
+# AveragingRecipe.replay_bytes_per_param. Issue 39: a whole-model CPU peer in 32 bytes a parameter, this log
+# included.
+REPLAY_LOG_BYTES_PER_PARAM = 2
+
+
 def sync_steps(steps: int, fragments: int, fragment: int) -> int:
     """Inner steps before fragment `fragment`'s sync when each of `fragments` is synced every `steps` steps, the
     syncs as evenly spaced as whole steps allow (steps 50, fragments 4: 12, 13, 12, 13): the k-th sync of a cycle
@@ -168,6 +175,12 @@ class AveragingRecipe(_Section):
         if self.checked_groups:
             return max(self.min_group_size, 3), 2
         return self.min_group_size, 1
+
+    @property
+    def replay_bytes_per_param(self) -> int:
+        """The replay log's default size a parameter: a round of this run's averages, 4 bytes in fp32 (codec none,
+        which a ring also averages in), else REPLAY_LOG_BYTES_PER_PARAM."""
+        return 4 if self.codec == "none" else REPLAY_LOG_BYTES_PER_PARAM
 
 
 class PipelineRecipe(_Section):

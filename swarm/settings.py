@@ -102,7 +102,7 @@ class PeerSettings(_Section):
     replay_log_mb: Optional[float] = Field(
         None, ge=0, allow_inf_nan=False, json_schema_extra={"metavar": "MB"},
         description="memory for the latest outer steps, which peers a few rounds behind replay instead of "
-                    "downloading the state (default: one state's size, 8 bytes a param; 0 keeps none)")
+                    "downloading the state (default: 2 bytes a param, a round of fp16 averages; 0 keeps none)")
     max_rounds: Optional[int] = Field(
         None, gt=0, json_schema_extra={"metavar": "N"}, description="stop after averaging this many outer rounds")
     until_round: Optional[int] = Field(

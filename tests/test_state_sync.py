@@ -27,7 +27,7 @@ RANGE = 256 << 10  # small ranges, so a ~3 MB state takes a dozen requests
 def _diloco(seed: int) -> DiLoCo:
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 512))
-    return DiLoCo(model, OuterRecipe())
+    return DiLoCo(model, OuterRecipe(), log_bytes_per_param=8)  # (several rounds of fp32 steps)
 
 
 def _trained(seed: int) -> DiLoCo:

@@ -26,12 +26,15 @@ class ErrorFeedback:
         """The current residual (float32, shape of the last `to_send`), or None before the first update."""
         return self._residual
 
-    def compensate(self, pseudo_gradient: torch.Tensor) -> torch.Tensor:
-        """Returns a new float32 tensor pseudo_gradient + residual (a float32 copy before the first update).
+    def compensate(self, pseudo_gradient: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+        """Returns a new float32 tensor pseudo_gradient + residual (a float32 copy before the first update), or,
+        `in_place`, a float32 `pseudo_gradient` itself with the residual added (no model's worth of a copy).
 
         Raises ValueError if the residual has a different number of elements than pseudo_gradient.
         """
-        to_send = pseudo_gradient.detach().to(torch.float32, copy=True)
+        to_send = pseudo_gradient.detach()
+        if not (in_place and to_send.dtype == torch.float32):
+            to_send = to_send.to(torch.float32, copy=True)
         if self._residual is None:
             return to_send
         if self._residual.numel() != to_send.numel():
@@ -50,7 +53,10 @@ class ErrorFeedback:
             raise ValueError(f"to_send has {to_send.numel()} elements but decoded has {decoded.numel()}")
         sent = to_send.detach().to(torch.float32)
         received = decoded.detach().to(device=sent.device, dtype=torch.float32).view_as(sent)
-        self._residual = (sent - received).contiguous()
+        if self._residual is not None and self._residual.shape == sent.shape and self._residual.device == sent.device:
+            torch.sub(sent, received, out=self._residual)  # (in place: no second residual while the first lives)
+        else:
+            self._residual = (sent - received).contiguous()
 
     def reset(self) -> None:
         """Forgets the residual (after a model resize, or when a round is abandoned and resent from scratch)."""

@@ -30,7 +30,7 @@ import blake3
 import torch
 
 from swarm.compression import decode
-from swarm.config import OuterRecipe, RecipeError
+from swarm.config import REPLAY_LOG_BYTES_PER_PARAM, OuterRecipe, RecipeError
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,8 @@ def _outer_update(params: list[torch.Tensor], optimizer: torch.optim.SGD, averag
 class DiLoCo:
     """Global params + outer optimizer of one peer. Thread-safe snapshots for serving state to other peers."""
 
-    def __init__(self, model: torch.nn.Module, outer: OuterRecipe, log_bytes: Optional[int] = None):
+    def __init__(self, model: torch.nn.Module, outer: OuterRecipe, log_bytes: Optional[int] = None,
+                 log_bytes_per_param: int = REPLAY_LOG_BYTES_PER_PARAM):
         self.model = model
         self.names = [name for name, _ in model.named_parameters()]
         self.local_params = [param for _, param in model.named_parameters()]
@@ -146,11 +147,12 @@ class DiLoCo:
         self._hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="state-digest")
         self._hashing: Optional[concurrent.futures.Future] = None
         # The latest outer steps, in order and unbroken (a state loaded from elsewhere starts a new log), holding
-        # at most `log_bytes`, by default the bytes of one state: about 8 rounds of an int8 all-reduce, 4 of an
-        # fp16 one, 2 of an fp32 one. (Its own lock: the hash appends to it, and must never wait for `lock`.)
+        # at most `log_bytes`, by default `log_bytes_per_param` a param (the run's AveragingRecipe says how many: a
+        # round of its averages). (Its own lock: the hash appends to it, and must never wait for `lock`.)
         self.replay_log: deque[OuterStep] = deque()
         self._log_lock = threading.Lock()
-        self.log_bytes = 8 * self.numel if log_bytes is None else log_bytes
+        self.log_bytes = log_bytes_per_param * self.numel if log_bytes is None else log_bytes
+        self._parts: list[Optional[bytes]] = []  # each fragment's digest, where hashed (see state_digest)
         self._rehash()
 
     def fragment(self, round_no: Optional[int] = None) -> int:
@@ -198,7 +200,8 @@ class DiLoCo:
             self.tokens_seen += int(tokens)
             kept = None if wire or not log else average.to(torch.float32).clone()
             self._rehash(None if not log else lambda after: self._log(
-                [OuterStep(round_before, before, after, int(tokens), kept, tuple(wire) if wire else None)]))
+                [OuterStep(round_before, before, after, int(tokens), kept, tuple(wire) if wire else None)]),
+                changed=fragment)
         self.reset_local(fragment)
 
     def _log(self, steps: list[OuterStep]) -> None:
@@ -229,16 +232,22 @@ class DiLoCo:
             self._readers.append(future)
         return future
 
-    def _rehash(self, then: Optional[Callable[[str], None]] = None) -> None:
+    def _rehash(self, then: Optional[Callable[[str], None]] = None, changed: Optional[int] = None) -> None:
         """Hash the state as it is now on the digest thread (it cannot change before the hash is done, see
         settle), then call `then(digest)` there. Called under `lock` with the change it follows, so a reader that
-        takes the lock next finds the hash pending and `digest()` waits for it."""
+        takes the lock next finds the hash pending and `digest()` waits for it. `changed`: the one fragment the
+        change touched (the others' digests are kept), None for all."""
         self._digest = None
         round_no = self.round
+        if changed is None:
+            self._parts = [None] * len(self.fragments)
+        else:
+            self._parts[changed] = None
 
         def read() -> None:
             started = time.monotonic()
-            digest = state_digest(self.global_params, _momenta(self.global_params, self.outer_optimizer), round_no)
+            digest = state_digest(self.global_params, _momenta(self.global_params, self.outer_optimizer), round_no,
+                                  self.fragments, self._parts)
             self.digest_seconds = time.monotonic() - started
             self._digest, self._identity = digest, (round_no, digest)
             if then is not None:
@@ -274,7 +283,7 @@ class DiLoCo:
         state or ends elsewhere, or if our state changed in the meantime."""
         first = self.digest()
         with self.lock:
-            start = (self.round, first)
+            start, parts = (self.round, first), list(self._parts)
             tokens_seen = self.tokens_seen
             params = [p.clone() for p in self.global_params]
             buffers = _momenta(self.global_params, self.outer_optimizer)
@@ -290,8 +299,8 @@ class DiLoCo:
                 fragment = self.fragment(round_no)
                 first_param, end_param = self._span(fragment)
                 _outer_update(params[first_param:end_param], optimizer, step.vector(self.fragment_numel(fragment)))
-                round_no, tokens_seen = round_no + 1, tokens_seen + step.tokens
-                digest = state_digest(params, _momenta(params, optimizer), round_no)
+                round_no, tokens_seen, parts[fragment] = round_no + 1, tokens_seen + step.tokens, None
+                digest = state_digest(params, _momenta(params, optimizer), round_no, self.fragments, parts)
                 if digest != step.after:
                     raise ValueError(f"the outer step of round {step.round} ends at another state")
         self.settle()
@@ -305,7 +314,7 @@ class DiLoCo:
                     self.outer_optimizer.state[mine]["momentum_buffer"] = buffer
                 else:
                     self.outer_optimizer.state.pop(mine, None)
-            self.round, self.tokens_seen = round_no, tokens_seen
+            self.round, self.tokens_seen, self._parts = round_no, tokens_seen, parts
             self._digest, self._identity = digest, (round_no, digest)  # (checked above: no need to hash again)
         self._log(steps)  # so we can pass them on
         self.reset_local()
@@ -371,7 +380,7 @@ class DiLoCo:
         self.hashed()
         if self._digest is None:  # (its hash failed: say why here)
             self._digest = state_digest(self.global_params, _momenta(self.global_params, self.outer_optimizer),
-                                        self.round)
+                                        self.round, self.fragments, [None] * len(self.fragments))
         return self._digest
 
     def state_views(self) -> dict[str, torch.Tensor]:
@@ -419,12 +428,30 @@ class DiLoCo:
 ZEROS = bytes(1 << 20)
 
 
-def state_digest(params: list[torch.Tensor], momenta: list[Optional[torch.Tensor]], round_no: int) -> str:
+def state_digest(params: list[torch.Tensor], momenta: list[Optional[torch.Tensor]], round_no: int,
+                 fragments: Optional[list[tuple[int, int]]] = None, parts: Optional[list[Optional[bytes]]] = None) -> str:
     """blake3 (first 16 hex digits) of the outer round, the raw bytes of `params`, then those of their outer
     momentum buffers (None, no buffer yet, counts as zeros: torch's SGD treats the two the same): equal iff the two
     states are of the same round and bit-identical, and so take the same next outer step. Read in place (no copy of
-    a CPU tensor) on all cores: about 0.2 s for the 0.7 GB of a 92M-parameter state on 2 cores."""
+    a CPU tensor) on all cores: about 0.2 s for the 0.7 GB of a 92M-parameter state on 2 cores.
+
+    With several `fragments` (Streaming DiLoCo), blake3 of the round and each fragment's digest in order (its
+    params' bytes, then its momenta's), so an outer step, which changes one fragment, costs that fragment's hash:
+    `parts` holds the fragments' digests where known, and the missing ones (None) are computed and put in it."""
     digest = blake3.blake3(int(round_no).to_bytes(8, "little"), max_threads=blake3.blake3.AUTO)
+    if fragments is None or len(fragments) == 1:
+        _hash_into(digest, params, momenta)
+        return digest.hexdigest()[:16]
+    parts = [None] * len(fragments) if parts is None else parts
+    for k, (start, end) in enumerate(fragments):
+        if parts[k] is None:
+            parts[k] = _hash_into(blake3.blake3(max_threads=blake3.blake3.AUTO), params[start:end],
+                                  momenta[start:end]).digest()
+        digest.update(parts[k])
+    return digest.hexdigest()[:16]
+
+
+def _hash_into(digest, params: list[torch.Tensor], momenta: list[Optional[torch.Tensor]]):
     for tensor in params:
         digest.update(_raw(tensor))
     for param, momentum in zip(params, momenta, strict=True):
@@ -435,7 +462,7 @@ def state_digest(params: list[torch.Tensor], momenta: list[Optional[torch.Tensor
         while left:
             digest.update(memoryview(ZEROS)[:min(left, len(ZEROS))])
             left -= min(left, len(ZEROS))
-    return digest.hexdigest()[:16]
+    return digest
 
 
 def _raw(tensor: torch.Tensor):

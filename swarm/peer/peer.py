@@ -108,7 +108,7 @@ class Peer:
         self.model, self.n_blocks = self.part.model, self.part.n_blocks
         self.settings = s = self.part.settings  # (a stage's checkpoints go in a directory of their own)
         self.diloco = DiLoCo(self.part.module, r.outer, log_bytes=None if s.replay_log_mb is None else
-                             int(s.replay_log_mb * 1e6))
+                             int(s.replay_log_mb * 1e6), log_bytes_per_param=r.averaging.replay_bytes_per_param)
         self.error_feedback = FragmentFeedback(self.diloco.fragment_sizes())
         self.inner_optimizer = make_inner_optimizer(self.part.module, r.inner)
         self.checkpoints = ckpt.CheckpointWriter(s.checkpoints.dir, s.checkpoints.keep, s.checkpoints.series,
@@ -332,7 +332,7 @@ class Peer:
                 for param in self.diloco.local_params:
                     param.add_(1e3)  # finite, but far from anything a round of training can do
         fragment = self.diloco.fragment()  # (Streaming DiLoCo: this round's fragment alone; else all)
-        pseudo_gradient = self.error_feedback[fragment].compensate(self.diloco.pseudo_gradient(fragment))
+        pseudo_gradient = self.error_feedback[fragment].compensate(self.diloco.pseudo_gradient(fragment), True)
         norm = float(pseudo_gradient.norm())
         if not math.isfinite(norm) or norm > r.outer.max_pseudo_grad_norm:
             self._recover(f"pseudo-gradient norm {norm:.3g} over the recipe's bound")

@@ -155,7 +155,7 @@ def _verified(payload: bytes, sha256: str, round_no: int, digest: str, diloco: D
         momenta = [tensors.get(f"momentum.{name}") for name in diloco.names]
         if any(p.shape != mine.shape or (m is not None and (m.shape != p.shape or m.dtype != torch.float32))
                for p, m, mine in zip(params, momenta, diloco.global_params)) or \
-                state_digest(params, momenta, round_no) != digest:
+                state_digest(params, momenta, round_no, diloco.fragments) != digest:
             return None
     except Exception:  # noqa: BLE001 - malformed tensors are as bad as wrong bytes
         return None
