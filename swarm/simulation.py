@@ -1,5 +1,6 @@
 """DiLoCo and data-parallel training simulated in one process, with exactly the pieces a real peer uses (model
-construction, data shards, inner step, lr schedule, outer optimizer, codecs with error feedback). The benchmark
+construction, data shards, inner step, lr schedule, outer optimizer, codecs with error feedback where the codec
+keeps it). The benchmark
 compares algorithms with it, and a test checks that a real swarm computes the same global params.
 """
 
@@ -61,7 +62,7 @@ def simulate_diloco(recipe: Recipe, data: RunData, shards: list[int], rounds: in
     optimizers = [make_inner_optimizer(model, recipe.inner) for model in workers]
     batches = [data.train.batches(shard, recipe.data.num_shards, recipe.data.batch_size, recipe.data.seed)
                for shard in shards]
-    feedback = [[ErrorFeedback() for _ in range(fragments)] for _ in shards]
+    feedback = [[ErrorFeedback(codec.error_feedback) for _ in range(fragments)] for _ in shards]
     tokens_per_step = recipe.data.batch_size * recipe.data.seq_len
     result = SimulationResult(diloco.global_params)
     evaluator = build_model(recipe.model, data.vocab_size).to(device) if overlap_delay is not None else workers[0]
@@ -155,7 +156,7 @@ def simulate_groups(recipe: Recipe, data: RunData, shards: list[int], rounds: in
     optimizers = [make_inner_optimizer(model, recipe.inner) for model in workers]
     batches = [data.train.batches(shard, recipe.data.num_shards, recipe.data.batch_size, recipe.data.seed)
                for shard in shards]
-    feedback = [ErrorFeedback() for _ in shards]
+    feedback = [ErrorFeedback(codec.error_feedback) for _ in shards]
     tokens_per_step = recipe.data.batch_size * recipe.data.seq_len
     result = SimulationResult(dilocos[0].global_params)
     last_swarm = 1
@@ -262,7 +263,7 @@ def simulate_pipeline(recipe: Recipe, data: RunData, shards: list[int], stages: 
     hosted = [make_stages(model, bounds) for model in models]  # hosted[r][s]: stage s of replica r's model
     dilocos = [DiLoCo(hosted[0][s], recipe.outer) for s in range(stages)]  # replica 0 holds each stage's globals
     optimizers = [[make_inner_optimizer(hosted[r][s], recipe.inner) for s in range(stages)] for r in range(replicas)]
-    feedback = [[ErrorFeedback() for _ in range(stages)] for _ in range(replicas)]
+    feedback = [[ErrorFeedback(codec.error_feedback) for _ in range(stages)] for _ in range(replicas)]
     batches = [data.train.batches(shard, recipe.data.num_shards, recipe.data.batch_size, recipe.data.seed)
                for shard in shards]
     wiring = torch.Generator().manual_seed(seed)

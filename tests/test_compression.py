@@ -400,6 +400,15 @@ def test_fragment_feedback_keeps_each_fragments_residual_and_restores_only_those
     assert FragmentFeedback([500]).load_state_dict(fragments.state_dict()) == 0
     fragments.reset()
     assert fragments.state_dict() == {}
+    # fp16 (2**-11 of each value) and none (exact) keep no residual: 4 bytes a parameter saved, nothing carried
+    assert [get_codec(name).error_feedback for name in ("none", "fp16", "bf16", "int8", "int4", "topk")] == \
+        [False, False, True, True, True, True]
+    for name, kept in (("fp16", False), ("int8", True)):
+        feedback, pseudo = FragmentFeedback.for_codec([300], name), _gaussian(300)
+        to_send = feedback[0].compensate(pseudo.clone(), in_place=True)
+        feedback[0].update(to_send, get_codec(name).decode(get_codec(name).encode(to_send)))
+        assert torch.equal(feedback[0].compensate(pseudo), pseudo) != kept and bool(feedback.state_dict()) == kept
+        assert feedback.load_state_dict({"residual": torch.ones(300)}) == int(kept)
 
 
 # ---------------------------------------------------------------- bounded fuzz (scripts/fuzz_codecs.py runs 100k+)

@@ -47,6 +47,10 @@ class Codec(abc.ABC):
     """
 
     name: ClassVar[str]
+    # Whether a peer carries what this codec did not deliver into its next round (error feedback): worth its
+    # residual, 4 bytes a parameter of the peer's memory, where the codec's error is (int8, int4, topk, bf16's
+    # 2**-8), not where there is none (none) or it is 2**-11 of each value (fp16).
+    error_feedback: ClassVar[bool] = True
 
     def encode(self, tensor: torch.Tensor) -> bytes:
         """Returns the wire bytes for `tensor` (header + payload). The math runs on the tensor's device; only the

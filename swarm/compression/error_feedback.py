@@ -18,7 +18,8 @@ class ErrorFeedback:
     ef.update(to_send, codec.decode(payload)). The residual lives on the device of the tensors it is given.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled  # False: a pass-through that keeps no residual (Codec.error_feedback)
         self._residual: torch.Tensor | None = None
 
     @property
@@ -35,6 +36,8 @@ class ErrorFeedback:
         to_send = pseudo_gradient.detach()
         if not (in_place and to_send.dtype == torch.float32):
             to_send = to_send.to(torch.float32, copy=True)
+        if not self.enabled:
+            return to_send
         if self._residual is None:
             return to_send
         if self._residual.numel() != to_send.numel():
@@ -51,6 +54,8 @@ class ErrorFeedback:
         """
         if to_send.numel() != decoded.numel():
             raise ValueError(f"to_send has {to_send.numel()} elements but decoded has {decoded.numel()}")
+        if not self.enabled:
+            return
         sent = to_send.detach().to(torch.float32)
         received = decoded.detach().to(device=sent.device, dtype=torch.float32).view_as(sent)
         if self._residual is not None and self._residual.shape == sent.shape and self._residual.device == sent.device:
@@ -86,9 +91,16 @@ class FragmentFeedback:
     `sizes`: each fragment's elements. Saved as "residual" for a single fragment (as one ErrorFeedback saves it),
     else "residual.K" for fragment K."""
 
-    def __init__(self, sizes: list[int]) -> None:
+    def __init__(self, sizes: list[int], enabled: bool = True) -> None:
         self.sizes = list(sizes)
-        self.parts = [ErrorFeedback() for _ in self.sizes]
+        self.parts = [ErrorFeedback(enabled) for _ in self.sizes]
+
+    @classmethod
+    def for_codec(cls, sizes: list[int], codec: str) -> "FragmentFeedback":
+        """Residuals for a run averaging with the codec named `codec`: none where it keeps no error feedback."""
+        from swarm.compression.registry import get_codec
+
+        return cls(sizes, get_codec(codec).error_feedback)
 
     def __getitem__(self, fragment: int) -> ErrorFeedback:
         return self.parts[fragment]
@@ -110,7 +122,7 @@ class FragmentFeedback:
         restored = 0
         for k, part in enumerate(self.parts):
             residual = state.get(self._key(k))
-            if isinstance(residual, torch.Tensor) and residual.numel() == self.sizes[k]:
+            if isinstance(residual, torch.Tensor) and residual.numel() == self.sizes[k] and part.enabled:
                 part.load_state_dict({RESIDUAL_KEY: residual})
                 restored += 1
         return restored

@@ -43,6 +43,7 @@ class NoneCodec(Codec):
     """float32 as is. Error bound: 0 (exact for float32 input)."""
 
     name = "none"
+    error_feedback = False  # (exact: the residual would be zeros)
 
     def _encode_flat(self, flat: torch.Tensor) -> tuple[dict, list[torch.Tensor]]:
         return {}, [flat]
@@ -89,6 +90,7 @@ class Float16Codec(Codec):
     """
 
     name = "fp16"
+    error_feedback = False  # (a 2**-11 rounding of each value, unbiased: not worth a residual the model's size)
 
     def _encode_flat(self, flat: torch.Tensor) -> tuple[dict, list[torch.Tensor]]:
         scale = fp16_scale(flat)

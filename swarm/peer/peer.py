@@ -109,7 +109,7 @@ class Peer:
         self.settings = s = self.part.settings  # (a stage's checkpoints go in a directory of their own)
         self.diloco = DiLoCo(self.part.module, r.outer, log_bytes=None if s.replay_log_mb is None else
                              int(s.replay_log_mb * 1e6), log_bytes_per_param=r.averaging.replay_bytes_per_param)
-        self.error_feedback = FragmentFeedback(self.diloco.fragment_sizes())
+        self.error_feedback = FragmentFeedback.for_codec(self.diloco.fragment_sizes(), r.averaging.codec)
         self.inner_optimizer = make_inner_optimizer(self.part.module, r.inner)
         self.checkpoints = ckpt.CheckpointWriter(s.checkpoints.dir, s.checkpoints.keep, s.checkpoints.series,
                                                  self.metrics, self.events) if s.checkpoints.dir else None
