@@ -436,6 +436,8 @@ def run_size(args: argparse.Namespace, size: str, workdir: Path, deadline: float
         peers = []
         for index in range(args.peers):
             checkpoints = ["--checkpoint-dir", str(base / f"peer{index}" / "checkpoints")] if args.checkpoints else []
+            if args.recompute_activations:
+                checkpoints.append("--recompute-activations")
             peers.append(Child(["join", "--initial-peers", found.group(1), "--device", args.device, "--num-threads",
                                 str(threads), "--cache-dir", str(base / f"peer{index}" / "cache"), "--until-round",
                                 str(args.rounds), "--events-file", str(base / f"peer{index}.events"), *checkpoints],
@@ -466,6 +468,7 @@ def run_size(args: argparse.Namespace, size: str, workdir: Path, deadline: float
                 "peers_started": args.peers, "threads": threads, "device": args.device,
                 "checkpoints": args.checkpoints, "rounds_asked": args.rounds, "timed_out": timed_out,
                 "fragments": args.fragments, "overlap": args.overlap,
+                "recompute_activations": args.recompute_activations,
                 "all": aggregate(summaries), "peers": summaries}
     finally:
         stop_children(children[::-1], STOP_GRACE if not memory else 10.0)
@@ -498,6 +501,8 @@ def main() -> None:
                         help="the recipe's outer.fragments (Streaming DiLoCo): a sync of one fragment every "
                              "inner steps / fragments; --rounds then counts syncs")
     parser.add_argument("--overlap", action="store_true", help="the recipe's outer.overlap")
+    parser.add_argument("--recompute-activations", action="store_true",
+                        help="start the peers with --recompute-activations (gradient checkpointing)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--num-threads", type=int, help="torch threads a peer (default: cores / peers)")
     parser.add_argument("--skip-rounds", type=int, default=1, help="rounds left out of the means at the start")

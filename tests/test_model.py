@@ -12,7 +12,7 @@ import transformers
 from safetensors.torch import load_file
 
 from swarm.compression.error_feedback import ErrorFeedback
-from swarm.config import ModelRecipe, RecipeError
+from swarm.config import InnerRecipe, ModelRecipe, RecipeError
 from swarm.model.build import block_map, build_model, n_blocks
 from swarm.model.build import lm_loss
 
@@ -149,3 +149,20 @@ def test_two_peers_train_a_gpt2_config_on_one_text_file_for_three_rounds(swarm):
         assert list((swarm.workdir / f"ckpt{i}").glob("round-*")), "no checkpoint written"
     bootstrap.process.send_signal(signal.SIGTERM)
     assert bootstrap.wait(30) == 0
+
+
+def test_recomputed_activations_give_the_same_training_bit_for_bit():
+    """--recompute-activations (gradient checkpointing, done by transformers' blocks) trades memory for compute
+    and nothing else: two inner steps of a whole model end at identical params."""
+    from swarm.peer.training import inner_step, make_inner_optimizer
+
+    recipe = ModelRecipe(hidden_size=64, intermediate_size=172, num_layers=2, num_heads=4, max_seq_len=64)
+    plain, recomputing = build_model(recipe, 512), build_model(recipe, 512, recompute=True)
+    assert recomputing.model.layers[0].gradient_checkpointing and not plain.model.layers[0].gradient_checkpointing
+    batch = torch.randint(0, 512, (4, 33), generator=torch.Generator().manual_seed(0))
+    for model in (plain, recomputing):
+        optimizer = make_inner_optimizer(model, InnerRecipe())
+        for _ in range(2):
+            inner_step(model, optimizer, batch, torch.device("cpu"), 1e-3, 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), recomputing.parameters()))
+    assert any(not torch.equal(a, b) for a, b in zip(plain.parameters(), build_model(recipe, 512).parameters()))

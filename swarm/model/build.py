@@ -44,10 +44,12 @@ def model_config(recipe: ModelRecipe, vocab_size: int) -> PretrainedConfig:
     )
 
 
-def build_model(recipe: ModelRecipe, vocab_size: int, meta: bool = False) -> torch.nn.Module:
+def build_model(recipe: ModelRecipe, vocab_size: int, meta: bool = False, recompute: bool = False) -> torch.nn.Module:
     """A freshly initialised model on the CPU in fp32; identical on every peer for the same recipe. With `meta`, on
     the meta device instead: shapes only, nothing allocated (a pipeline stage then allocates and initialises its own
-    part alone, swarm.model.stages.materialize)."""
+    part alone, swarm.model.stages.materialize). `recompute`: each block keeps its input alone and recomputes the
+    rest in the backward pass (transformers' gradient checkpointing, done by the blocks themselves, so a pipeline
+    stage calling them does it too): the same gradients for less memory and more compute."""
     config = model_config(recipe, vocab_size)
     with torch.random.fork_rng(devices=[]), torch.device("meta") if meta else contextlib.nullcontext():
         torch.manual_seed(recipe.seed)
@@ -55,6 +57,9 @@ def build_model(recipe: ModelRecipe, vocab_size: int, meta: bool = False) -> tor
             model = LlamaForCausalLM(config)
         else:
             model = AutoModelForCausalLM.from_config(config)
+    if recompute:
+        model.config.use_cache = False  # (a cache is for generation; transformers warns of it under checkpointing)
+        model.activation_checkpointing_enable({"use_reentrant": False})
     return model.float()
 
 

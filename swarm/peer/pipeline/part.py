@@ -126,7 +126,7 @@ class Part:
         """The model as this peer needs it and the part of it we train: the whole model on `device`, or in a run of
         stages the model on the meta device with our stage alone allocated on `device`."""
         staged = recipe.pipeline.stages > 1
-        model = build_model(model_recipe, vocab_size, meta=staged)
+        model = build_model(model_recipe, vocab_size, meta=staged, recompute=settings.recompute_activations)
         return cls(recipe, settings, model if staged else model.to(device), node, loop, count_blocks(model), prefer,
                    device)
 
