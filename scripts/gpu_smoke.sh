@@ -74,4 +74,7 @@ if [ "${SCALE:-0}" = 1 ]; then
   echo "=== two peers of a 311M-parameter model on cuda (scripts/bench_scale.py)"
   timeout 900 python3 scripts/bench_scale.py --size 350m --device cuda --peers 2 --rounds 3 --round-seconds 60 \
     --checkpoints --log-dir "$OUT/scale" 2>&1 | tail -8 | cut -c1-400
+  echo "=== the same with Streaming DiLoCo: 4 fragments, overlap (a sync every 15 s, a quarter of the model's bytes)"
+  timeout 900 python3 scripts/bench_scale.py --size 350m --device cuda --peers 2 --rounds 8 --skip-rounds 4 \
+    --round-seconds 60 --fragments 4 --overlap --checkpoints --log-dir "$OUT/scale-fragments" 2>&1 | tail -8 | cut -c1-400
 fi
