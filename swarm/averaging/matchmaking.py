@@ -82,7 +82,7 @@ class Group:
         return self.clients[self.members.index(peer)]
 
 
-DIGEST_CHARS = 16  # a state digest (swarm.peer.diloco.state_digest): blake3 in hex, cut to 64 bits
+DIGEST_CHARS = 16  # a state digest (swarm.peer.digest.state_digest): blake3 in hex, cut to 64 bits
 ENTRY_FIELDS = frozenset({"digest", "bandwidth", "client", "excluded", "phase_timeout", "weight", "commitment"})
 MAX_BANDWIDTH = 1e11  # bytes/s (800 Gbit/s): a larger declared link is a lie, not a faster peer
 BANDWIDTH_SPREAD = 16.0  # a member's bandwidth counts as at most this many times the group's lower median for shares

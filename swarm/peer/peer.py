@@ -93,8 +93,8 @@ class Peer:
         take_part(self.node, r, self.settings.invite)  # a private run's stranger stops here, saying what to do
         if self.settings.recipe_file:  # --recipe: refuse to start unless the swarm's is this one
             require_recipe(self.settings.recipe_file, self.settings.data_dir or self.settings.cache_dir, r)
-        logger.info("run %s (recipe %s): codec %s, %d tokens per round, each averaging 1/%d of the model", r.run_id,
-                    r.digest()[:12], r.averaging.codec, r.tokens_per_sync(), r.outer.fragments)
+        logger.info("run %s (recipe %s): codec %s, %d tokens per round", r.run_id, r.digest()[:12],
+                    r.averaging.codec, r.tokens_per_sync())
 
     def _build_data_and_model(self) -> None:
         s, r = self.settings, self.recipe

@@ -22,7 +22,7 @@ from safetensors.torch import load as load_tensors
 from swarm.dht.frames import recv_frame
 from swarm.dht.node import SwarmNode
 from swarm.peer.diloco import DiLoCo
-from swarm.peer.diloco import state_digest
+from swarm.peer.digest import state_digest
 from swarm.peer.state.wire import (STALL_SECONDS, MovedOn, StateSyncError, failure_reason, receive_bytes,
                                    request_stream, spread)
 from swarm.words import counted
