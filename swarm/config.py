@@ -23,7 +23,7 @@ from swarm.combinations import AGGREGATORS, RING_MODES
 # the same rounds with outer.fragments (a fragment's step costs a fragment's bytes); a lossless run's is
 # AveragingRecipe.replay_bytes_per_param. Issue 39: a whole-model CPU peer in 32 bytes a parameter, this log
 # included.
-REPLAY_LOG_BYTES_PER_PARAM = 2
+REPLAY_LOG_BYTES_PER_PARAM = 2.5  # (a round of fp16 is 2 and its chunks' headers, of int8 just over 1)
 
 
 def sync_steps(steps: int, fragments: int, fragment: int) -> int:
@@ -177,10 +177,10 @@ class AveragingRecipe(_Section):
         return self.min_group_size, 1
 
     @property
-    def replay_bytes_per_param(self) -> int:
+    def replay_bytes_per_param(self) -> float:
         """The replay log's default size a parameter: a round of this run's averages, 4 bytes in fp32 (codec none,
         which a ring also averages in), else REPLAY_LOG_BYTES_PER_PARAM."""
-        return 4 if self.codec == "none" else REPLAY_LOG_BYTES_PER_PARAM
+        return 4.5 if self.codec == "none" else REPLAY_LOG_BYTES_PER_PARAM
 
 
 class PipelineRecipe(_Section):

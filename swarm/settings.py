@@ -102,7 +102,7 @@ class PeerSettings(_Section):
     replay_log_mb: Optional[float] = Field(
         None, ge=0, allow_inf_nan=False, json_schema_extra={"metavar": "MB"},
         description="memory for the latest outer steps, which peers a few rounds behind replay instead of "
-                    "downloading the state (default: 2 bytes a param, a round of fp16 averages; 0 keeps none)")
+                    "downloading the state (default: 2.5 bytes a param, a round of fp16 averages; 0 keeps none)")
     recompute_activations: bool = Field(
         False, description="keep each transformer block's input alone in the forward pass and compute the rest again "
                            "in the backward (gradient checkpointing): a block's activations in memory instead of "

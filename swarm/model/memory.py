@@ -29,7 +29,7 @@ def estimate_needs(recipe: Recipe, device: str, replay_log_mb: Optional[float]) 
     recipe cannot build."""
     n = sum(params for params, _, _ in part_params(recipe))
     training = training_bytes(recipe, n, recipe.model.num_layers, last=True)
-    replay = recipe.averaging.replay_bytes_per_param * n if replay_log_mb is None else int(replay_log_mb * 1e6)
+    replay = int(recipe.averaging.replay_bytes_per_param * n) if replay_log_mb is None else int(replay_log_mb * 1e6)
     host = 8 * n + replay + 12 * n + (training if device == "cpu" else 0)
     return Needs(n, 12 * n, host, training if device != "cpu" else 0)
 

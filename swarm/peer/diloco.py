@@ -129,7 +129,7 @@ class DiLoCo:
     """Global params + outer optimizer of one peer. Thread-safe snapshots for serving state to other peers."""
 
     def __init__(self, model: torch.nn.Module, outer: OuterRecipe, log_bytes: Optional[int] = None,
-                 log_bytes_per_param: int = REPLAY_LOG_BYTES_PER_PARAM):
+                 log_bytes_per_param: float = REPLAY_LOG_BYTES_PER_PARAM):
         self.model = model
         self.names = [name for name, _ in model.named_parameters()]
         self.local_params = [param for _, param in model.named_parameters()]
@@ -157,7 +157,7 @@ class DiLoCo:
         # round of its averages). (Its own lock: the hash appends to it, and must never wait for `lock`.)
         self.replay_log: deque[OuterStep] = deque()
         self._log_lock = threading.Lock()
-        self.log_bytes = log_bytes_per_param * self.numel if log_bytes is None else log_bytes
+        self.log_bytes = int(log_bytes_per_param * self.numel) if log_bytes is None else log_bytes
         self._parts: list[Optional[bytes]] = []  # each fragment's digest, where hashed (see state_digest)
         self._rehash()
 
