@@ -178,8 +178,8 @@ class AveragingRecipe(_Section):
 
     @property
     def replay_bytes_per_param(self) -> float:
-        """The replay log's default size a parameter: a round of this run's averages, 4 bytes in fp32 (codec none,
-        which a ring also averages in), else REPLAY_LOG_BYTES_PER_PARAM."""
+        """The replay log's default size a parameter: a round of this run's averages, 4.5 bytes for fp32 (codec
+        none, which a ring also averages in: 4 and the chunks' headers), else REPLAY_LOG_BYTES_PER_PARAM."""
         return 4.5 if self.codec == "none" else REPLAY_LOG_BYTES_PER_PARAM
 
 

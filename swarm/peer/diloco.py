@@ -138,6 +138,7 @@ class DiLoCo:
                                                nesterov=outer.nesterov and outer.momentum > 0)
         self.numel = sum(p.numel() for p in self.global_params)
         self.fragments = fragment_bounds([p.numel() for p in self.global_params], outer.fragments)
+        self._sizes = [sum(p.numel() for p in self.global_params[a:b]) for a, b in self.fragments]
         if len(self.fragments) > 1:
             logger.info("Streaming DiLoCo: %d fragments of %s parameters, one averaged a round", len(self.fragments),
                         ", ".join(f"{self.fragment_numel(k) / 1e6:.2f}M" for k in range(len(self.fragments))))
@@ -170,11 +171,10 @@ class DiLoCo:
 
     def fragment_numel(self, fragment: Optional[int] = None) -> int:
         """Elements of `fragment` (None: of the whole model)."""
-        start, end = self._span(fragment)
-        return sum(p.numel() for p in self.global_params[start:end])
+        return self.numel if fragment is None else self._sizes[fragment]
 
     def fragment_sizes(self) -> list[int]:
-        return [self.fragment_numel(k) for k in range(len(self.fragments))]
+        return list(self._sizes)
 
     def pseudo_gradient(self, fragment: Optional[int] = None) -> torch.Tensor:
         """Flat fp32 vector of global minus local params of `fragment` (None: all), in parameter order."""
