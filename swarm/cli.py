@@ -127,6 +127,10 @@ def _positive(name: str, value: Optional[int]) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    # Before torch loads: its CPU allocations of 2 MB and more get transparent huge pages (where the kernel's THP
+    # mode is "always" or "madvise"), which fault in a 512th as often: at 92M a whole-model copy is made 3x
+    # faster, and a step's peak resident memory 2.4 bytes a parameter lower (docs/measured.md#scale).
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     args = build_parser().parse_args(argv)
     _setup_logging(args.verbose)
     try:
