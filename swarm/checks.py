@@ -136,7 +136,8 @@ def resource_checks(recipe: Recipe, settings: PeerSettings, shared: bool = False
         device = pick_device(settings.device).type
         model = recipe.model.model_copy(update={"config_file": config_file}) if config_file else \
             local_files(recipe, settings.data_dir or settings.cache_dir)[2]  # where join reads config_file
-        needs = estimate_needs(recipe.model_copy(update={"model": model}), device, settings.replay_log_mb)
+        needs = estimate_needs(recipe.model_copy(update={"model": model}), device, settings.replay_log_mb,
+                               settings.recompute_activations)
     except RuntimeError as e:  # --device cuda without a GPU
         return [Check("device", False, str(e), fatal=True)]
     except (RecipeError, OSError, ValueError) as e:

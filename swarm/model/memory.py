@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from swarm.compression import get_codec
 from swarm.config import Recipe, RecipeError
 from swarm.data.paths import local_files
 from swarm.model.build import build_model, n_blocks
@@ -24,14 +25,17 @@ class Needs:
     device: int  # training on a GPU: weights, gradients, AdamW moments, activations
 
 
-def estimate_needs(recipe: Recipe, device: str, replay_log_mb: Optional[float]) -> Needs:
-    """Counts the model's parameters on the meta device (nothing allocated). Raises RecipeError for a model the
-    recipe cannot build."""
+def estimate_needs(recipe: Recipe, device: str, replay_log_mb: Optional[float], recompute: bool = False) -> Needs:
+    """Counts the model's parameters on the meta device (nothing allocated). The host holds the global params and
+    outer momentum, the replay log, error feedback's residual (for the codecs that keep one), and a sync's buffers
+    (its fragment's pseudo-gradient and average); `recompute`: the peer recomputes activations in the backward
+    pass. Raises RecipeError for a model the recipe cannot build."""
     n = sum(params for params, _, _ in part_params(recipe))
-    training = training_bytes(recipe, n, recipe.model.num_layers, last=True)
+    training = training_bytes(recipe, n, recipe.model.num_layers, last=True, recompute=recompute)
     replay = int(recipe.averaging.replay_bytes_per_param * n) if replay_log_mb is None else int(replay_log_mb * 1e6)
-    host = 8 * n + replay + 12 * n + (training if device == "cpu" else 0)
-    return Needs(n, 12 * n, host, training if device != "cpu" else 0)
+    residual = 4 * n if get_codec(recipe.averaging.codec).error_feedback else 0
+    host = 8 * n + replay + residual + 8 * n // recipe.outer.fragments + (training if device == "cpu" else 0)
+    return Needs(n, 8 * n + residual, host, training if device != "cpu" else 0)
 
 
 def part_params(recipe: Recipe, model=None) -> list[tuple[int, int, bool]]:
@@ -77,12 +81,14 @@ def resolve_stages(recipe: Recipe, data_dir: str | Path) -> Recipe:
                       f"over pipeline.stage_memory {fmt_bytes(limit)}: raise stage_memory, or train a smaller model")
 
 
-def training_bytes(recipe: Recipe, params: int, layers: int, last: bool) -> int:
+def training_bytes(recipe: Recipe, params: int, layers: int, last: bool, recompute: bool = False) -> int:
     """Memory to train `params` parameters in `layers` blocks (and the LM head's logits when `last`): fp32 weights
-    and gradients, AdamW's two moments, and one microbatch's activations."""
+    and gradients, AdamW's two moments, and one microbatch's activations (`recompute`: each block's input kept, one
+    block's activations live at a time)."""
     d, m = recipe.data, recipe.model
     per_block = 34 * m.hidden_size + 5 * m.num_heads * d.seq_len
-    return 16 * params + 4 * d.batch_size * d.seq_len * (layers * per_block + (3 * d.vocab_size if last else 0))
+    kept = layers * m.hidden_size + per_block if recompute else layers * per_block
+    return 16 * params + 4 * d.batch_size * d.seq_len * (kept + (3 * d.vocab_size if last else 0))
 
 
 def fmt_bytes(n: float) -> str:
