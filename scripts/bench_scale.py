@@ -50,7 +50,8 @@ from bench_utilization import MADDR, UTILIZATION, Child  # noqa: E402 - after th
 VOCAB = 8192
 # n_layer, n_embd, n_head: GPT-2 small's and medium's shapes, and a 6-layer model of about a quarter of small
 SIZES = {"25m": (6, 512, 8), "92m": (12, 768, 12), "350m": (24, 1024, 16)}
-PHASES = ("announce", "matchmaking", "allreduce", "outer_step", "digest", "validation", "checkpoint")
+PHASES = ("prepare", "announce", "matchmaking", "allreduce", "verification", "outer_step", "digest", "validation",
+          "checkpoint")
 # Where a peer reports no `phases`: the all-reduce (the event's `seconds`), the log's "matchmaking" figure (all
 # the rest between the last inner step and the report: refresh, matchmaking, outer step, digest, validation) and
 # the checkpoint (checkpoint event after the averaged one).

@@ -253,6 +253,10 @@ def test_verified_reducers_give_the_same_average_as_unverified_ones(codec, clien
     _, unchecked, _ = _average(codec=codec, clients=clients, aggregator="centered_clip", exact_from=150_000,
                                verify=False)
     assert all(torch.equal(c.average, u.average) for c, u in zip(checked, unchecked))
+    # The check's own time, reported apart (the round's `verification` phase), by every member that checks.
+    servers = [r for r, client in zip(checked, clients or (False,) * len(checked)) if not client]
+    assert all(0 < r.verification_seconds < r.seconds for r in servers), [r.verification_seconds for r in checked]
+    assert all(r.verification_seconds == 0 for r in unchecked)
 
 
 def test_a_lying_reducer_is_refused_by_every_honest_member_and_accused():

@@ -348,3 +348,19 @@ def test_a_fragment_round_steps_its_fragment_alone_and_replays_to_the_same_state
 def _copy(model):
     import copy
     return copy.deepcopy(model)
+
+
+def test_progress_since_a_snapshot_is_written_over_it_bit_for_bit():
+    """Overlap keeps the inner steps made while averaging: local params now minus the snapshot taken when the
+    contribution left, computed in the snapshot's own memory (no fragment's worth more), equal to the subtraction."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])
+    diloco = DiLoCo(model, OuterRecipe(fragments=2))
+    snapshot = diloco.flat_local(1)
+    with torch.no_grad():
+        for p in diloco.local_params:
+            p.add_(torch.randn_like(p) / 3)
+    expected = diloco.flat_local(1) - snapshot
+    progress = diloco.progress(snapshot, 1)
+    assert progress.data_ptr() == snapshot.data_ptr() and torch.equal(progress, expected)
+    assert progress.numel() == diloco.fragment_numel(1)

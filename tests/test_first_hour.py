@@ -215,7 +215,8 @@ def test_the_round_line_times_each_phase_and_matchmaking_means_matchmaking(tmp_p
     clock = StepClock(clock=lambda: now[0])
     now[0] += 8.9375  # a round of 9 s (with the outer step's lap below), 2.5 of them in inner steps
     clock.stepped(2.5, 64)
-    timeline = Timeline({"announce": 0.25, "matchmaking": 1.5, "allreduce": 3.0}, clock=lambda: now[0])
+    timeline = Timeline({"prepare": 0.375, "announce": 0.25, "matchmaking": 1.5, "allreduce": 3.0,
+                         "verification": 0.5}, clock=lambda: now[0])
     timeline.add("checkpoint", 0.75)
     now[0] += 0.0625
     timeline.lap("outer_step")
@@ -229,8 +230,8 @@ def test_the_round_line_times_each_phase_and_matchmaking_means_matchmaking(tmp_p
                      round_now=4, loss=3.0, val_loss=None, digest="d" * 16, timeline=done)
     events.close()
     line = next(r.getMessage() for r in caplog.records if "averaged with 2 peers" in r.getMessage())
-    assert "matchmaking 1.5 s" in line and "round 9.0 s: compute 2.5 s, announce 0.2 s" in line, line
-    assert "checkpoint 0.8 s" in line and "outer step 0.1 s" in line, line
+    assert "matchmaking 1.5 s" in line and "round 9.0 s: compute 2.5 s, prepare 0.4 s, announce 0.2 s" in line, line
+    assert "checkpoint 0.8 s" in line and "outer step 0.1 s" in line and "verification 0.5 s" in line, line
     event = json.loads((tmp_path / "events.jsonl").read_text().splitlines()[-1])
     assert event["phases"]["matchmaking"] == 1.5 and event["phases"]["allreduce"] == 3.0, event
     assert event["round_seconds"] == 9.0 and event["compute_seconds"] == 2.5, event

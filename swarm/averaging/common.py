@@ -72,6 +72,7 @@ class AllReduceResult:
     # The average as every member decoded it: (start, end, encoded bytes) per chunk, in order, or None where it
     # never travelled encoded (the ring's fp32). A peer that missed the round can redo it from these bytes.
     wire: Optional[list[tuple[int, int, bytes]]] = None
+    verification_seconds: float = 0.0  # of `seconds`: checking the reducers' averages once every member committed
 
 
 @dataclass

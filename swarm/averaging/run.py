@@ -52,6 +52,7 @@ class Run(abc.ABC):
     def __init__(self, context: RunContext, group: Group, mailbox: Mailbox, vector: torch.Tensor, weight: float,
                  bad: Optional[str]):
         self.started = time.monotonic()
+        self.verification_seconds = 0.0  # what `committed` spent checking the reducers (where it does)
         self.context, self.group, self.mailbox, self.weight = context, group, mailbox, weight
         self.faults, self.streams = context.faults, context.streams
         self.me, self.members = context.peer_id, group.members
@@ -80,7 +81,8 @@ class Run(abc.ABC):
         await self.commit()
         return AllReduceResult(self.result, self.delivered, total_weight, len(self.members), self.stats["sent"],
                                self.stats["received"], time.monotonic() - self.started,
-                               None if self.wire is None else [self.wire[a] for a in sorted(self.wire)])
+                               None if self.wire is None else [self.wire[a] for a in sorted(self.wire)],
+                               self.verification_seconds)
 
     @abc.abstractmethod
     async def move(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from typing import Optional
 
 import msgpack
@@ -99,6 +100,13 @@ class Verifying:
         server does, and they check)."""
         if not self.verifying:
             return
+        began = time.monotonic()
+        try:
+            await self._check(commits)
+        finally:
+            self.verification_seconds = time.monotonic() - began
+
+    async def _check(self, commits: dict) -> None:
         mine = self.revealed.hashes  # (reveal() made our commit's body before the commits were collected)
         nonces = {self.me: self.revealed.nonce}
         for peer in self.others:

@@ -50,7 +50,8 @@ class PeerMetrics:
         self.round_seconds = Gauge("swarm_round_duration_seconds", "Wall time of the last outer round", registry=r)
         self.round_phase_seconds = Gauge(
             "swarm_round_phase_seconds", "Seconds the last outer round spent in each phase besides computing "
-            "(announce, matchmaking, allreduce, outer_step, validation, digest, checkpoint)", ["phase"], registry=r)
+            "(prepare, announce, matchmaking, allreduce, verification, outer_step, validation, digest, checkpoint)",
+            ["phase"], registry=r)
         self.round_compute_seconds = Gauge("swarm_round_compute_seconds",
                                            "Seconds the last outer round spent in inner steps", registry=r)
         self.group_size = Gauge("swarm_group_size", "Peers in the last averaging group", registry=r)

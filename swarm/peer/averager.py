@@ -107,6 +107,8 @@ class Averager:
             try:
                 with timed("allreduce"):
                     result = self.run(group, contribution)
+                phases["allreduce"] -= result.verification_seconds  # (its own phase: checking the reducers)
+                phases["verification"] = result.verification_seconds
                 return Averaged(contribution, attempt, result, group, phases)
             except (AllReduceError, TimeoutError) as e:
                 reason = getattr(e, "reason", "timeout")

@@ -363,6 +363,18 @@ class DiLoCo:
                 self.replay_log.clear()  # a mixed state is nobody's to replay from
             self._rehash()
 
+    def progress(self, snapshot: torch.Tensor, fragment: Optional[int] = None) -> torch.Tensor:
+        """Local params of `fragment` (None: all) minus `snapshot` (a `flat_local` of them taken earlier), written
+        over `snapshot` and returned: the progress made since, with no fragment's worth of memory more."""
+        start, end = self._span(fragment)
+        with torch.no_grad():
+            offset = 0
+            for local in self.local_params[start:end]:
+                part = snapshot[offset:offset + local.numel()].view_as(local)
+                torch.sub(local.detach().to("cpu", torch.float32), part, out=part)
+                offset += local.numel()
+        return snapshot
+
     def reset_local(self, fragment: Optional[int] = None) -> None:
         """Local params of `fragment` (None: all) := global params (cast to the model's device and dtype)."""
         start, end = self._span(fragment)

@@ -211,8 +211,7 @@ class Peer:
             bandwidth_up=self.link.up, bandwidth_down=self.link.down,
             loss=self.loss, val_loss=self.val_loss, attempt=snap.attempt, updated=self.node.now(),
             in_flight_tokens=snap.in_flight_tokens, data_shard=self.stream.reading(), data_start=self.stream.start,
-            client=self.settings.network.client_mode,
-            **(self.shared.record_fields() if self.shared is not None else {}))
+            client=self.settings.network.client_mode, **(self.shared.record_fields() if self.shared else {}))
 
     def _on_bad_peer(self, peer_id: str, reason: str) -> None:
         self.metrics.bad_peers.labels(reason=reason).inc()
@@ -326,7 +325,7 @@ class Peer:
     def _prepare(self) -> Optional[Contribution]:
         """This round's contribution: the pseudo-gradient (plus the error-feedback residual of lossy codecs) and
         its weight; None if it is not fit to send (the peer then restarts the round from the global params)."""
-        r = self.recipe
+        r, started = self.recipe, time.monotonic()
         if self.faults.local("explode", self.diloco.round):
             with torch.no_grad():
                 for param in self.diloco.local_params:
@@ -340,7 +339,8 @@ class Peer:
         snapshot = self.diloco.flat_local(fragment) if r.outer.overlap else None
         weight = self.faults.declared_weight(min(self.rounds.tokens_in_round, r.max_contribution_tokens()),
                                              r.max_contribution_tokens(), self.diloco.round)  # (what others accept)
-        return Contribution(self.diloco.round, pseudo_gradient, weight, self.diloco.digest(), snapshot)
+        return Contribution(self.diloco.round, pseudo_gradient, weight, self.diloco.digest(), snapshot,
+                            time.monotonic() - started)
 
     def _conclude(self, outcome: Outcome) -> None:
         """Apply a successful average, or arrange the retry of a failed one (training thread)."""
@@ -349,12 +349,12 @@ class Peer:
     def _apply(self, averaged: Averaged) -> None:
         contribution, result, group = averaged.contribution, averaged.result, averaged.group
         n, fragment = contribution.pseudo_gradient.numel(), self.diloco.fragment(contribution.round_no)
-        timeline = Timeline(averaged.phases)
+        timeline = Timeline(averaged.phases | {"prepare": contribution.prepared_seconds})
         average, mixed_state = result.average[:n], result.average[n:] if group.mix else None
         timeline.add("checkpoint", self.diloco.settle())  # (the last checkpoint's write, if it is still going)
         self.error_feedback[fragment].update(contribution.pseudo_gradient, result.delivered[:n])
         global_before = self.diloco.flat_global() if self.settings.trace_dir else None
-        progress = None if contribution.snapshot is None else self.diloco.flat_local(fragment) - contribution.snapshot
+        progress = None if contribution.snapshot is None else self.diloco.progress(contribution.snapshot, fragment)
         if mixed_state is not None:
             self.diloco.load_flat_state(mixed_state)
             self.metrics.mixing_rounds.inc()

@@ -16,7 +16,8 @@ from safetensors.torch import save_file
 logger = logging.getLogger("swarm.peer")
 
 
-PHASES = ("announce", "matchmaking", "allreduce", "outer_step", "validation", "digest", "checkpoint")
+PHASES = ("prepare", "announce", "matchmaking", "allreduce", "verification", "outer_step", "validation", "digest",
+          "checkpoint")
 PHASE_NAMES = {"allreduce": "all-reduce", "outer_step": "outer step"}
 
 

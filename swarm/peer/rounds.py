@@ -35,6 +35,7 @@ class Contribution:
     weight: int  # tokens processed in the round
     digest: str  # of the global state it is relative to
     snapshot: Optional[torch.Tensor] = None  # overlap: local params when it was taken
+    prepared_seconds: float = 0.0  # what the training thread spent making it (pseudo-gradient, snapshot)
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class Averaged:
     result: Any  # AllReduceResult
     group: Any  # matchmaking.Group
     # Seconds spent in each phase of the averaging, over all its attempts: "announce" (our record refreshed
-    # before matchmaking), "matchmaking", "allreduce" (with the reducers' checks, which run inside it)
+    # before matchmaking), "matchmaking", "allreduce" and "verification" (the reducers' checks, after the commits)
     phases: dict[str, float] = field(default_factory=dict)
 
 
