@@ -648,7 +648,8 @@ def _handshake_afterwards() -> Optional[str]:
 def _state() -> dict:
     if "state" not in _live:
         from swarm.config import OuterRecipe
-        from swarm.peer.diloco import DiLoCo, OuterStep
+        from swarm.peer.diloco import DiLoCo
+        from swarm.peer.outer import OuterStep
         from swarm.peer.state.serve import StateServer
         diloco = DiLoCo(torch.nn.Linear(4, 4), OuterRecipe())
         step = OuterStep(0, diloco.digest(), "a" * 16, tokens=8, average=torch.ones(diloco.numel))

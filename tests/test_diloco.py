@@ -110,7 +110,7 @@ def test_the_replay_log_keeps_the_latest_unbroken_steps_within_its_bytes():
 
 def test_a_refused_replay_leaves_global_and_local_params_as_they_were():
     from swarm.compression import get_codec
-    from swarm.peer.diloco import OuterStep
+    from swarm.peer.outer import OuterStep
 
     ahead, behind = (DiLoCo(_model(), OuterRecipe(), log_bytes_per_param=4) for _ in range(2))  # (a round of fp32)
     n = ahead.numel
@@ -270,7 +270,7 @@ def test_validation_takes_at_most_its_share_of_a_peers_time():
 def test_the_outer_step_is_torchs_sgd_bit_for_bit_without_a_models_worth_of_gradients(momentum, nesterov):
     """The outer update steps one parameter at a time (no whole-model gradients set first: issue 39's memory) and
     ends bit-identical to torch's SGD.step, momentum buffers included, over several steps."""
-    from swarm.peer.diloco import _outer_update
+    from swarm.peer.outer import outer_update
 
     torch.manual_seed(0)
     ours = [torch.randn(7, 5), torch.randn(11)]
@@ -283,7 +283,7 @@ def test_the_outer_step_is_torchs_sgd_bit_for_bit_without_a_models_worth_of_grad
             offset += param.numel()
         optimizers[1].step()
         optimizers[1].zero_grad(set_to_none=True)
-        _outer_update(ours, optimizers[0], average)
+        outer_update(ours, optimizers[0], average)
     assert all(torch.equal(a, b) for a, b in zip(ours, torchs))
     if momentum:
         assert all(torch.equal(optimizers[0].state[a]["momentum_buffer"], optimizers[1].state[b]["momentum_buffer"])
@@ -291,7 +291,7 @@ def test_the_outer_step_is_torchs_sgd_bit_for_bit_without_a_models_worth_of_grad
 
 
 def test_fragments_are_runs_of_whole_parameters_of_about_equal_size():
-    from swarm.peer.diloco import fragment_bounds
+    from swarm.peer.outer import fragment_bounds
 
     sizes = [100, 10, 10, 50, 50, 10, 10, 100]
     for parts in range(1, len(sizes) + 1):
@@ -339,8 +339,9 @@ def test_a_fragment_round_steps_its_fragment_alone_and_replays_to_the_same_state
     behind.replay(steps)
     assert (behind.round, behind.digest()) == (6, ahead.digest())
     # Each step rehashed its fragment alone; the digest is still that of the whole state hashed afresh.
-    from swarm.peer.diloco import _momenta, state_digest
-    momenta = _momenta(ahead.global_params, ahead.outer_optimizer)
+    from swarm.peer.diloco import state_digest
+    from swarm.peer.outer import momenta
+    momenta = momenta(ahead.global_params, ahead.outer_optimizer)
     assert ahead.digest() == state_digest(ahead.global_params, momenta, 6, ahead.fragments)
     assert ahead.digest() != state_digest(ahead.global_params, momenta, 6)  # (not the one-fragment layout)
 
@@ -364,3 +365,30 @@ def test_progress_since_a_snapshot_is_written_over_it_bit_for_bit():
     progress = diloco.progress(snapshot, 1)
     assert progress.data_ptr() == snapshot.data_ptr() and torch.equal(progress, expected)
     assert progress.numel() == diloco.fragment_numel(1)
+
+
+def test_round_buffers_handed_back_are_reused_with_the_right_values():
+    """With overlap a round's pseudo-gradient and snapshot live through inner steps anyway: handed back
+    (recycle), the next round's are made in their memory (no whole model's pages faulted in afresh), at most two
+    kept, each the size of the largest fragment, and what they hold is exactly what fresh ones would."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])
+    diloco = DiLoCo(model, OuterRecipe(fragments=3))
+    largest = max(diloco.fragment_sizes())
+    with torch.no_grad():
+        for p in diloco.local_params:
+            p.add_(torch.randn_like(p))
+    for fragment in (0, 1, 2):
+        pseudo, snapshot = diloco.pseudo_gradient(fragment), diloco.snapshot(fragment)
+        assert torch.equal(snapshot, diloco.flat_local(fragment))
+        assert torch.equal(pseudo, torch.cat([g.view(-1) for g in diloco.global_params[slice(
+            *diloco.fragments[fragment])]]) - snapshot)
+        assert pseudo.untyped_storage().nbytes() == snapshot.untyped_storage().nbytes() == 4 * largest
+        kept = {pseudo.data_ptr(), snapshot.data_ptr()}
+        diloco.recycle(pseudo, snapshot, diloco.snapshot(fragment))  # (a third is not kept)
+        assert len(diloco._spare) == 2
+        again = diloco.pseudo_gradient((fragment + 1) % 3)
+        assert again.data_ptr() in kept and again.numel() == diloco.fragment_numel((fragment + 1) % 3)
+        diloco.recycle(again)
+    diloco.recycle(torch.empty(3))  # (not a round buffer: not kept)
+    assert all(b.numel() == largest for b in diloco._spare)

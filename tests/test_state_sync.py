@@ -12,7 +12,8 @@ import torch
 from swarm.compression import decode, get_codec
 from swarm.config import OuterRecipe
 from swarm.dht.node import NetworkOptions, SwarmNode
-from swarm.peer.diloco import DiLoCo, OuterStep
+from swarm.peer.diloco import DiLoCo
+from swarm.peer.outer import OuterStep
 from swarm.peer.state.download import download_state
 from swarm.peer.state.replay import replay_steps
 from swarm.peer.state.serve import Snapshot, StateServer

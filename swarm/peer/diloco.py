@@ -24,105 +24,15 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
-from swarm.compression import decode
-from swarm.config import REPLAY_LOG_BYTES_PER_PARAM, OuterRecipe, RecipeError
+from swarm.config import REPLAY_LOG_BYTES_PER_PARAM, OuterRecipe
 from swarm.peer.digest import state_digest
+from swarm.peer.outer import OuterStep, fragment_bounds, momenta, outer_update
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class OuterStep:
-    """One applied outer step, enough to redo it: the averaged pseudo-gradient and tokens that took the state of
-    round `round` with state digest `digest` (round, params and outer momentum) to the state digest `after`. The
-    average is kept as the encoded chunks every member of the group decoded (`wire`: (start, end, bytes), in
-    order), so it costs what it cost on the wire (int8: about a byte a param), or in fp32 where it never travelled
-    encoded (the ring's)."""
-
-    round: int
-    digest: str
-    after: str
-    tokens: int
-    average: Optional[torch.Tensor] = None
-    wire: Optional[tuple[tuple[int, int, bytes], ...]] = None
-
-    @property
-    def nbytes(self) -> int:
-        if self.wire is not None:
-            return sum(len(payload) for _, _, payload in self.wire)
-        return self.average.numel() * 4
-
-    def vector(self, numel: int) -> torch.Tensor:
-        """The average, flat fp32; ValueError if it does not hold `numel` values."""
-        if self.wire is None:
-            if self.average is None or self.average.numel() != numel:
-                raise ValueError(f"outer step of round {self.round} has no average of {numel} values")
-            return self.average.to(torch.float32)
-        out, at = torch.empty(numel, dtype=torch.float32), 0
-        for start, end, payload in self.wire:
-            if start != at or not start < end <= numel:
-                raise ValueError(f"outer step of round {self.round}: chunks do not cover its {numel} values")
-            part = decode(payload, max_numel=end - start)
-            if part.numel() != end - start or not torch.isfinite(part).all():
-                raise ValueError(f"outer step of round {self.round}: a chunk of the wrong size or not finite")
-            out[start:end] = part
-            at = end
-        if at != numel:
-            raise ValueError(f"outer step of round {self.round}: chunks do not cover its {numel} values")
-        return out
-
-
-def fragment_bounds(sizes: list[int], parts: int) -> list[tuple[int, int]]:
-    """Cut parameters of `sizes` elements, in order, into `parts` runs [start, end) of parameter indices, none
-    empty, each ending at the parameter boundary nearest to its share of the total. RecipeError if there are fewer
-    parameters than parts."""
-    if not 1 <= parts <= len(sizes):
-        raise RecipeError(f"the recipe's outer.fragments {parts}: cannot cut {len(sizes)} parameters into {parts} "
-                          f"fragments: set outer.fragments to at most {len(sizes)}")
-    total, bounds, start, running = sum(sizes), [], 0, 0
-    for k in range(1, parts):
-        target, end = total * k / parts, start + 1
-        running += sizes[start]
-        while end < len(sizes) - (parts - k) and abs(running + sizes[end] - target) < abs(running - target):
-            running += sizes[end]
-            end += 1
-        bounds.append((start, end))
-        start = end
-    bounds.append((start, len(sizes)))
-    return bounds
-
-
-def _momenta(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> list[Optional[torch.Tensor]]:
-    return [optimizer.state.get(p, {}).get("momentum_buffer") for p in params]
-
-
-def _outer_update(params: list[torch.Tensor], optimizer: torch.optim.SGD, average: torch.Tensor) -> None:
-    """One outer step of `optimizer` (torch's SGD, Nesterov or not) on `params` along the flat averaged
-    pseudo-gradient, one parameter at a time: the same arithmetic as SGD.step on the CPU (bit for bit), without
-    a whole model's worth of gradients set first. The momentum buffers stay in `optimizer.state`."""
-    hyper = optimizer.param_groups[0]
-    lr, momentum, dampening, nesterov = hyper["lr"], hyper["momentum"], hyper["dampening"], hyper["nesterov"]
-    if hyper["weight_decay"] or hyper.get("maximize"):
-        raise ValueError("the outer optimizer takes neither weight decay nor maximize")
-    offset = 0
-    with torch.no_grad():
-        for param in params:
-            grad = average[offset:offset + param.numel()].view_as(param).to(torch.float32)
-            offset += param.numel()
-            if momentum:
-                state = optimizer.state[param]
-                buffer = state.get("momentum_buffer")
-                if buffer is None:
-                    buffer = state["momentum_buffer"] = torch.clone(grad).detach()
-                else:
-                    buffer.mul_(momentum).add_(grad, alpha=1 - dampening)
-                grad = grad.add(buffer, alpha=momentum) if nesterov else buffer
-            param.add_(grad, alpha=-lr)
 
 
 class DiLoCo:
@@ -139,6 +49,7 @@ class DiLoCo:
         self.numel = sum(p.numel() for p in self.global_params)
         self.fragments = fragment_bounds([p.numel() for p in self.global_params], outer.fragments)
         self._sizes = [sum(p.numel() for p in self.global_params[a:b]) for a, b in self.fragments]
+        self._spare: list[torch.Tensor] = []  # round buffers handed back (recycle), each of the largest fragment
         if len(self.fragments) > 1:
             logger.info("Streaming DiLoCo: %d fragments of %s parameters, one averaged a round", len(self.fragments),
                         ", ".join(f"{self.fragment_numel(k) / 1e6:.2f}M" for k in range(len(self.fragments))))
@@ -178,15 +89,33 @@ class DiLoCo:
 
     def pseudo_gradient(self, fragment: Optional[int] = None) -> torch.Tensor:
         """Flat fp32 vector of global minus local params of `fragment` (None: all), in parameter order."""
+        return self._local_flat(fragment, minus_from_global=True)
+
+    def snapshot(self, fragment: Optional[int] = None) -> torch.Tensor:
+        """`flat_local(fragment)` in a round buffer (see recycle)."""
+        return self._local_flat(fragment, minus_from_global=False)
+
+    def _local_flat(self, fragment: Optional[int], minus_from_global: bool) -> torch.Tensor:
         start, end = self._span(fragment)
-        out, at = torch.empty(self.fragment_numel(fragment), dtype=torch.float32), 0
+        numel = self.fragment_numel(fragment)
+        out, at = (self._spare.pop() if self._spare else torch.empty(max(self._sizes)))[:numel], 0
         with torch.no_grad():
             for g, l in zip(self.global_params[start:end], self.local_params[start:end]):
                 part = out[at:at + g.numel()].view_as(g)
                 part.copy_(l.detach())  # (one copy, cast on the way: no whole-model temporary)
-                torch.sub(g, part, out=part)
+                if minus_from_global:
+                    torch.sub(g, part, out=part)
                 at += g.numel()
         return out
+
+    def recycle(self, *buffers: torch.Tensor) -> None:
+        """Keep round buffers (pseudo_gradient's, snapshot's, each the size of the largest fragment) that nobody
+        reads any more for the next round's, at most two. Memory freed and taken again is faulted in again: 368 MB
+        cost the training thread about 1 s a round in a VM whose host takes freed memory back."""
+        for buffer in buffers:
+            whole = torch.empty(0).set_(buffer.untyped_storage())  # (all of it: the buffer may be a view)
+            if len(self._spare) < 2 and whole.numel() == max(self._sizes):
+                self._spare.append(whole)
 
     def outer_step(self, average: torch.Tensor, tokens: int,
                    wire: Optional[list[tuple[int, int, bytes]]] = None, log: bool = True) -> None:
@@ -201,7 +130,7 @@ class DiLoCo:
         self.settle()
         before, round_before = self.digest() if log else "", self.round
         with self.lock, torch.no_grad():
-            _outer_update(self.global_params[start:end], self.outer_optimizer, average)
+            outer_update(self.global_params[start:end], self.outer_optimizer, average)
             self.round += 1
             self.tokens_seen += int(tokens)
             kept = None if wire or not log else average.to(torch.float32).clone()
@@ -252,7 +181,7 @@ class DiLoCo:
 
         def read() -> None:
             started = time.monotonic()
-            digest = state_digest(self.global_params, _momenta(self.global_params, self.outer_optimizer), round_no,
+            digest = state_digest(self.global_params, momenta(self.global_params, self.outer_optimizer), round_no,
                                   self.fragments, self._parts)
             self.digest_seconds = time.monotonic() - started
             self._digest, self._identity = digest, (round_no, digest)
@@ -292,7 +221,7 @@ class DiLoCo:
             start, parts = (self.round, first), list(self._parts)
             tokens_seen = self.tokens_seen
             params = [p.clone() for p in self.global_params]
-            buffers = _momenta(self.global_params, self.outer_optimizer)
+            buffers = momenta(self.global_params, self.outer_optimizer)
             optimizer = torch.optim.SGD(params, **self.outer_optimizer.defaults)
             for param, buffer in zip(params, buffers):
                 if buffer is not None:
@@ -304,9 +233,9 @@ class DiLoCo:
                     raise ValueError(f"the outer step of round {step.round} is not from our state")
                 fragment = self.fragment(round_no)
                 first_param, end_param = self._span(fragment)
-                _outer_update(params[first_param:end_param], optimizer, step.vector(self.fragment_numel(fragment)))
+                outer_update(params[first_param:end_param], optimizer, step.vector(self.fragment_numel(fragment)))
                 round_no, tokens_seen, parts[fragment] = round_no + 1, tokens_seen + step.tokens, None
-                digest = state_digest(params, _momenta(params, optimizer), round_no, self.fragments, parts)
+                digest = state_digest(params, momenta(params, optimizer), round_no, self.fragments, parts)
                 if digest != step.after:
                     raise ValueError(f"the outer step of round {step.round} ends at another state")
         self.settle()
@@ -340,7 +269,7 @@ class DiLoCo:
         """Global params then outer momentum (zeros before the first outer step, which torch's SGD treats the
         same), flat fp32: what a mixing group averages besides the pseudo-gradients."""
         with self.lock:
-            momentum = _momenta(self.global_params, self.outer_optimizer)
+            momentum = momenta(self.global_params, self.outer_optimizer)
             return torch.cat([p.view(-1) for p in self.global_params] +
                              [(torch.zeros_like(p) if m is None else m).view(-1)
                               for p, m in zip(self.global_params, momentum)])
@@ -397,7 +326,7 @@ class DiLoCo:
         state as it is now: waits for its hash if it is being computed (see identity for one that never waits)."""
         self.hashed()
         if self._digest is None:  # (its hash failed: say why here)
-            self._digest = state_digest(self.global_params, _momenta(self.global_params, self.outer_optimizer),
+            self._digest = state_digest(self.global_params, momenta(self.global_params, self.outer_optimizer),
                                         self.round, self.fragments, [None] * len(self.fragments))
         return self._digest
 

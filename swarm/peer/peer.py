@@ -326,17 +326,15 @@ class Peer:
         """This round's contribution: the pseudo-gradient (plus the error-feedback residual of lossy codecs) and
         its weight; None if it is not fit to send (the peer then restarts the round from the global params)."""
         r, started = self.recipe, time.monotonic()
-        if self.faults.local("explode", self.diloco.round):
-            with torch.no_grad():
-                for param in self.diloco.local_params:
-                    param.add_(1e3)  # finite, but far from anything a round of training can do
+        if self.faults.local("explode", self.diloco.round):  # (finite, but far from anything a round can do)
+            self.diloco.add_to_local(torch.full((self.diloco.numel,), 1e3))
         fragment = self.diloco.fragment()  # (Streaming DiLoCo: this round's fragment alone; else all)
         pseudo_gradient = self.error_feedback[fragment].compensate(self.diloco.pseudo_gradient(fragment), True)
         norm = float(pseudo_gradient.norm())
         if not math.isfinite(norm) or norm > r.outer.max_pseudo_grad_norm:
             self._recover(f"pseudo-gradient norm {norm:.3g} over the recipe's bound")
             return None
-        snapshot = self.diloco.flat_local(fragment) if r.outer.overlap else None
+        snapshot = self.diloco.snapshot(fragment) if r.outer.overlap else None
         weight = self.faults.declared_weight(min(self.rounds.tokens_in_round, r.max_contribution_tokens()),
                                              r.max_contribution_tokens(), self.diloco.round)  # (what others accept)
         return Contribution(self.diloco.round, pseudo_gradient, weight, self.diloco.digest(), snapshot,
@@ -387,9 +385,10 @@ class Peer:
         if progress is None:
             self.announcer.refresh_now(self.loop)
         else:
-            # Overlap: our tokens already counted toward the next round, so the view needs no refresh before
-            # training goes on; publishing the new round must not hold up the training thread.
+            # Overlap: our tokens already counted toward the next round, so publishing the new round need not hold
+            # up training; the round's buffers lived through inner steps, so keeping them costs no peak memory.
             self.announcer.refresh_soon(self.loop)
+            self.diloco.recycle(contribution.pseudo_gradient, progress)
 
     def _drop_local_progress(self) -> None:
         """Our state was replaced by the swarm's: error feedback and inner moments are of a model we left."""

@@ -15,7 +15,8 @@ import torch
 
 from swarm.dht.frames import recv_frame
 from swarm.dht.node import SwarmNode
-from swarm.peer.diloco import DiLoCo, OuterStep
+from swarm.peer.diloco import DiLoCo
+from swarm.peer.outer import OuterStep
 from swarm.peer.state.wire import (MAX_REPLAY_STEPS, STALL_SECONDS, failure_reason, receive_bytes, request_stream,
                                    spread)
 

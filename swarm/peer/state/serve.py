@@ -18,7 +18,8 @@ from safetensors.torch import save as save_tensors
 from swarm.averaging.faults import FaultPlan
 from swarm.dht.frames import answer_seconds, recv_frame, send_frame
 from swarm.dht.node import SwarmNode
-from swarm.peer.diloco import DiLoCo, OuterStep
+from swarm.peer.diloco import DiLoCo
+from swarm.peer.outer import OuterStep
 from swarm.peer.state.wire import MAX_REPLAY_STEPS, STALL_SECONDS, protocol, send_bytes
 
 logger = logging.getLogger(__name__)
