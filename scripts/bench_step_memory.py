@@ -8,9 +8,15 @@ scripts/bench_scale.py's sizes (vocab 8192) on the CPU, AdamW as the recipe buil
     python scripts/bench_step_memory.py --size 92m
     python scripts/bench_step_memory.py --size 92m --recompute-activations
     MALLOC_MMAP_THRESHOLD_=65536 python scripts/bench_step_memory.py --size 92m   # resident = live
+    THP_MEM_ALLOC_ENABLE=0 python scripts/bench_step_memory.py --size 92m         # no huge pages
+    python scripts/bench_step_memory.py --size 92m --fresh-memory                 # what fresh pages cost
 
 glibc keeps freed memory in its heap (it is resident, and reused by the next step); with every allocation above
-64 KiB mapped on its own (the variable above), what is resident is what is live, at a cost in speed.
+64 KiB mapped on its own (the variable above), what is resident is what is live, at a cost in speed. Like a peer
+(swarm/cli.py), the script has torch put allocations of 2 MB and more on transparent huge pages unless
+THP_MEM_ALLOC_ENABLE is set otherwise. --fresh-memory times, instead, writing a round buffer's worth of fresh
+memory (4 bytes a parameter) right after the last one was freed and after it lay freed a while: what a round that
+takes its buffers afresh pays (a VM's host may take freed memory back, and gives it again page by page).
 """
 
 from __future__ import annotations
@@ -63,9 +69,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps, after one untimed")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--recompute-activations", action="store_true")
+    parser.add_argument("--fresh-memory", action="store_true", help="time writing fresh memory instead of steps")
     args = parser.parse_args()
 
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # (before torch loads, as a peer does)
     import torch
+
+    if args.fresh_memory:
+        return fresh_memory(torch, args.size)
 
     from swarm.config import InnerRecipe, ModelRecipe
     from swarm.model.build import build_model
@@ -97,14 +108,38 @@ def main() -> None:
     rows["the backward's peak over rest (gradients and activations)"] = (backward.peak - resting) / n
     print(f"{args.size}: {n / 1e6:.1f}M parameters, batch {args.batch} x {args.seq_len}, {args.threads} thread(s), "
           f"recomputed activations: {args.recompute_activations}, MALLOC_MMAP_THRESHOLD_="
-          f"{os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}")
+          f"{os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}, THP_MEM_ALLOC_ENABLE="
+          f"{os.environ.get('THP_MEM_ALLOC_ENABLE')}")
     for what, value in rows.items():
         print(f"  {what:<60}{value:>8.1f} bytes a parameter")
     print(f"  {'seconds a step':<60}{seconds:>8.2f}")
     print(json.dumps({"size": args.size, "parameters": n, "batch": args.batch, "seq_len": args.seq_len,
                       "recompute_activations": args.recompute_activations,
                       "mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"), "seconds_a_step": seconds,
+                      "thp": os.environ.get("THP_MEM_ALLOC_ENABLE"),
                       "bytes_a_parameter": rows}))
+
+
+def fresh_memory(torch, size: str, idle: tuple[float, ...] = (0.0, 0.0, 5.0, 20.0)) -> None:
+    """Seconds to allocate and write 4 bytes a parameter of `size`'s model, after each of `idle` seconds with the
+    last such buffer freed."""
+    from bench_scale import SIZES
+
+    layers, hidden, _ = SIZES[size]
+    n = 12 * layers * hidden * hidden + (8192 + 256) * hidden  # (GPT-2's count, near enough)
+    held = torch.ones(3 * n)  # (a process of some size, as a peer's is)
+    rows = []
+    for wait in idle:
+        time.sleep(wait)
+        started = time.monotonic()
+        buffer = torch.empty(n).fill_(1.0)
+        rows.append({"idle_seconds": wait, "seconds": time.monotonic() - started})
+        del buffer
+    print(f"{size}: writing {4 * n / 1e6:.0f} MB of fresh memory, THP_MEM_ALLOC_ENABLE="
+          f"{os.environ.get('THP_MEM_ALLOC_ENABLE')}, {held.numel() * 4 / 1e9:.1f} GB held")
+    for row in rows:
+        print(f"  after {row['idle_seconds']:>4.0f} s with the last one freed{row['seconds']:>10.3f} s")
+    print(json.dumps({"size": size, "bytes": 4 * n, "thp": os.environ.get("THP_MEM_ALLOC_ENABLE"), "rows": rows}))
 
 
 if __name__ == "__main__":

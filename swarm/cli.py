@@ -127,9 +127,10 @@ def _positive(name: str, value: Optional[int]) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    # Before torch loads: its CPU allocations of 2 MB and more get transparent huge pages (where the kernel's THP
-    # mode is "always" or "madvise"), which fault in a 512th as often: at 92M a whole-model copy is made 3x
-    # faster, and a step's peak resident memory 2.4 bytes a parameter lower (docs/measured.md#scale).
+    # Before torch loads: its CPU allocations of 2 MB and more go on transparent huge pages (where the kernel's THP
+    # mode is "always" or "madvise"): a 92M step's peak resident memory is 2.4 bytes a parameter lower, at the same
+    # speed. Memory taken afresh after a while costs more (the kernel compacts to find huge pages), which is why a
+    # round's buffers are kept (DiLoCo.recycle). docs/measured.md#scale
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     args = build_parser().parse_args(argv)
     _setup_logging(args.verbose)
