@@ -92,7 +92,8 @@ class DiLoCo:
         return self._local_flat(fragment, minus_from_global=True)
 
     def snapshot(self, fragment: Optional[int] = None) -> torch.Tensor:
-        """`flat_local(fragment)` in a round buffer (see recycle)."""
+        """Local params of `fragment` (None: all), flat fp32 on the CPU (parameter order), in a round buffer (see
+        recycle)."""
         return self._local_flat(fragment, minus_from_global=False)
 
     def _local_flat(self, fragment: Optional[int], minus_from_global: bool) -> torch.Tensor:
@@ -254,12 +255,6 @@ class DiLoCo:
         self._log(steps)  # so we can pass them on
         self.reset_local()
 
-    def flat_local(self, fragment: Optional[int] = None) -> torch.Tensor:
-        """Local params of `fragment` (None: all), flat fp32 on the CPU (parameter order)."""
-        start, end = self._span(fragment)
-        with torch.no_grad():
-            return torch.cat([p.detach().to("cpu", torch.float32).view(-1) for p in self.local_params[start:end]])
-
     def flat_global(self) -> torch.Tensor:
         """A copy of the global params, flat (parameter order)."""
         with self.lock:
@@ -293,7 +288,7 @@ class DiLoCo:
             self._rehash()
 
     def progress(self, snapshot: torch.Tensor, fragment: Optional[int] = None) -> torch.Tensor:
-        """Local params of `fragment` (None: all) minus `snapshot` (a `flat_local` of them taken earlier), written
+        """Local params of `fragment` (None: all) minus `snapshot` (a `snapshot()` of them taken earlier), written
         over `snapshot` and returned: the progress made since, with no fragment's worth of memory more."""
         start, end = self._span(fragment)
         with torch.no_grad():
