@@ -52,6 +52,8 @@ def seed_payloads() -> list[bytes]:
         seeds.append(get_codec("int8", block_size=16).encode(tensor))
         seeds.append(get_codec("int4", block_size=17).encode(tensor))
         seeds.append(get_codec("topk", fraction=0.3, block_size=16).encode(tensor))
+        seeds.append(get_codec("sparse", per_chunk=4, chunk=16).encode(tensor))
+        seeds.append(get_codec("support").encode(tensor))  # (a reducer's: every nonzero position)
     sparse = torch.zeros(200_000)
     sparse[[7, 90_000, 199_999]] = torch.tensor([1.0, -2.0, 3.0])
     seeds.append(get_codec("topk", fraction=1e-5).encode(sparse))  # varint gaps of 3 bytes
@@ -158,14 +160,14 @@ def check_outcome(decoder, payload: bytes) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--inputs", type=int, default=100_000, help="number of fuzz inputs (each hits 7 decoders)")
+    parser.add_argument("--inputs", type=int, default=100_000, help="number of fuzz inputs (each hits 9 decoders)")
     parser.add_argument("--seed", type=int, default=0, help="random seed; a run is reproducible from it")
     args = parser.parse_args()
     torch.set_num_threads(1)  # inputs are tiny: thread hand-off would cost more than the work
 
     rng = random.Random(args.seed)
     seeds = seed_payloads()
-    decoders = {name: get_codec(name).decode for name in CODEC_NAMES} | {"decode()": decode}
+    decoders = {name: get_codec(name).decode for name in (*CODEC_NAMES, "support")} | {"decode()": decode}
     by_decoder = {name: Counter() for name in decoders}
     by_mutation = {name: Counter() for name in MUTATIONS}
     failures: list[dict] = []

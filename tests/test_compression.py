@@ -197,7 +197,7 @@ def test_encode_and_error_bound_refuse_bad_tensors_with_one_line(name, tensor, m
 
 
 def test_get_codec_refuses_unknown_names_and_options():
-    assert CODEC_NAMES == ("none", "fp16", "bf16", "int8", "int4", "topk")
+    assert CODEC_NAMES == ("none", "fp16", "bf16", "int8", "int4", "topk", "sparse")
     for name, options in [("int2", {}), ("fp16", {"block_size": 128}), ("int8", {"block_size": 8}),
                           ("int8", {"block_size": 128.0}), ("topk", {"fraction": 0.0}),
                           ("topk", {"fraction": float("nan")}), ("topk", {"fractoin": 0.1})]:

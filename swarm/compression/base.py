@@ -51,6 +51,23 @@ class Codec(abc.ABC):
     # residual, 4 bytes a parameter of the peer's memory, where the codec's error is (int8, int4, topk, bf16's
     # 2**-8), not where there is none (none) or it is 2**-11 of each value (fp16).
     error_feedback: ClassVar[bool] = True
+    # What the residual counts for in the next round: to_send = pseudo_gradient + decay * residual. Below 1 (the
+    # sparse codec's), the residual is SparseLoCo's decayed accumulator, which stands in for outer momentum.
+    feedback_decay: ClassVar[float] = 1.0
+
+    # Whether a reducer puts its own part of the vector through this codec too, as it gets the others' (the sparse
+    # codec's: its own part whole would make the average dense); else it averages its own part as it is.
+    own_part_encoded: ClassVar[bool] = False
+
+    def alignment(self) -> int:
+        """Elements the parts of a vector a butterfly cuts for reducers are whole multiples of (the sparse codec's
+        chunk, so that every chunk is the one it would be in the whole vector), or 1."""
+        return 1
+
+    def average_codec(self, members: int) -> "Codec":
+        """The codec a reducer sends the average of `members` contributions back with: this one, but for the sparse
+        codec, whose averages keep the union of the contributions' positions (sparse.SupportCodec)."""
+        return self
 
     def encode(self, tensor: torch.Tensor) -> bytes:
         """Returns the wire bytes for `tensor` (header + payload). The math runs on the tensor's device; only the

@@ -18,8 +18,9 @@ class ErrorFeedback:
     ef.update(to_send, codec.decode(payload)). The residual lives on the device of the tensors it is given.
     """
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, decay: float = 1.0) -> None:
         self.enabled = enabled  # False: a pass-through that keeps no residual (Codec.error_feedback)
+        self.decay = decay  # what the residual counts for next round (Codec.feedback_decay)
         self._residual: torch.Tensor | None = None
 
     @property
@@ -28,8 +29,8 @@ class ErrorFeedback:
         return self._residual
 
     def compensate(self, pseudo_gradient: torch.Tensor, in_place: bool = False) -> torch.Tensor:
-        """Returns a new float32 tensor pseudo_gradient + residual (a float32 copy before the first update), or,
-        `in_place`, a float32 `pseudo_gradient` itself with the residual added (no model's worth of a copy).
+        """Returns a new float32 tensor pseudo_gradient + decay * residual (a float32 copy before the first update),
+        or, `in_place`, a float32 `pseudo_gradient` itself with it added (no model's worth of a copy).
 
         Raises ValueError if the residual has a different number of elements than pseudo_gradient.
         """
@@ -45,7 +46,7 @@ class ErrorFeedback:
                 f"error feedback residual has {self._residual.numel()} elements, pseudo-gradient has "
                 f"{to_send.numel()}; call reset() when the parameters change"
             )
-        return to_send.add_(self._residual.to(to_send.device).view_as(to_send))
+        return to_send.add_(self._residual.to(to_send.device).view_as(to_send), alpha=self.decay)
 
     def update(self, to_send: torch.Tensor, decoded: torch.Tensor) -> None:
         """Sets residual = to_send - decoded. `decoded` may be the flat CPU tensor a codec's decode returns.
@@ -91,16 +92,17 @@ class FragmentFeedback:
     `sizes`: each fragment's elements. Saved as "residual" for a single fragment (as one ErrorFeedback saves it),
     else "residual.K" for fragment K."""
 
-    def __init__(self, sizes: list[int], enabled: bool = True) -> None:
+    def __init__(self, sizes: list[int], enabled: bool = True, decay: float = 1.0) -> None:
         self.sizes = list(sizes)
-        self.parts = [ErrorFeedback(enabled) for _ in self.sizes]
+        self.parts = [ErrorFeedback(enabled, decay) for _ in self.sizes]
 
     @classmethod
     def for_codec(cls, sizes: list[int], codec: str) -> "FragmentFeedback":
         """Residuals for a run averaging with the codec named `codec`: none where it keeps no error feedback."""
         from swarm.compression.registry import get_codec
 
-        return cls(sizes, get_codec(codec).error_feedback)
+        codec = get_codec(codec)
+        return cls(sizes, codec.error_feedback, codec.feedback_decay)
 
     def __getitem__(self, fragment: int) -> ErrorFeedback:
         return self.parts[fragment]

@@ -10,6 +10,7 @@ from swarm.compression.base import Codec
 from swarm.compression.errors import CodecError
 from swarm.compression.float_codecs import BFloat16Codec, Float16Codec, NoneCodec
 from swarm.compression.quantized import Int4Codec, Int8Codec
+from swarm.compression.sparse import SparseCodec, SupportCodec
 from swarm.compression.topk import TopKCodec
 from swarm.compression.wire import CODEC_IDS, decode_header
 
@@ -20,10 +21,13 @@ _CODEC_CLASSES: dict[str, type[Codec]] = {
     "int8": Int8Codec,
     "int4": Int4Codec,
     "topk": TopKCodec,
+    "sparse": SparseCodec,
+    "support": SupportCodec,  # (only ever a reducer's, for the sparse codec's averages: Codec.average_codec)
 }
 assert tuple(_CODEC_CLASSES) == tuple(CODEC_IDS), "every codec needs a wire id, in the same order"
 
-CODEC_NAMES: tuple[str, ...] = tuple(_CODEC_CLASSES)
+# What a recipe may name: every codec but `support`, which nobody sends a contribution with.
+CODEC_NAMES: tuple[str, ...] = tuple(name for name in _CODEC_CLASSES if name != "support")
 # Options each codec accepts; anything else is a typo in a recipe and is refused rather than ignored.
 CODEC_OPTIONS: dict[str, tuple[str, ...]] = {
     "none": (),
@@ -32,6 +36,8 @@ CODEC_OPTIONS: dict[str, tuple[str, ...]] = {
     "int8": ("block_size",),
     "int4": ("block_size",),
     "topk": ("fraction", "block_size"),
+    "sparse": ("per_chunk", "chunk"),
+    "support": ("per_chunk", "chunk", "members"),
 }
 
 
@@ -40,7 +46,7 @@ def get_codec(name: str, **options) -> Codec:
 
     Raises CodecError for an unknown name, an option that codec does not take, or an invalid option value.
     """
-    if name not in _CODEC_CLASSES:
+    if name not in _CODEC_CLASSES:  # (`support` is one: payloads name it)
         raise CodecError(f"unknown codec {name!r}; choose one of {', '.join(CODEC_NAMES)}")
     unknown = sorted(set(options) - set(CODEC_OPTIONS[name]))
     if unknown:

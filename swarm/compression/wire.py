@@ -23,7 +23,7 @@ MAX_NDIM = 16
 MAX_SECTIONS = 4
 
 # Wire ids are part of the format: never renumber, only append.
-CODEC_IDS = {"none": 0, "fp16": 1, "bf16": 2, "int8": 3, "int4": 4, "topk": 5}
+CODEC_IDS = {"none": 0, "fp16": 1, "bf16": 2, "int8": 3, "int4": 4, "topk": 5, "sparse": 6, "support": 7}
 CODEC_BY_ID = {codec_id: name for name, codec_id in CODEC_IDS.items()}
 # dtype of the tensor the sender encoded; decoders always return float32, the receiver may cast back.
 SRC_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
