@@ -14,6 +14,9 @@ peer runs (swarm/simulation.py), at the same total tokens and the same inner bat
       (centered_clip, robust to lying members; see swarm/averaging/aggregate.py)
   (j), (k): as (b) and (a), with Muon as the inner optimizer (recipe inner.optimizer: muon, lr --muon-lr)
   (l): as (b), Streaming DiLoCo: the model cut into --fragments fragments, one averaged every H / P steps
+  (m): as (b), SparseLoCo: the sparse codec (--sparse-per-chunk of every chunk of 4096 entries, 2-bit values, error
+      feedback decayed by 0.95 in place of outer momentum), outer lr --sparse-outer-lr and momentum
+      --sparse-outer-momentum
 
 on the bundled corpus (or --data-source), and prints final validation loss and bytes each worker sent (butterfly
 all-reduce accounting), then one JSON line.
@@ -82,7 +85,13 @@ def main() -> None:
     parser.add_argument("--fragments", type=int, default=4,
                         help="(l): Streaming DiLoCo's fragments P (recipe outer.fragments): each of them averaged "
                              "every H steps, one every H / P")
-    parser.add_argument("--only", help="comma-separated subset of a,b,c,d,e,f,g,h,i,j,k,l")
+    parser.add_argument("--sparse-outer-lr", type=float, default=1.0, help="(m): the outer lr with the sparse codec")
+    parser.add_argument("--sparse-per-chunk", type=int, default=64,
+                        help="(m): entries the sparse codec keeps of every chunk of 4096 (64: 1.56%%)")
+    parser.add_argument("--sparse-outer-momentum", type=float, default=0.0,
+                        help="(m): the outer momentum with the sparse codec (SparseLoCo: 0, its decayed error "
+                             "feedback stands in for it)")
+    parser.add_argument("--only", help="comma-separated subset of a,b,c,d,e,f,g,h,i,j,k,l,m")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     m, h, rounds = args.workers, args.inner_steps, args.rounds
@@ -106,6 +115,8 @@ def main() -> None:
         muon_inner = {"optimizer": "muon", "lr": args.muon_lr or args.lr}
         muon = parse_recipe({**fields, "inner": {**fields["inner"], **muon_inner}})
         streaming = parse_recipe({**fields, "outer": {**fields["outer"], "fragments": args.fragments}})
+        sparse = parse_recipe({**fields, "outer": {"lr": args.sparse_outer_lr,
+                                                   "momentum": args.sparse_outer_momentum}})
         muon_baseline = parse_recipe({**fields, "inner": {**dp_inner, "optimizer": "muon",
                                                           "lr": args.muon_lr or dp_inner["lr"]}})
     except RecipeError as exc:
@@ -146,6 +157,10 @@ def main() -> None:
         # Streaming DiLoCo: (b) with its model cut into fragments, one of them averaged every H / P steps
         "l": (f"Streaming DiLoCo M={m} H={h} P={args.fragments} fp32",
               lambda: simulate_diloco(streaming, data, shards, rounds, h, "none")),
+        # SparseLoCo: the sparse codec, its decayed error feedback in place of outer momentum
+        "m": (f"SparseLoCo M={m} H={h} {args.sparse_per_chunk}/4096",
+              lambda: simulate_diloco(sparse, data, shards, rounds, h, "sparse",
+                                      codec_options={"per_chunk": args.sparse_per_chunk})),
     }
     chosen = args.only.split(",") if args.only else list(configs)
     rows = []

@@ -5,7 +5,8 @@ validation (swarm/config.py) and the all-reduce (swarm/averaging/) both read, an
   lossless codec keeps them (a lossy one would re-quantize the sums at every hop).
 - Members can check a reducer's CenteredClip (swarm/averaging/verify.py), whose result is the fixed point of a sum
   of per-member terms, not a mean's or a trimmed mean's; and only where a codec's rounding can be bounded from what
-  it decoded (top-k's dropped values decode to zero, so its error cannot be read off the result).
+  it decoded (top-k's dropped values decode to zero, so its error cannot be read off the result; the sparse codec's
+  averages travel back with every position they have, compression/sparse.py, so theirs can).
 - Whatever the recipe says, a group of two is not checked (either member could have sent anything).
 """
 
@@ -18,7 +19,7 @@ RING_MODES = ("auto", "always", "never")
 LOSSLESS_CODECS = ("none",)
 RING_AGGREGATORS = ("mean",)
 VERIFIABLE_AGGREGATORS = ("centered_clip",)
-VERIFIABLE_CODECS = ("none", "fp16", "bf16", "int8", "int4")
+VERIFIABLE_CODECS = ("none", "fp16", "bf16", "int8", "int4", "sparse")
 MIN_VERIFIED_GROUP = 3
 
 

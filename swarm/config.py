@@ -164,8 +164,8 @@ class AveragingRecipe(_Section):
         if self.checked_groups and not combinations.reducers_verified(self.codec, self.aggregator,
                                                                       self.verify_reducers):
             raise ValueError("averaging.checked_groups needs reducers that members check: verify_reducers: true, "
-                             "aggregator: centered_clip and a codec of none, fp16, bf16, int8 or int4; set those "
-                             "or leave checked_groups out")
+                             "aggregator: centered_clip and a codec of " + ", ".join(combinations.VERIFIABLE_CODECS)
+                             + "; set those or leave checked_groups out")
         return self
 
     @property

@@ -32,18 +32,32 @@ class SimulationResult:
     tokens: int = 0
 
 
-def _allreduce_bytes(payload_bytes: float, workers: int) -> float:
-    """Bytes one worker sends in a butterfly all-reduce of a payload: its parts for the others, then its averaged
-    part for everyone: 2 (M-1)/M of the payload. Zero for a single worker."""
-    return 2 * (workers - 1) / workers * payload_bytes if workers > 1 else 0.0
+def _allreduce_bytes(payload_bytes: float, workers: int, average_bytes: Optional[float] = None) -> float:
+    """Bytes one worker sends in a butterfly all-reduce of a payload: its parts for the others, (M-1)/M of the
+    payload, then its averaged part for everyone, (M-1)/M of the average as encoded (`average_bytes`; by default
+    as large as the payload). Zero for a single worker."""
+    average_bytes = payload_bytes if average_bytes is None else average_bytes
+    return (workers - 1) / workers * (payload_bytes + average_bytes) if workers > 1 else 0.0
+
+
+def _through_reducers(codec, average: torch.Tensor, members: int) -> tuple[torch.Tensor, Optional[int]]:
+    """The average as the members get it back from their reducers (through the codec's average codec), and its
+    encoded bytes (None for the lossless codec, whose average is as large as a contribution)."""
+    if codec.name == "none":
+        return average, None
+    back = codec.average_codec(members)
+    payload = back.encode(average)
+    return back.decode(payload), len(payload)
 
 
 def simulate_diloco(recipe: Recipe, data: RunData, shards: list[int], rounds: int, inner_steps: int,
                     codec_name: Optional[str] = None, device: str = "cpu",
-                    overlap_delay: Optional[int] = None, aggregator_name: Optional[str] = None) -> SimulationResult:
+                    overlap_delay: Optional[int] = None, aggregator_name: Optional[str] = None,
+                    codec_options: Optional[dict] = None) -> SimulationResult:
     """M = len(shards) workers, each `inner_steps` AdamW steps on its shard per round, then the token-weighted
-    aggregate (the recipe's `averaging.aggregator`, or `aggregator_name`, chunk by chunk as reducers do) of their pseudo-gradients
-    (through `codec_name`, with error feedback) and the outer step.
+    aggregate (the recipe's `averaging.aggregator`, or `aggregator_name`, chunk by chunk as reducers do) of their
+    pseudo-gradients (through `codec_name`, configured with `codec_options`, with error feedback) and the outer
+    step.
 
     With `overlap_delay` = d (outer.overlap, as the peers run it): workers never wait for the average; round t's
     average arrives d inner steps into round t+1 and is applied then, each worker keeping the progress it made
@@ -56,13 +70,14 @@ def simulate_diloco(recipe: Recipe, data: RunData, shards: list[int], rounds: in
     fragments = recipe.outer.fragments
     if fragments > 1 and (overlap_delay is not None or inner_steps < fragments):
         raise ValueError("fragments take no overlap_delay here, and at least as many inner_steps as they are")
-    codec = get_codec(codec_name or recipe.averaging.codec)
+    codec = get_codec(codec_name or recipe.averaging.codec, **(codec_options or {}))
     workers = [build_model(recipe.model, data.vocab_size).to(device) for _ in shards]
     diloco = DiLoCo(workers[0], recipe.outer)  # global params + outer optimizer; worker 0's model is its local
     optimizers = [make_inner_optimizer(model, recipe.inner) for model in workers]
     batches = [data.train.batches(shard, recipe.data.num_shards, recipe.data.batch_size, recipe.data.seed)
                for shard in shards]
-    feedback = [[ErrorFeedback(codec.error_feedback) for _ in range(fragments)] for _ in shards]
+    feedback = [[ErrorFeedback(codec.error_feedback, codec.feedback_decay) for _ in range(fragments)]
+                for _ in shards]
     tokens_per_step = recipe.data.batch_size * recipe.data.seq_len
     result = SimulationResult(diloco.global_params)
     evaluator = build_model(recipe.model, data.vocab_size).to(device) if overlap_delay is not None else workers[0]
@@ -117,10 +132,10 @@ def simulate_diloco(recipe: Recipe, data: RunData, shards: list[int], rounds: in
             contributions.append((delivered, steps * tokens_per_step, len(payload)))
         average, total_weight = aggregate_parts(aggregator_name or recipe.averaging.aggregator,
                                                 [vector for vector, _, _ in contributions],
-                                                [weight for _, weight, _ in contributions], [1.0] * len(shards))
+                                                [weight for _, weight, _ in contributions], [1.0] * len(shards),
+                                                codec.alignment())
         total_weight = int(total_weight)
-        if codec.name != "none":
-            average = codec.decode(codec.encode(average))  # the reducers send the average through the codec too
+        average, average_bytes = _through_reducers(codec, average, len(shards))
         if overlap_delay is None:
             apply(average, total_weight)
         else:
@@ -128,7 +143,7 @@ def simulate_diloco(recipe: Recipe, data: RunData, shards: list[int], rounds: in
             if sync == rounds * fragments - 1:
                 apply(*pending)  # stopping: the last average is applied, as a stopping peer does
         group_size = len(shards)
-        result.bytes_per_worker += _allreduce_bytes(contributions[0][2], len(shards))
+        result.bytes_per_worker += _allreduce_bytes(contributions[0][2], len(shards), average_bytes)
         result.tokens += total_weight
         if fragment != fragments - 1:
             continue  # (validation once a round, after its last fragment's sync)
@@ -156,7 +171,7 @@ def simulate_groups(recipe: Recipe, data: RunData, shards: list[int], rounds: in
     optimizers = [make_inner_optimizer(model, recipe.inner) for model in workers]
     batches = [data.train.batches(shard, recipe.data.num_shards, recipe.data.batch_size, recipe.data.seed)
                for shard in shards]
-    feedback = [ErrorFeedback(codec.error_feedback) for _ in shards]
+    feedback = [ErrorFeedback(codec.error_feedback, codec.feedback_decay) for _ in shards]
     tokens_per_step = recipe.data.batch_size * recipe.data.seq_len
     result = SimulationResult(dilocos[0].global_params)
     last_swarm = 1
@@ -178,8 +193,7 @@ def simulate_groups(recipe: Recipe, data: RunData, shards: list[int], rounds: in
         losses = []
         for group in groups:
             average = sum(delivered[i][0] for i in group) / len(group)  # equal weights: equal steps
-            if codec.name != "none":
-                average = codec.decode(codec.encode(average))
+            average, average_bytes = _through_reducers(codec, average, len(group))
             payload = delivered[group[0]][1]
             if len({dilocos[i].digest() for i in group}) > 1:
                 state = sum(dilocos[i].flat_state() for i in group) / len(group)
@@ -188,7 +202,9 @@ def simulate_groups(recipe: Recipe, data: RunData, shards: list[int], rounds: in
                 payload += 8 * dilocos[0].numel
             for i in group:
                 dilocos[i].outer_step(average, weight * len(shards))  # each group counts the swarm's tokens
-            result.bytes_per_worker += _allreduce_bytes(payload, len(group)) * len(group) / len(shards)
+            exact = 8 * dilocos[0].numel if payload != delivered[group[0]][1] else 0  # (params and momentum)
+            result.bytes_per_worker += (_allreduce_bytes(payload, len(group), None if average_bytes is None else
+                                                         average_bytes + exact) * len(group) / len(shards))
             losses.append(validation_loss(workers[group[0]], data.eval_batches, torch.device(device)))
         last_swarm = len(shards)
         result.tokens += weight * len(shards)
@@ -247,8 +263,8 @@ def simulate_pipeline(recipe: Recipe, data: RunData, shards: list[int], stages: 
     their gradients through `wire_codec`, and each replica takes an AdamW step for every microbatch it took part
     in, clipping its own gradient to grad_clip / sqrt(stages) (a stage sees only its own). With several stages and
     the recipe's pipeline.schedule: stream, a first-stage replica's gradients come one step late, as a peer's
-    stream of microbatches gives them (swarm/peer/pipeline/microbatches.py): its i-th batch of a round runs on its weights
-    before its step i - 1 (the first two on the round's start). After `inner_steps` microbatches per first-stage
+    stream of microbatches gives them (swarm/peer/pipeline/microbatches.py): its i-th batch of a round runs on its
+    weights before its step i - 1 (the first two on the round's start). After `inner_steps` microbatches per first-stage
     replica, each stage's replicas average their pseudo-gradients (weighted by the tokens each processed, through
     the recipe's codec with error feedback) and that stage takes its outer step.
     Validation uses the stages' global params together. `activation_bytes` counts every boundary crossing."""
@@ -263,7 +279,8 @@ def simulate_pipeline(recipe: Recipe, data: RunData, shards: list[int], stages: 
     hosted = [make_stages(model, bounds) for model in models]  # hosted[r][s]: stage s of replica r's model
     dilocos = [DiLoCo(hosted[0][s], recipe.outer) for s in range(stages)]  # replica 0 holds each stage's globals
     optimizers = [[make_inner_optimizer(hosted[r][s], recipe.inner) for s in range(stages)] for r in range(replicas)]
-    feedback = [[ErrorFeedback(codec.error_feedback) for _ in range(stages)] for _ in range(replicas)]
+    feedback = [[ErrorFeedback(codec.error_feedback, codec.feedback_decay) for _ in range(stages)]
+                for _ in range(replicas)]
     batches = [data.train.batches(shard, recipe.data.num_shards, recipe.data.batch_size, recipe.data.seed)
                for shard in shards]
     wiring = torch.Generator().manual_seed(seed)
@@ -317,9 +334,8 @@ def simulate_pipeline(recipe: Recipe, data: RunData, shards: list[int], stages: 
                 contributions.append(delivered)
                 weights.append(processed[s][r])
             average, total = aggregate_parts(recipe.averaging.aggregator, contributions, weights,
-                                             [1.0] * len(contributions))
-            if codec.name != "none":
-                average = codec.decode(codec.encode(average))
+                                             [1.0] * len(contributions), codec.alignment())
+            average = _through_reducers(codec, average, len(contributions))[0]
             dilocos[s].outer_step(average, int(total))
         result.stage_microbatches.append([[n // tokens_per_step for n in row] for row in processed])
         result.tokens += sum(processed[0])

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NUMEL = 1_000_000
 
 
-CODECS = ["none", "fp16", "bf16", "int8", "int4", "topk"]
+CODECS = ["none", "fp16", "bf16", "int8", "int4", "topk", "sparse"]
 
 
 @pytest.fixture(scope="module")
@@ -50,17 +50,19 @@ def test_three_peers_average_within_codec_bound(averaged, round_no, codec_name):
     exact = sum(s["vector"] * s["weight"] for s in saved) / weights.sum()
     # Bound: each contribution is encoded per part (blocks restart at part boundaries), then each reducer
     # encodes its averaged part once more.
-    bounds = partition(NUMEL, saved[0]["shares"])
+    bounds = partition(NUMEL, saved[0]["shares"], codec.alignment())
     members = saved[0]["members"]
     bound = torch.zeros(NUMEL)
     for j, (start, end) in enumerate(bounds):
         reducer = next(i for i, s in enumerate(saved) if s["peer_id"] == members[j])
         contribution_bound = torch.zeros(end - start)
         for i, s in enumerate(saved):
-            if i != reducer:  # a reducer's own contribution never crosses the wire
+            if i != reducer or codec.own_part_encoded:  # (else a reducer's own part never crosses the wire)
                 contribution_bound += s["weight"] / weights.sum() * codec.error_bound(s["vector"][start:end])
-        reencode_bound = torch.maximum(codec.error_bound(exact[start:end]),
-                                       codec.error_bound(saved[0]["average"][start:end]))
+        back = codec.average_codec(3)  # (sparse: the support codec, the average as it is, so of the decoded parts)
+        decoded = [codec.decode(codec.encode(s["vector"][start:end])) * s["weight"] for s in saved]
+        averaged = exact[start:end] if back is codec else sum(decoded) / weights.sum()
+        reencode_bound = torch.maximum(back.error_bound(averaged), back.error_bound(saved[0]["average"][start:end]))
         if codec_name == "topk":  # the reducer keeps the top-k of the average it computed, which is within
             reencode_bound = torch.maximum(reencode_bound, exact[start:end].abs() + contribution_bound)
         bound[start:end] = contribution_bound + reencode_bound
@@ -126,6 +128,8 @@ def test_shares_beat_equal_split_on_mixed_links():
 
 def test_partition_by_shares_is_exact():
     assert partition(10, [0.5, 0.0, 0.5]) == [(0, 5), (5, 5), (5, 10)]
+    assert partition(10_000, 3, align=4096) == [(0, 4096), (4096, 8192), (8192, 10_000)]  # (the last unit short)
+    assert partition(5000, [0.3, 0.3, 0.4], align=4096) == [(0, 4096), (4096, 4096), (4096, 5000)]
     bounds = partition(1_000_003, [0.1, 0.2, 0.3, 0.4])
     assert bounds[-1][1] == 1_000_003 and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
     with pytest.raises(ValueError):

@@ -19,6 +19,7 @@ from swarm.averaging.common import StreamBound, chunk_bounds, max_encoded_len
 from swarm.averaging.deadlines import AdaptiveDeadlines
 from swarm.averaging.matchmaking import Group
 from swarm.averaging.messages import Header
+from swarm.averaging.partition import partition
 from swarm.averaging.streams import OversizedChunk
 from swarm.compression import CODEC_NAMES, get_codec
 from swarm.dht.node import FRAME_HEADER, StreamGate, recv_frame
@@ -101,11 +102,13 @@ def test_every_codec_averages_within_the_frame_bounds_and_they_are_sized_to_the_
         assert set(streams) == {("part", "peerB"), ("part", "peerC"), ("avg", "peerB")}, "clients reduce nothing"
         pulls = servers[2].expected_streams(group, NUMEL, exact_from=200_000)
         assert set(pulls) == {("pull", "peerA"), ("pull", "peerB")}, "a client pulls each reducer's part"
-        assert pulls[("pull", "peerA")] == streams[("part", "peerB")], "a part's averages encode as its chunks do"
-        # Our part is [0, 150_000): all of it before the lossless tail, so it travels under the run's codec.
-        chunks = chunk_bounds(0, 150_000)
+        # Our part is [0, 150_000) (the sparse codec's: whole chunks of 4096 elements, [0, 151_552)): all of it
+        # before the lossless tail, so it travels under the run's codec, and its averages under its average codec.
+        chunks = chunk_bounds(*partition(NUMEL, [0.5, 0.5, 0.0], get_codec(codec).alignment())[0])
         largest = max(b - a for a, b in chunks)
         assert streams[("part", "peerB")] == StreamBound(len(chunks), max_encoded_len(get_codec(codec), largest))
+        averages = max_encoded_len(get_codec(codec).average_codec(3), largest)
+        assert pulls[("pull", "peerA")] == StreamBound(len(chunks), averages), "averages encode as their chunks do"
         if codec != "none":
             assert streams[("part", "peerB")].payload < 0.6 * max_encoded_len(get_codec("none"), 65536)
         # peerB's part, [150_000, 300_000), ends in the lossless tail: its largest chunk is fp32.

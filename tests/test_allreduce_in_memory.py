@@ -243,7 +243,8 @@ def test_a_robust_aggregator_bounds_a_scaled_contribution_where_the_mean_takes_i
     assert all(torch.equal(c.average, p.average) for c, p in zip(clean, plain)), "no attacker: the mean, exactly"
 
 
-@pytest.mark.parametrize("codec, clients", [("none", ()), ("int8", ()), ("fp16", (False, False, True))])
+@pytest.mark.parametrize("codec, clients", [("none", ()), ("int8", ()), ("fp16", (False, False, True)),
+                                           ("sparse", ()), ("sparse", (False, False, True))])
 def test_verified_reducers_give_the_same_average_as_unverified_ones(codec, clients):
     """With every member's weight and nonce commitment in the group, members check each reducer's CenteredClip
     (verify.py) before applying: an honest group passes and ends with the very bits an unchecked one does."""
@@ -259,25 +260,27 @@ def test_verified_reducers_give_the_same_average_as_unverified_ones(codec, clien
     assert all(r.verification_seconds == 0 for r in unchecked)
 
 
-def test_a_lying_reducer_is_refused_by_every_honest_member_and_accused():
+@pytest.mark.parametrize("codec", ["int8", "sparse"])
+def test_a_lying_reducer_is_refused_by_every_honest_member_and_accused(codec):
     """peerC reduces its part x1000 and makes up its own verification term to cancel the rest as best it can: the
-    honest members apply nothing and accuse it (their next attempt parts them from it)."""
+    honest members apply nothing and accuse it (their next attempt parts them from it). With the sparse codec too,
+    whose averages travel back with every position they have (compression/sparse.py, the support codec)."""
     # (Weights where the liar holds less than half: a member with half the capped weight can pull CenteredClip
     # anywhere, as reducer or not; with WEIGHTS, peerC's 4 is capped to 3 of 6.)
     weights = (2.0, 3.0, 2.5)
-    vectors, results, _ = _average(codec="int8", aggregator="centered_clip", declared=weights, weights=weights,
+    vectors, results, _ = _average(codec=codec, aggregator="centered_clip", declared=weights, weights=weights,
                                    fault="lying-reducer@0")
     for result in results[:2]:
         assert isinstance(result, AllReduceError) and result.reason == "unverified", result
         assert result.rejected == {"peerC"}, (result, result.rejected)
     # The same lie where nobody checks (averaging.verify_reducers: false): every member applies it.
-    _, unchecked, _ = _average(codec="int8", aggregator="centered_clip", weights=weights, fault="lying-reducer@0",
+    _, unchecked, _ = _average(codec=codec, aggregator="centered_clip", weights=weights, fault="lying-reducer@0",
                                verify=False)
     assert not any(isinstance(r, Exception) for r in unchecked)
     assert float(unchecked[0].average.abs().max()) > 100 * float(_exact(vectors).abs().max())
     # Where the run checks its reducers, a group that does not carry every member's commitment is not averaged at
     # all (a missing field used to switch the check off for the whole group, and the lie went through).
-    _, omitted, _ = _average(codec="int8", aggregator="centered_clip", weights=weights, fault="lying-reducer@0")
+    _, omitted, _ = _average(codec=codec, aggregator="centered_clip", weights=weights, fault="lying-reducer@0")
     assert all(isinstance(r, AllReduceError) and r.reason == "unverified" for r in omitted), omitted
 
 

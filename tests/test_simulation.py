@@ -31,15 +31,18 @@ ROUNDS = 3
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["adamw", "muon", "fragments"])
+@pytest.mark.parametrize("variant", ["adamw", "muon", "fragments", "sparse"])
 def test_real_swarm_matches_simulation(swarm, cache_dir, variant):
     """`fragments`: Streaming DiLoCo, 4 fragments each averaged every 8 inner steps, one every 2; the peers'
-    8 outer steps are the simulation's 2 rounds."""
+    8 outer steps are the simulation's 2 rounds. `sparse`: SparseLoCo, the sparse codec with its decayed error
+    feedback and no outer momentum (each reducer's own part through the codec too, averages back as `support`)."""
     recipe_path, syncs, fields = RECIPE, ROUNDS, yaml.safe_load(RECIPE.read_text())
     if variant == "muon":  # (the recipe's inner optimizer: the peers and the simulation build the same)
         fields["inner"]["optimizer"] = "muon"
     if variant == "fragments":
         fields["outer"], fields["inner_steps_per_round"], syncs = {"fragments": 4}, 8, 8
+    if variant == "sparse":
+        fields["averaging"]["codec"], fields["outer"] = "sparse", {"lr": 1.0, "momentum": 0.0}
     if variant != "adamw":
         recipe_path = swarm.workdir / f"{variant}.yaml"
         recipe_path.write_text(yaml.safe_dump(fields))
@@ -53,6 +56,7 @@ def test_real_swarm_matches_simulation(swarm, cache_dir, variant):
     recipe = load_recipe(recipe_path)
     assert recipe.inner.optimizer == ("muon" if variant == "muon" else "adamw")
     assert recipe.outer.fragments == (4 if variant == "fragments" else 1)
+    assert recipe.averaging.codec == ("sparse" if variant == "sparse" else "none")
     data = _data(recipe, cache_dir)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the peers ran with one thread: same kernels, same rounding
@@ -71,6 +75,8 @@ def test_real_swarm_matches_simulation(swarm, cache_dir, variant):
     # ...and training changed the params: the comparison is not between two untouched initialisations.
     first = load_file(str(swarm.workdir / "trace0" / "round-000000.safetensors"))["global_before"]
     assert (expected - first).abs().max() > 1e-3
+    if variant == "sparse":  # 3 rounds of 2 peers' 1/64 of every chunk: at most 6/64 of the params moved
+        assert 0 < float((expected != first).float().mean()) <= 6 / 64 + 0.01
 
 
 def test_simulated_overlap_keeps_local_progress_on_the_new_global_params(cache_dir):

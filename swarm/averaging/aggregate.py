@@ -224,11 +224,12 @@ def _pull(points: np.ndarray, weights: np.ndarray, tau: float,
 
 
 def aggregate_parts(name: str, vectors: Sequence[torch.Tensor], weights: Sequence[float],
-                    shares: Sequence[float]) -> tuple[torch.Tensor, float]:
+                    shares: Sequence[float], align: int = 1) -> tuple[torch.Tensor, float]:
     """What a butterfly's reducers make of the members' `vectors` (no lossless tail): reducer j aggregates each
-    chunk of part j (the chunks of butterfly.py) with the aggregate `name`. Returns the average and total weight."""
+    chunk of part j (the chunks of butterfly.py; parts cut in units of `align`, the codec's alignment) with the
+    aggregate `name`. Returns the average and total weight."""
     aggregate, average, total = aggregator(name), torch.empty_like(vectors[0]), 0.0
-    for start, end in partition(vectors[0].numel(), list(shares)):
+    for start, end in partition(vectors[0].numel(), list(shares), align):
         for a, b in chunk_bounds(start, end):
             average[a:b], total = aggregate([vector[a:b] for vector in vectors], weights)
     return average, total

@@ -385,11 +385,11 @@ class GroupAllReduce:
             return {("ring", members[i - 1]): StreamBound(len(ring_schedule((i - 1) % n, chunking)),
                                                           max_encoded_len(exact, largest))}
         split = numel if exact_from is None else min(max(int(exact_from), 0), numel)
-        chunking = [chunk_bounds(a, b, split) for a, b in partition(numel, group.shares)]
+        chunking = [chunk_bounds(a, b, split) for a, b in partition(numel, group.shares, self.codec.alignment())]
 
-        def bound(part: list[tuple[int, int]]) -> StreamBound:
-            return StreamBound(len(part), max(max_encoded_len(self.codec if a < split else exact, b - a)
-                                              for a, b in part))
+        def bound(part: list[tuple[int, int]], averages: bool = False) -> StreamBound:
+            codec = self.codec.average_codec(n) if averages else self.codec  # (averages: what reducers send back)
+            return StreamBound(len(part), max(max_encoded_len(codec if a < split else exact, b - a) for a, b in part))
 
         client = bool(group.clients) and group.clients[i]
         verified = self.verifiable and len(members) >= 3 and bool(group.weights) and bool(group.commitments)
@@ -399,7 +399,7 @@ class GroupAllReduce:
             if sender != me and chunking[i]:  # its contribution to the part we reduce
                 streams[("part", sender)] = bound(chunking[i])
             if sender != me and chunking[j]:  # the average of the part it reduces (which a client pulls)
-                streams[("pull" if client else "avg", sender)] = bound(chunking[j])
+                streams[("pull" if client else "avg", sender)] = bound(chunking[j], averages=True)
             if sender != me and verified and not client and not (group.clients or (False,) * n)[j]:  # its report
                 streams[("verify", sender)] = report
         return streams

@@ -44,7 +44,7 @@ class Butterfly(Verifying, Run):
                  exact_from: Optional[int] = None):
         super().__init__(context, group, mailbox, vector, weight, context.faults.bad_data(group.round))
         numel = self.vector.numel()
-        self.bounds = partition(numel, group.shares)
+        self.bounds = partition(numel, group.shares, context.codec.alignment())
         self.split = numel if exact_from is None else min(max(int(exact_from), 0), numel)
         self.chunking = [chunk_bounds(a, b, self.split) for a, b in self.bounds]
         self.wire = {}
@@ -63,6 +63,10 @@ class Butterfly(Verifying, Run):
 
     def codec_at(self, start: int) -> Codec:
         return self.context.codec if start < self.split else self.exact
+
+    def average_codec_at(self, start: int) -> Codec:
+        """What the averages of elements from `start` travel back with (the sparse codec's: `support`)."""
+        return self.context.codec.average_codec(len(self.members)) if start < self.split else self.exact
 
     async def came(self, slot: asyncio.Future, peer: str) -> bool:
         """Whether `peer`'s message in `slot` came before the deadline, its stream failing or its abort."""
@@ -115,7 +119,9 @@ class Butterfly(Verifying, Run):
         rejected: list[str] = []
         for k, (a, b) in enumerate(self.chunking[self.index]):
             own_weight = self.group.weights[self.index] if self.group.weights else float(self.weight)
-            parts, weights, contributors = [self.vector[a:b]], [own_weight], [self.me]
+            if self.codec_at(a).own_part_encoded:  # (as the others' parts come: the sparse codec's)
+                self.delivered[a:b] = self.codec_at(a).decode(self.codec_at(a).encode(self.vector[a:b]))
+            parts, weights, contributors = [self.mine_at(self.index, a, b)], [own_weight], [self.me]
             for sender in list(alive):
                 if not await self.came(self.mailbox.slot("part", sender, k), sender):
                     alive.remove(sender)  # not waited for again: later chunks go on without it
@@ -146,15 +152,16 @@ class Butterfly(Verifying, Run):
                 raise AllReduceError("bad_data", "the aggregate of this part is not finite", set())
             if self.bad == "lying-reducer":
                 average = average * SCALE
-            encoded = self.codec_at(a).encode(average)
-            self.result[a:b] = self.codec_at(a).decode(encoded, max_numel=b - a)  # exactly what the others will hold
+            encoded = self.average_codec_at(a).encode(average)
+            self.result[a:b] = self.average_codec_at(a).decode(encoded, max_numel=b - a)  # what the others will hold
             self.wire[a] = (a, b, bytes(encoded))
             if self.verifying:
                 self.hashed(self.index, a)
             meta = Averaged(tuple(sorted(contributors)), tuple(sorted(rejected)), total_weight, radius,
                             cap).to_wire()
             self.accounts.setdefault(self.me, []).append(meta)
-            outgoing = encoded if self.bad in (None, *LYING_VALUES) else self.outgoing(average, self.codec_at(a))
+            lying = self.bad not in (None, *LYING_VALUES)
+            outgoing = self.outgoing(average, self.average_codec_at(a)) if lying else encoded
             for queue in self.queues.values():
                 queue.put_nowait((meta, outgoing))
             if self.checking:  # (once the average is on its way: the members wait for it, not for these)
@@ -169,7 +176,7 @@ class Butterfly(Verifying, Run):
             self.stats["received"] += len(payload)
             self.faults.maybe_die("reduce", self.group.round)  # (when our own share is empty)
             try:
-                self.result[a:b] = self.decode(reducer, payload, b - a, self.codec_at(a))
+                self.result[a:b] = self.decode(reducer, payload, b - a, self.average_codec_at(a))
                 self.wire[a] = (a, b, bytes(payload))
                 if self.verifying:
                     self.hashed(self.members.index(reducer), a)

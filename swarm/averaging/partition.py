@@ -41,21 +41,24 @@ def optimal_shares(bandwidths: Sequence[float], can_reduce: Sequence[bool]) -> l
     return [share / total for share in shares]
 
 
-def partition(numel: int, shares: int | Sequence[float]) -> list[tuple[int, int]]:
+def partition(numel: int, shares: int | Sequence[float], align: int = 1) -> list[tuple[int, int]]:
     """Contiguous [start, end) ranges covering `numel` elements, sized by `shares` (or `shares` equal parts);
-    sizes are rounded by largest remainder, so they add up to `numel` exactly."""
+    sizes are rounded by largest remainder, so they add up to `numel` exactly. With `align`, they are cut in whole
+    units of that many elements (the last unit may be short), so every range starts at a multiple of it (the
+    sparse codec's chunks: Codec.alignment)."""
     if isinstance(shares, int):
         shares = [1.0] * shares
     total = sum(shares)
     if total <= 0 or any(share < 0 for share in shares):
         raise ValueError(f"shares must be non-negative with a positive sum, got {list(shares)}")
-    exact = [numel * share / total for share in shares]
+    units = -(-numel // align)
+    exact = [units * share / total for share in shares]
     sizes = [int(value) for value in exact]
     by_remainder = sorted(range(len(shares)), key=lambda i: (-(exact[i] - sizes[i]), i))
-    for i in by_remainder[:numel - sum(sizes)]:
+    for i in by_remainder[:units - sum(sizes)]:
         sizes[i] += 1
     bounds, start = [], 0
     for size in sizes:
-        bounds.append((start, start + size))
+        bounds.append((min(start * align, numel), min((start + size) * align, numel)))
         start += size
     return bounds

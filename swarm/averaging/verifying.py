@@ -66,10 +66,11 @@ class Verifying:
 
     def chunk_stats(self, a: int, b: int) -> tuple[float, float]:
         result = self.result[a:b]
-        return chunk_norms(result, [(0, b - a)])[0], rounding([self.codec_at(a)], result, [(0, b - a)])[0]
+        return chunk_norms(result, [(0, b - a)])[0], rounding([self.average_codec_at(a)], result, [(0, b - a)])[0]
 
     def mine_at(self, j: int, a: int, b: int) -> torch.Tensor:
-        return self.vector[a:b] if j == self.index else self.delivered[a:b]
+        own_whole = j == self.index and not self.codec_at(a).own_part_encoded
+        return self.vector[a:b] if own_whole else self.delivered[a:b]
 
     def relative(self, j: int) -> list[tuple[int, int]]:
         start = self.bounds[j][0]
@@ -161,7 +162,7 @@ class Verifying:
 
     def mine(self, j: int) -> torch.Tensor:
         """Our contribution to part j as its reducer decoded it (our own part: the vector itself, which we
-        aggregate as it is)."""
+        aggregate as it is, unless the codec encodes that too: Codec.own_part_encoded)."""
         return self.mine_at(j, *self.bounds[j])
 
     def term_of(self, j: int, contribution: torch.Tensor | list[torch.Tensor], stats: list, sketch: Sketch,
