@@ -101,12 +101,13 @@ class SparseCodec(Codec):
         for first in range(0, whole, rows_at_once * self.chunk):
             rows = flat[first:min(whole, first + rows_at_once * self.chunk)].view(-1, self.chunk)
             kept = torch.topk(rows.abs(), self.per_chunk, dim=1, sorted=False).indices.sort(dim=1).values
-            pieces.append((kept + torch.arange(first, first + rows.numel(), self.chunk)[:, None]).view(-1))
+            starts = torch.arange(first, first + rows.numel(), self.chunk, device=flat.device)
+            pieces.append((kept + starts[:, None]).view(-1))
         if whole < flat.numel():
             tail = flat[whole:].abs()
             kept = torch.topk(tail, self._tail_kept(tail.numel()), sorted=False).indices.sort().values
             pieces.append(kept + whole)
-        return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int64)
+        return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int64, device=flat.device)
 
     def _groups(self, values: torch.Tensor, numel: int) -> list[torch.Tensor]:
         """The kept values as rows of one chunk each: the whole chunks' (per_chunk each), then the tail's."""
