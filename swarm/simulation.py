@@ -194,17 +194,17 @@ def simulate_groups(recipe: Recipe, data: RunData, shards: list[int], rounds: in
         for group in groups:
             average = sum(delivered[i][0] for i in group) / len(group)  # equal weights: equal steps
             average, average_bytes = _through_reducers(codec, average, len(group))
-            payload = delivered[group[0]][1]
+            exact = 0  # bytes of params and momentum a mixing group averages besides, uncompressed both ways
             if len({dilocos[i].digest() for i in group}) > 1:
                 state = sum(dilocos[i].flat_state() for i in group) / len(group)
                 for i in group:
                     dilocos[i].load_flat_state(state)
-                payload += 8 * dilocos[0].numel
+                exact = 8 * dilocos[0].numel
             for i in group:
                 dilocos[i].outer_step(average, weight * len(shards))  # each group counts the swarm's tokens
-            exact = 8 * dilocos[0].numel if payload != delivered[group[0]][1] else 0  # (params and momentum)
-            result.bytes_per_worker += (_allreduce_bytes(payload, len(group), None if average_bytes is None else
-                                                         average_bytes + exact) * len(group) / len(shards))
+            back = None if average_bytes is None else average_bytes + exact
+            sent = _allreduce_bytes(delivered[group[0]][1] + exact, len(group), back)
+            result.bytes_per_worker += sent * len(group) / len(shards)
             losses.append(validation_loss(workers[group[0]], data.eval_batches, torch.device(device)))
         last_swarm = len(shards)
         result.tokens += weight * len(shards)
