@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from swarm.compression.errors import CodecError
+from swarm.compression.wire import WireHeader, section_tensor
 
 VARINT, UINT16, UINT32 = 0, 1, 2
 INDEX_CODINGS = {VARINT: "varint", UINT16: "uint16", UINT32: "uint32"}
@@ -109,3 +110,25 @@ def _decode_varints(coded: torch.Tensor, count: int) -> torch.Tensor:
     position = torch.arange(coded.numel()) - starts[owner]
     contributions = (coded & 127).to(torch.int64) << (7 * position)
     return torch.zeros(count, dtype=torch.int64).index_add_(0, owner, contributions)
+
+
+def check_index_section(header: WireHeader, count: int) -> None:
+    """Raises CodecError unless a payload of three sections (the second its `count` coded gaps, as top-k, sparse
+    and support lay them out) names a known coding and its index section fits that many gaps."""
+    coding = header.variant
+    if coding not in INDEX_CODINGS:
+        raise CodecError(f"{header.codec} payload has unknown index coding {coding}")
+    if len(header.section_lengths) != 3 or not index_section_len_ok(coding, header.section_lengths[1], count):
+        raise CodecError(f"{header.codec} payload sections {header.section_lengths} do not fit {count} "
+                         f"{INDEX_CODINGS[coding]} indices")
+
+
+def read_positions(header: WireHeader, payload, count: int) -> torch.Tensor:
+    """The ascending kept positions of such a payload (its section 1, checked by check_index_section), every one
+    inside the tensor; raises CodecError otherwise."""
+    gaps = decode_gaps(header.variant, section_tensor(payload, header, 1, section_dtype(header.variant)), count,
+                       header.numel)
+    positions = gaps_to_indices(gaps)
+    if count and int(positions[-1]) >= header.numel:
+        raise CodecError(f"{header.codec} payload has an index beyond the tensor's {header.numel} elements")
+    return positions

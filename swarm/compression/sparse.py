@@ -31,13 +31,10 @@ from swarm.compression.base import (
 )
 from swarm.compression.float_codecs import FP16_MAX_EXPONENT, FP16_MIN_EXPONENT, _affine_norm, fp16_scale
 from swarm.compression.index_coding import (
-    INDEX_CODINGS,
-    decode_gaps,
+    check_index_section,
     encode_gaps,
-    gaps_to_indices,
-    index_section_len_ok,
     indices_to_gaps,
-    section_dtype,
+    read_positions,
 )
 from swarm.compression.quantized import read_block_size, read_scales
 from swarm.compression.wire import WireHeader, expect_sections, header_len, section_tensor
@@ -49,21 +46,6 @@ SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)  # four 2-bit codes a byt
 def _check_count(value: object, what: str, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise CodecError(f"{what} must be an int within [{low}, {high}], got {value!r}")
-
-
-def _positions(header: WireHeader, payload, count: int) -> torch.Tensor:
-    """The kept positions of a sparse or support payload (section 1), ascending and inside the tensor."""
-    coding, numel = header.variant, header.numel
-    if coding not in INDEX_CODINGS:
-        raise CodecError(f"{header.codec} payload has unknown index coding {coding}")
-    if len(header.section_lengths) != 3 or not index_section_len_ok(coding, header.section_lengths[1], count):
-        raise CodecError(f"{header.codec} payload sections {header.section_lengths} do not fit {count} "
-                         f"{INDEX_CODINGS[coding]} indices")
-    gaps = decode_gaps(coding, section_tensor(payload, header, 1, section_dtype(coding)), count, numel)
-    positions = gaps_to_indices(gaps)
-    if count and int(positions[-1]) >= numel:
-        raise CodecError(f"{header.codec} payload has an index beyond the tensor's {numel} elements")
-    return positions
 
 
 @dataclass(frozen=True)
@@ -146,7 +128,8 @@ class SparseCodec(Codec):
             raise CodecError(f"sparse payload keeps {count} of {numel} elements in chunks of {header.block_size}; "
                              f"this run's codec keeps {self.kept_count(numel)} ({self.per_chunk} a chunk of "
                              f"{self.chunk})")
-        positions = _positions(header, payload, count)
+        check_index_section(header, count)
+        positions = read_positions(header, payload, count)
         expect_sections(header, (8 * ceil_div(numel, self.chunk), header.section_lengths[1], ceil_div(count, 4)))
         scales = read_scales(payload, header, 0, 1).view(-1, 2)
         packed = section_tensor(payload, header, 2, torch.uint8)
@@ -217,7 +200,8 @@ class SupportCodec(Codec):
         if header.block_size or not (min(numel, 1) <= count <= (self.capacity(numel) if numel else 0)):
             raise CodecError(f"support payload keeps {count} of {numel} elements; an average of {self.members} "
                              f"sparse contributions keeps 1 to {self.capacity(numel) if numel else 0}")
-        positions = _positions(header, payload, count)
+        check_index_section(header, count)
+        positions = read_positions(header, payload, count)
         expect_sections(header, (4, header.section_lengths[1], 2 * count))
         scale = float(section_tensor(payload, header, 0, torch.float32)[0])
         if not is_power_of_two(scale) or not 2.0**FP16_MIN_EXPONENT <= scale <= 2.0**FP16_MAX_EXPONENT:

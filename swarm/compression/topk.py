@@ -14,14 +14,11 @@ import torch
 
 from swarm.compression.base import Codec, CodecError, ceil_div, check_block_size, prepare_input, require_positive_numel
 from swarm.compression.index_coding import (
-    INDEX_CODINGS,
-    decode_gaps,
+    check_index_section,
     encode_gaps,
     expected_varint_len,
-    gaps_to_indices,
-    index_section_len_ok,
     indices_to_gaps,
-    section_dtype,
+    read_positions,
 )
 from swarm.compression.quantized import (
     INT8_LEVELS,
@@ -107,21 +104,13 @@ class TopKCodec(Codec):
 
     def _decode_body(self, payload, header: WireHeader) -> torch.Tensor:
         block_size = read_block_size(header)
-        numel, count, coding = header.numel, header.aux, header.variant
+        numel, count = header.numel, header.aux
         if count > numel or (numel > 0 and count == 0) or numel > count * MAX_SPARSITY:
             raise CodecError(f"topk payload keeps {count} of {numel} elements, outside [numel / 2**20, numel]")
-        if coding not in INDEX_CODINGS:
-            raise CodecError(f"topk payload has unknown index coding {coding}")
-        if len(header.section_lengths) != 3 or not index_section_len_ok(coding, header.section_lengths[1], count):
-            raise CodecError(
-                f"topk payload sections {header.section_lengths} do not fit {count} {INDEX_CODINGS[coding]} indices"
-            )
+        check_index_section(header, count)
         expect_sections(header, (4 * ceil_div(count, block_size), header.section_lengths[1], count))
         scales = read_scales(payload, header, 0, INT8_MAX_ABS_CODE)
-        gaps = decode_gaps(coding, section_tensor(payload, header, 1, section_dtype(coding)), count, numel)
-        positions = gaps_to_indices(gaps)
-        if count and int(positions[-1]) >= numel:
-            raise CodecError(f"topk payload has an index beyond the tensor's {numel} elements")
+        positions = read_positions(header, payload, count)
         codes = section_tensor(payload, header, 2, torch.int8)
         restored = torch.zeros(numel, dtype=torch.float32)
         restored[positions] = dequantize_blockwise(codes, scales, block_size, count)
