@@ -23,6 +23,10 @@ all-reduce accounting), then one JSON line.
 
     python scripts/bench_diloco.py                         # M=4, H=50, 6 rounds: a few minutes on 2 cores
     python scripts/bench_diloco.py --rounds 2 --inner-steps 10   # a quick look
+    python scripts/bench_diloco.py --recipe-defaults --only a,b  # the recipe's own inner and outer defaults
+
+Without --recipe-defaults, the inner and outer flags default to this script's earlier values (SCRIPT_DEFAULTS),
+which the figures measured before the recipe's defaults changed (2026-11-29) were taken with.
 """
 
 from __future__ import annotations
@@ -42,6 +46,15 @@ from swarm.config import RecipeError, parse_recipe  # noqa: E402
 from swarm.data.prepare import CorpusError, prepare_run_data  # noqa: E402
 from swarm.simulation import simulate_data_parallel, simulate_diloco, simulate_groups  # noqa: E402
 
+# This script's own defaults for the flags --recipe-defaults leaves to the recipe: its earlier figures' settings.
+SCRIPT_DEFAULTS = {"lr": 2e-3, "outer_lr": 0.7, "outer_momentum": 0.9, "warmup_frac": 0.05, "min_lr_ratio": 0.1,
+                   "beta1": 0.9, "beta2": 0.95}
+
+
+def given(**values):
+    """The values that are not None: the recipe's defaults stand for the rest."""
+    return {key: value for key, value in values.items() if value is not None}
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -52,15 +65,21 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8, help="inner batch per worker (sequences)")
-    parser.add_argument("--lr", type=float, default=2e-3, help="inner AdamW lr (also the data-parallel lr)")
-    parser.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov lr for M workers (DiLoCo: 0.7)")
-    parser.add_argument("--outer-momentum", type=float, default=0.9, help="outer Nesterov momentum (DiLoCo: 0.9)")
-    parser.add_argument("--warmup-frac", type=float, default=0.05,
-                        help="inner lr warm-up as a fraction of the run's tokens (recipe inner.warmup_tokens)")
-    parser.add_argument("--min-lr-ratio", type=float, default=0.1,
-                        help="cosine floor as a fraction of the peak lr (recipe inner.min_lr_ratio; 1: constant)")
-    parser.add_argument("--beta1", type=float, default=0.9, help="inner AdamW beta1 (recipe inner.beta1)")
-    parser.add_argument("--beta2", type=float, default=0.95, help="inner AdamW beta2 (recipe inner.beta2)")
+    parser.add_argument("--lr", type=float, help="inner AdamW lr (also the data-parallel lr; default 2e-3)")
+    parser.add_argument("--outer-lr", type=float, help="outer Nesterov lr for M workers (default 0.7, DiLoCo's)")
+    parser.add_argument("--outer-momentum", type=float, help="outer Nesterov momentum (default 0.9, DiLoCo's)")
+    parser.add_argument("--warmup-frac", type=float,
+                        help="inner lr warm-up as a fraction of the run's tokens (recipe inner.warmup_tokens; "
+                             "default 0.05)")
+    parser.add_argument("--min-lr-ratio", type=float,
+                        help="cosine floor as a fraction of the peak lr (recipe inner.min_lr_ratio; 1: constant; "
+                             "default 0.1)")
+    parser.add_argument("--beta1", type=float, help="inner AdamW beta1 (recipe inner.beta1; default 0.9)")
+    parser.add_argument("--beta2", type=float, help="inner AdamW beta2 (recipe inner.beta2; default 0.95)")
+    parser.add_argument("--recipe-defaults", action="store_true",
+                        help="the recipe's inner and outer defaults where the six flags above are not given (the "
+                             "run's shape, model, data and tokens stay this script's), instead of this script's own "
+                             "defaults, which its earlier figures were measured with")
     parser.add_argument("--dp-lr", type=float, help="AdamW lr of (a) only (default: --lr), to tune the baseline too")
     parser.add_argument("--dp-warmup-frac", type=float, help="warm-up fraction of (a) only (default: --warmup-frac)")
     parser.add_argument("--dp-min-lr-ratio", type=float, help="cosine floor of (a) only (default: --min-lr-ratio)")
@@ -94,31 +113,37 @@ def main() -> None:
     parser.add_argument("--only", help="comma-separated subset of a,b,c,d,e,f,g,h,i,j,k,l,m")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if not args.recipe_defaults:
+        for name, value in SCRIPT_DEFAULTS.items():
+            if getattr(args, name) is None:
+                setattr(args, name, value)
     m, h, rounds = args.workers, args.inner_steps, args.rounds
     total_tokens = m * h * rounds * args.batch * args.seq_len
+    tokens = None if args.warmup_frac is None else int(total_tokens * args.warmup_frac)
     fields = {
         "run_id": "bench",
         "model": {"hidden_size": args.hidden, "intermediate_size": int(args.hidden * 8 / 3) // 8 * 8,
                   "num_layers": args.layers, "num_heads": 4, "max_seq_len": args.seq_len},
         "data": {"source": args.data_source, "seq_len": args.seq_len, "batch_size": args.batch, "vocab_size": 4096},
-        "inner": {"lr": args.lr, "warmup_tokens": int(total_tokens * args.warmup_frac),
-                  "min_lr_ratio": args.min_lr_ratio, "beta1": args.beta1, "beta2": args.beta2},
-        "outer": {"lr": args.outer_lr, "momentum": args.outer_momentum},
+        # (what is None is left to the recipe's defaults: --recipe-defaults)
+        "inner": given(lr=args.lr, warmup_tokens=tokens, min_lr_ratio=args.min_lr_ratio, beta1=args.beta1,
+                       beta2=args.beta2),
+        "outer": given(lr=args.outer_lr, momentum=args.outer_momentum),
         "total_tokens": total_tokens,
     }
     dp_only = {"lr": args.dp_lr, "min_lr_ratio": args.dp_min_lr_ratio, "beta1": args.dp_beta1, "beta2": args.dp_beta2,
                "warmup_tokens": None if args.dp_warmup_frac is None else int(total_tokens * args.dp_warmup_frac)}
-    dp_inner = {**fields["inner"], **{key: value for key, value in dp_only.items() if value is not None}}
+    dp_inner = {**fields["inner"], **given(**dp_only)}
     try:
         recipe, baseline = parse_recipe(fields), parse_recipe({**fields, "inner": dp_inner})
         single = parse_recipe({**fields, "outer": {**fields["outer"], "lr": args.outer_lr_single}})
-        muon_inner = {"optimizer": "muon", "lr": args.muon_lr or args.lr}
+        muon_inner = {"optimizer": "muon", **given(lr=args.muon_lr or args.lr)}
         muon = parse_recipe({**fields, "inner": {**fields["inner"], **muon_inner}})
         streaming = parse_recipe({**fields, "outer": {**fields["outer"], "fragments": args.fragments}})
         sparse = parse_recipe({**fields, "outer": {"lr": args.sparse_outer_lr,
                                                    "momentum": args.sparse_outer_momentum}})
         muon_baseline = parse_recipe({**fields, "inner": {**dp_inner, "optimizer": "muon",
-                                                          "lr": args.muon_lr or dp_inner["lr"]}})
+                                                          **given(lr=args.muon_lr or dp_inner.get("lr"))}})
     except RecipeError as exc:
         parser.error(str(exc))
     if not 1 <= m <= recipe.data.num_shards:
