@@ -79,21 +79,24 @@ STAGED = ("stage-clean", *STAGE_FAULTS)
 RECIPE = """run_id: attack-bench
 model: {hidden_size: 64, intermediate_size: 172, num_layers: 2, num_heads: 4, max_seq_len: 64}
 data: {vocab_size: 512, seq_len: 32, batch_size: 8}
-inner: {lr: 0.003, warmup_tokens: 2048}
+inner: {lr: 0.003, warmup_tokens: 2048, beta1: 0.9, beta2: 0.95}
+outer: {lr: 0.7, momentum: 0.9}
 averaging: {codec: int8, aggregator: %s, verify_reducers: true, min_group_size: %d, matchmaking_timeout: 30,
             allreduce_timeout: 30}
 inner_steps_per_round: 16
 total_tokens: 1000000
 """
 # Fixed inner steps per round (min_group_size: the honest peers): every scenario trains the same tokens, so the
-# losses compare what the attacker did, not how long rounds took.
+# losses compare what the attacker did, not how long rounds took. The betas and the outer step are the recipe's
+# defaults before 2026-11-29, which docs/measured.md's figures were measured with.
 # The same model cut into two stages (tests/recipes/stages.yaml with this bench's codec and aggregator), each stage
 # averaged by its own 2 honest peers (and the attackers of stage 1); a round is the stage's tokens_per_round, so
 # every scenario trains the same tokens. pipeline.duplicate_share is the recipe's default.
 PIPELINE_RECIPE = """run_id: attack-bench-stages
 model: {hidden_size: 64, intermediate_size: 172, num_layers: 2, num_heads: 4, max_seq_len: 64}
 data: {vocab_size: 512, seq_len: 32, batch_size: 8}
-inner: {lr: 0.003, warmup_tokens: 2048}
+inner: {lr: 0.003, warmup_tokens: 2048, beta1: 0.9, beta2: 0.95}
+outer: {lr: 0.7, momentum: 0.9}
 averaging: {codec: int8, aggregator: %s, verify_reducers: true, min_group_size: 2, matchmaking_timeout: 30,
             allreduce_timeout: 30}
 tokens_per_round: 8192

@@ -66,8 +66,9 @@ def main() -> None:
         "model": {"hidden_size": args.hidden, "intermediate_size": int(args.hidden * 8 / 3) // 8 * 8,
                   "num_layers": args.layers, "num_heads": 4, "max_seq_len": args.seq_len},
         "data": {"seq_len": args.seq_len, "batch_size": args.batch, "vocab_size": 4096},
+        # (betas: the recipe's defaults before 2026-11-29, which this script's figures were taken with)
         "inner": {"lr": args.lr, "warmup_tokens": int(total_tokens * args.warmup_frac),
-                  "min_lr_ratio": args.min_lr_ratio},
+                  "min_lr_ratio": args.min_lr_ratio, "beta1": 0.9, "beta2": 0.95},
         "outer": {"lr": args.outer_lr, "momentum": args.outer_momentum},
         "averaging": {"codec": args.codec},
         "total_tokens": total_tokens,

@@ -99,8 +99,9 @@ def make_recipe(*, size: str, peers: int, inner_steps: int, batch: int, seq_len:
     return {"run_id": f"scale-{size}-{os.getpid()}",
             "model": {"config_file": "config.json"},
             "data": {"source": source, "vocab_size": VOCAB, "seq_len": seq_len, "batch_size": batch},
-            "inner": {"lr": 6e-4, "warmup_tokens": inner_steps * tokens_per_step},
-            "outer": {"fragments": fragments, "overlap": overlap},
+            # (the betas and outer step of the recipe's defaults before 2026-11-29, which its figures were taken with)
+            "inner": {"lr": 6e-4, "warmup_tokens": inner_steps * tokens_per_step, "beta1": 0.9, "beta2": 0.95},
+            "outer": {"lr": 0.7, "momentum": 0.9, "fragments": fragments, "overlap": overlap},
             "averaging": averaging,
             "inner_steps_per_round": inner_steps,
             "tokens_per_round": peers * inner_steps * tokens_per_step,

@@ -1,10 +1,12 @@
 """The DiLoCo outer step against a hand computation, the lr schedule, and the all-reduce partition."""
 
+import json
+
 import pytest
 import torch
 
 from swarm.averaging.partition import partition
-from swarm.config import InnerRecipe, OuterRecipe
+from swarm.config import InnerRecipe, OuterRecipe, Recipe, recipe_from_json
 from swarm.peer.diloco import DiLoCo
 from swarm.peer.training import learning_rate
 
@@ -154,6 +156,22 @@ def test_learning_rate_warmup_then_cosine():
     assert learning_rate(inner, 5500, 10_000) == pytest.approx(1e-4 + 0.9e-3 * 0.5)
     assert learning_rate(inner, 10_000, 10_000) == pytest.approx(1e-4)
     assert learning_rate(inner, 50_000, 10_000) == pytest.approx(1e-4)
+
+
+def test_the_default_warmup_is_a_fifth_of_the_run_and_an_explicit_one_is_kept():
+    """Where a recipe names no warm-up, it is a fifth of total_tokens, so a short run and a long one both warm up
+    over the share that won on a corpus read once; a recipe that names one (every recipe published before) keeps it,
+    and its digest."""
+    inner = InnerRecipe(lr=1e-3, min_lr_ratio=0.1)
+    assert inner.warmup_tokens is None and inner.warmup(10_000) == 2000 and inner.warmup(10**9) == 2 * 10**8
+    assert learning_rate(inner, 1000, 10_000) == pytest.approx(5e-4)
+    assert learning_rate(inner, 2000, 10_000) == pytest.approx(1e-3)
+    assert learning_rate(inner, 10_000, 10_000) == pytest.approx(1e-4)
+    published = Recipe().model_dump(mode="json")
+    published["inner"]["warmup_tokens"] = 50_000
+    older = recipe_from_json(json.dumps(published))
+    assert older.inner.warmup(10**9) == 50_000 and '"warmup_tokens":50000' in older.canonical_json()
+    assert recipe_from_json(older.canonical_json()).digest() == older.digest() != Recipe().digest()
 
 
 @pytest.mark.parametrize("numel, parts", [(10, 3), (7, 7), (5, 8), (1_000_003, 4)])

@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from swarm.config import RecipeError, load_recipe, parse_recipe
+from swarm.config import RecipeError, load_recipe, parse_recipe, recipe_from_json
 from swarm.model.build import build_model
 from swarm.model.stages import even_bounds, make_stages
 from swarm.peer.training import Optimizers, inner_step, make_inner_optimizer
@@ -73,3 +73,13 @@ def test_the_option_keeps_every_adamw_recipes_digest_and_names_a_bad_value():
     assert muon.differing_fields(plain) == ["inner.optimizer"]
     with pytest.raises(RecipeError, match="optimizer"):
         parse_recipe(inner("sgd"))
+
+
+def test_muon_has_its_own_default_lr_and_a_named_lr_is_kept():
+    """Muon's lr that won on a corpus read once (4e-3) is its default where the recipe names no lr; AdamW's is
+    3e-3; a recipe's own lr is kept with either."""
+    assert parse_recipe({}).inner.lr == 3e-3
+    assert parse_recipe({"inner": {"optimizer": "muon"}}).inner.lr == 4e-3
+    assert parse_recipe({"inner": {"optimizer": "muon", "lr": 1e-3}}).inner.lr == 1e-3
+    muon = parse_recipe({"inner": {"optimizer": "muon"}})
+    assert recipe_from_json(muon.canonical_json()) == muon

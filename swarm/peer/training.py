@@ -14,11 +14,12 @@ from swarm.model.build import lm_loss
 
 
 def learning_rate(inner: InnerRecipe, tokens: int, total_tokens: int) -> float:
-    """Linear warm-up over `warmup_tokens`, then cosine decay to `min_lr_ratio * lr` at `total_tokens`."""
-    if inner.warmup_tokens and tokens < inner.warmup_tokens:
-        return inner.lr * max(tokens, 1) / inner.warmup_tokens
-    span = max(total_tokens - inner.warmup_tokens, 1)
-    progress = min(max(tokens - inner.warmup_tokens, 0) / span, 1.0)
+    """Linear warm-up over the recipe's warm-up tokens, then cosine decay to `min_lr_ratio * lr` at `total_tokens`."""
+    warmup = inner.warmup(total_tokens)
+    if warmup and tokens < warmup:
+        return inner.lr * max(tokens, 1) / warmup
+    span = max(total_tokens - warmup, 1)
+    progress = min(max(tokens - warmup, 0) / span, 1.0)
     floor = inner.min_lr_ratio * inner.lr
     return floor + (inner.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
