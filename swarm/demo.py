@@ -44,16 +44,22 @@ def _relay(process: subprocess.Popen, prefix: str, log_path: Path, found: Option
         ready.set()
 
 
-def _staged_recipe(path: Optional[str], stages: int, workdir: Path) -> Path:
-    """The demo's recipe (or `path`'s) cut into `stages` pipeline stages, written into `workdir`."""
+def _demo_recipe(path: Optional[str], stages: int, rounds: int, workdir: Path) -> Optional[Path]:
+    """The recipe file the demo's processes take: `path` as it is, or cut into `stages` pipeline stages; without a
+    path, the embedded demo run with total_tokens its `rounds` rounds' tokens, so that its learning-rate schedule
+    (a warm-up over a fifth of total_tokens, then cosine) runs its course in the demo, not over 50M tokens. None:
+    `path` itself."""
     from swarm.config import Recipe, load_recipe, parse_recipe
 
-    recipe = load_recipe(path) if path else Recipe()
-    data = recipe.model_dump(mode="json")
+    if path and stages == 1:
+        return None
+    data = (load_recipe(path) if path else Recipe()).model_dump(mode="json")
     data["pipeline"]["stages"] = stages
-    staged = parse_recipe(data, origin=f"{path or 'the demo recipe'} with --stages {stages}")
+    if not path:
+        data["total_tokens"] = rounds * data["tokens_per_round"]
+    recipe = parse_recipe(data, origin=f"{path or 'the demo recipe'} with --stages {stages} --rounds {rounds}")
     out = workdir / "recipe.json"
-    out.write_text(json.dumps(staged.model_dump(mode="json"), indent=1))
+    out.write_text(json.dumps(recipe.model_dump(mode="json"), indent=1))
     return out
 
 
@@ -83,9 +89,7 @@ def run_demo(args: argparse.Namespace) -> int:
                 workdir)
     found: list[str] = []
     ready = threading.Event()
-    recipe = ["--recipe", args.recipe] if args.recipe else []
-    if args.stages > 1:
-        recipe = ["--recipe", str(_staged_recipe(args.recipe, args.stages, workdir))]
+    recipe = ["--recipe", str(_demo_recipe(args.recipe, args.stages, args.rounds, workdir) or args.recipe)]
     spawn(["bootstrap", "--metrics-port", str(ports[0])] + recipe, "[bootstrap]", "bootstrap.log",
                       found=found, ready=ready)
     try:

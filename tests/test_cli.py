@@ -167,3 +167,19 @@ def test_the_demo_trains_a_model_cut_into_two_stages(tmp_path):
         assert f"hosting stage {index % 2} of 2" in log, log[-2000:]
         finals[index] = re.search(r"done: \d+ rounds averaged, round 2, digest (\w+)", log).group(1)
     assert finals[0] == finals[2] and finals[1] == finals[3] and finals[0] != finals[1], finals
+
+
+def test_the_demo_run_schedules_its_lr_over_its_own_rounds(tmp_path):
+    """Without --recipe, the demo's run is the default recipe with total_tokens its rounds' tokens, so its warm-up
+    (a fifth of total_tokens) and cosine fit in the demo; a given recipe is taken as it is (cut into stages only
+    with --stages)."""
+    from swarm.config import Recipe, load_recipe
+    from swarm.demo import _demo_recipe
+
+    demo = load_recipe(_demo_recipe(None, 1, 3, tmp_path))
+    assert demo.total_tokens == 3 * Recipe().tokens_per_round and demo.inner.warmup(demo.total_tokens) < 20_000
+    assert demo.model_copy(update={"total_tokens": Recipe().total_tokens}) == Recipe()
+    tiny = Path(__file__).parent / "recipes" / "tiny.yaml"
+    assert _demo_recipe(str(tiny), 1, 3, tmp_path) is None
+    staged = load_recipe(_demo_recipe(str(tiny), 2, 3, tmp_path))
+    assert staged.pipeline.stages == 2 and staged.total_tokens == load_recipe(tiny).total_tokens
