@@ -15,10 +15,11 @@ from safetensors.torch import load_file
 from swarm.averaging.aggregate import aggregator
 from swarm.averaging.common import chunk_bounds
 from swarm.averaging.partition import partition
+from swarm.config import OuterRecipe
 
 pytestmark = pytest.mark.slow
 ROUNDS = 3
-OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # the tiny recipe keeps the DiLoCo defaults
+OUTER_LR, OUTER_MOMENTUM = OuterRecipe().lr, OuterRecipe().momentum  # the tiny recipe keeps the recipe's defaults
 
 
 def _traces(directory: Path) -> dict[int, tuple[dict, dict]]:
