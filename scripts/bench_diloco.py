@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--beta1", type=float, help="inner AdamW beta1 (recipe inner.beta1; default 0.9)")
     parser.add_argument("--beta2", type=float, help="inner AdamW beta2 (recipe inner.beta2; default 0.95)")
     parser.add_argument("--recipe-defaults", action="store_true",
-                        help="the recipe's inner and outer defaults where the six flags above are not given (the "
+                        help="the recipe's inner and outer defaults where the seven flags above are not given (the "
                              "run's shape, model, data and tokens stay this script's), instead of this script's own "
                              "defaults, which its earlier figures were measured with")
     parser.add_argument("--dp-lr", type=float, help="AdamW lr of (a) only (default: --lr), to tune the baseline too")
