@@ -58,6 +58,7 @@ def given(**values):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mine = SCRIPT_DEFAULTS  # (named in the flags' help)
     parser.add_argument("--workers", type=int, default=4, help="M")
     parser.add_argument("--inner-steps", type=int, default=50, help="H")
     parser.add_argument("--rounds", type=int, default=6)
@@ -65,17 +66,18 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8, help="inner batch per worker (sequences)")
-    parser.add_argument("--lr", type=float, help="inner AdamW lr (also the data-parallel lr; default 2e-3)")
-    parser.add_argument("--outer-lr", type=float, help="outer Nesterov lr for M workers (default 0.7, DiLoCo's)")
-    parser.add_argument("--outer-momentum", type=float, help="outer Nesterov momentum (default 0.9, DiLoCo's)")
+    parser.add_argument("--lr", type=float, help=f"inner AdamW lr (also the data-parallel lr; default {mine['lr']})")
+    parser.add_argument("--outer-lr", type=float, help=f"outer Nesterov lr for M workers (default {mine['outer_lr']})")
+    parser.add_argument("--outer-momentum", type=float,
+                        help=f"outer Nesterov momentum (default {mine['outer_momentum']})")
     parser.add_argument("--warmup-frac", type=float,
                         help="inner lr warm-up as a fraction of the run's tokens (recipe inner.warmup_tokens; "
-                             "default 0.05)")
+                             f"default {mine['warmup_frac']})")
     parser.add_argument("--min-lr-ratio", type=float,
                         help="cosine floor as a fraction of the peak lr (recipe inner.min_lr_ratio; 1: constant; "
-                             "default 0.1)")
-    parser.add_argument("--beta1", type=float, help="inner AdamW beta1 (recipe inner.beta1; default 0.9)")
-    parser.add_argument("--beta2", type=float, help="inner AdamW beta2 (recipe inner.beta2; default 0.95)")
+                             f"default {mine['min_lr_ratio']})")
+    parser.add_argument("--beta1", type=float, help=f"inner AdamW beta1 (recipe inner.beta1; default {mine['beta1']})")
+    parser.add_argument("--beta2", type=float, help=f"inner AdamW beta2 (recipe inner.beta2; default {mine['beta2']})")
     parser.add_argument("--recipe-defaults", action="store_true",
                         help="the recipe's inner and outer defaults where the seven flags above are not given (the "
                              "run's shape, model, data and tokens stay this script's), instead of this script's own "

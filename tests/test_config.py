@@ -16,7 +16,7 @@ def test_default_recipe_is_the_demo_run():
     # the inner defaults that won on a corpus read once (docs/measured.md#the-recipes-defaults)
     inner = recipe.inner
     assert (inner.optimizer, inner.lr, inner.beta1, inner.beta2) == ("adamw", 3e-3, 0.8, 0.999)
-    assert recipe.inner.warmup(recipe.total_tokens) == recipe.total_tokens // 5 and recipe.inner.min_lr_ratio == 0.1
+    assert inner.warmup(recipe.total_tokens) == recipe.total_tokens // 5 and inner.min_lr_ratio == 0.1
     assert recipe.averaging.codec == "fp16"
     assert recipe_from_json(recipe.canonical_json()) == recipe
     assert len(recipe.digest()) == 64
