@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from swarm.compression.sparse import SparseCodec  # noqa: E402
 from swarm.config import RecipeError, parse_recipe  # noqa: E402
 from swarm.data.prepare import CorpusError, prepare_run_data  # noqa: E402
 from swarm.simulation import simulate_data_parallel, simulate_diloco, simulate_groups  # noqa: E402
@@ -49,6 +50,33 @@ from swarm.simulation import simulate_data_parallel, simulate_diloco, simulate_g
 # This script's own defaults for the flags --recipe-defaults leaves to the recipe: its earlier figures' settings.
 SCRIPT_DEFAULTS = {"lr": 2e-3, "outer_lr": 0.7, "outer_momentum": 0.9, "warmup_frac": 0.05, "min_lr_ratio": 0.1,
                    "beta1": 0.9, "beta2": 0.95}
+
+
+class ExactSparse:
+    """The sparse codec's selection with the kept entries' exact values (--sparse-values exact): an ablation for
+    the simulation, which decodes each payload right after encoding it. Its payloads are the sparse codec's own, so
+    the bytes counted are what the real codec sends."""
+
+    def __init__(self, codec: SparseCodec):
+        self.codec, self._sent = codec, None
+
+    def __getattr__(self, name: str):
+        return getattr(self.codec, name)
+
+    def encode(self, tensor: torch.Tensor) -> bytes:
+        flat = tensor.detach().reshape(-1).float()
+        kept = self.codec.select(flat)
+        self._sent = torch.zeros_like(flat)
+        self._sent[kept] = flat[kept]
+        return self.codec.encode(tensor)
+
+    def decode(self, payload, max_numel=None) -> torch.Tensor:
+        return self._sent.clone()
+
+
+def sparse_codec(per_chunk: int, values: str):
+    codec = SparseCodec(per_chunk=per_chunk)
+    return codec if values == "2bit" else ExactSparse(codec)
 
 
 def given(**values):
@@ -112,6 +140,9 @@ def main() -> None:
     parser.add_argument("--sparse-outer-momentum", type=float, default=0.0,
                         help="(m): the outer momentum with the sparse codec (SparseLoCo: 0, its decayed error "
                              "feedback stands in for it)")
+    parser.add_argument("--sparse-values", choices=("2bit", "exact"), default="2bit",
+                        help="(m): 'exact' sends the kept entries' own values instead of their 2-bit codes (an "
+                             "ablation: what the rounding costs next to the selection; the bytes stay the codec's)")
     parser.add_argument("--only", help="comma-separated subset of a,b,c,d,e,f,g,h,i,j,k,l,m")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -186,8 +217,8 @@ def main() -> None:
               lambda: simulate_diloco(streaming, data, shards, rounds, h, "none")),
         # SparseLoCo: the sparse codec, its decayed error feedback in place of outer momentum
         "m": (f"SparseLoCo M={m} H={h} {args.sparse_per_chunk}/4096",
-              lambda: simulate_diloco(sparse, data, shards, rounds, h, "sparse",
-                                      codec_options={"per_chunk": args.sparse_per_chunk})),
+              lambda: simulate_diloco(sparse, data, shards, rounds, h, "sparse", codec=sparse_codec(
+                  args.sparse_per_chunk, args.sparse_values))),
     }
     chosen = args.only.split(",") if args.only else list(configs)
     rows = []

@@ -159,3 +159,32 @@ def test_a_one_stage_pipeline_is_diloco_and_two_stages_learn_with_every_replica_
     assert min(sum(r[1][k] for r in two.stage_microbatches) for k in (0, 1)) > 0, "random wiring feeds both"
     per_token = two.activation_bytes / two.tokens
     assert abs(per_token - 2 * 2 * recipe.model.hidden_size) < 1, per_token
+
+
+def test_bench_diloco_exact_sparse_ablation_keeps_the_codecs_positions_and_bytes(cache_dir):
+    """bench_diloco.py --sparse-values exact (an ablation) sends exactly the entries the sparse codec keeps, with
+    their own values, in the codec's own payloads; and simulate_diloco given a codec runs it as it runs the named one
+    (the same params as codec_name with the same options)."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
+    try:
+        from bench_diloco import ExactSparse, sparse_codec
+    finally:
+        sys.path.pop(0)
+    codec = sparse_codec(16, "exact")
+    assert isinstance(codec, ExactSparse) and isinstance(sparse_codec(16, "2bit"), type(codec.codec))
+    x = torch.randn(3 * 4096 + 100, generator=torch.Generator().manual_seed(1))
+    payload = codec.encode(x)
+    assert payload == codec.codec.encode(x)
+    kept = codec.codec.select(x)
+    sent = codec.decode(payload)
+    assert torch.equal(sent[kept], x[kept]) and int((sent != 0).sum()) == kept.numel() == codec.kept_count(x.numel())
+
+    recipe = load_recipe(RECIPE)
+    data = _data(recipe, cache_dir)
+    named = simulate_diloco(recipe, data, shards=[0, 1], rounds=1, inner_steps=2, codec_name="sparse",
+                            codec_options={"per_chunk": 16})
+    given = simulate_diloco(recipe, data, shards=[0, 1], rounds=1, inner_steps=2, codec=sparse_codec(16, "2bit"))
+    assert all(torch.equal(a, b) for a, b in zip(named.global_params, given.global_params))
+    exact = simulate_diloco(recipe, data, shards=[0, 1], rounds=1, inner_steps=2, codec=codec)
+    assert exact.bytes_per_worker == given.bytes_per_worker
+    assert not all(torch.equal(a, b) for a, b in zip(exact.global_params, given.global_params))
