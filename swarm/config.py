@@ -385,7 +385,9 @@ def parse_recipe(data: Any, origin: str = "recipe") -> Recipe:
         field = ".".join(str(part) for part in err["loc"]) or "(top level)"
         msg = err["msg"].replace("Extra inputs are not permitted", "unknown field (check the spelling)")
         msg = msg.removeprefix("Value error, ")
-        raise RecipeError(f"{origin}: field '{field}': {msg} (got {err.get('input')!r})") from None
+        got = repr(err.get("input"))
+        got = got if len(got) <= 80 else got[:77] + "..."  # (one short line, whatever was sent)
+        raise RecipeError(f"{origin}: field '{field}': {msg} (got {got})") from None
 
 
 def load_recipe(path: str | Path) -> Recipe:
@@ -407,12 +409,23 @@ def load_recipe(path: str | Path) -> Recipe:
     return parse_recipe(data if data is not None else {}, origin=str(path))
 
 
+MAX_RECIPE_JSON = 256 << 10  # bytes: what a recipe record may hold (records.RECIPE_RULE)
+
+
 def recipe_from_json(text: str) -> Recipe:
-    """Decode a recipe published in the DHT (canonical JSON)."""
+    """Decode a recipe published in the DHT (canonical JSON). Anyone may publish a record there, so whatever `text`
+    is, this returns a Recipe or raises RecipeError with one line: JSON nested too deep for the parser, or a number
+    of more digits than Python converts, is refused like any other malformed text."""
+    if not isinstance(text, str) or len(text) > MAX_RECIPE_JSON:
+        raise RecipeError(f"the swarm's recipe is not JSON text of at most {MAX_RECIPE_JSON} characters")
     try:
         data = json.loads(text)
-    except (json.JSONDecodeError, TypeError) as e:
+    except json.JSONDecodeError as e:
         raise RecipeError(f"the swarm's recipe is not valid JSON: {e}") from None
+    except ValueError:  # (int() refuses a number of over 4300 digits)
+        raise RecipeError("the swarm's recipe holds a number of more digits than a recipe field takes") from None
+    except RecursionError:
+        raise RecipeError("the swarm's recipe is nested deeper than any recipe is") from None
     recipe = parse_recipe(data, origin="swarm recipe")
     if recipe.pipeline.stages == "auto":
         raise RecipeError("the swarm's recipe says pipeline.stages: auto, which a bootstrap of this version works out "

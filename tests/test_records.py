@@ -20,7 +20,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
 from hivemind.utils import get_dht_time
 
-from swarm.config import Recipe, RecipeError, load_recipe
+from swarm.config import MAX_RECIPE_JSON, Recipe, RecipeError, load_recipe
 from swarm.dht.records import (PEER_RECORD_RULE, RECIPE_KEY, RECIPE_RULE, PeerRecord, InvalidRecord,
                                choose_recipe, parse_peer_records, parse_recipes, peers_key, protected_keys,
                                recipe_value)
@@ -276,6 +276,26 @@ def test_broken_recipes(identities):
     with pytest.raises(RecipeError, match="does not match its published hash"):
         choose_recipe(recipes, problems, [owner.peer_id])
     assert choose_recipe(recipes, problems, ["QmSomeOtherPeer"]) is None
+
+
+def test_a_strangers_recipe_record_that_no_parser_takes_is_a_problem_not_a_crash(identities):
+    """Anyone may publish under RECIPE_KEY. A record whose JSON is nested deeper than Python's parser goes, holds a
+    number of more digits than int() converts, or is over a record's size raised out of parse_recipes before (a
+    RecursionError, a ValueError), so one stranger's record stopped every peer from joining. Now each is that
+    stranger's problem, in one line, and the owner's recipe is followed."""
+    owner, stranger, _ = identities
+    recipe = load_recipe(TINY_RECIPE)
+    canonical = recipe.canonical_json()
+    for text in ("[" * 5000 + "]" * 5000, '{"a":' * 5000 + "1" + "}" * 5000,
+                 canonical.replace('"seed":0', '"seed":' + "9" * 5000, 1), " " * (MAX_RECIPE_JSON + 1)):
+        assert text != canonical
+        raw = {owner.owned_subkey: recipe_value(recipe), stranger.owned_subkey: {"json": text, "digest": ""}}
+        recipes, problems = parse_recipes(raw)
+        assert set(recipes) == {owner.peer_id} and set(problems) == {stranger.peer_id}
+        assert len(problems[stranger.peer_id].splitlines()) == 1 and len(problems[stranger.peer_id]) < 300
+        assert choose_recipe(recipes, problems, [owner.peer_id]) == (owner.peer_id, recipe)
+        with pytest.raises(RecipeError, match="unusable"):  # (the owner's own record of it: refused, one line)
+            choose_recipe(*parse_recipes({owner.owned_subkey: {"json": text, "digest": ""}}), [owner.peer_id])
 
 
 # ---- block selection ------------------------------------------------------------------------------------------

@@ -122,7 +122,7 @@ class Manifest:
         """Parse and check a manifest (DatasetError naming the field that is wrong)."""
         try:
             body = json.loads(payload)
-        except ValueError:
+        except (ValueError, RecursionError):  # (not JSON, a number of over 4300 digits, nested too deep)
             raise DatasetError("dataset manifest is not JSON") from None
         if not isinstance(body, dict) or body.get("format") != _FORMAT:
             raise DatasetError(f"dataset manifest is not of format {_FORMAT}: upgrade swarm on this peer")
