@@ -1188,6 +1188,100 @@ def _recompute_answer_parse(value: Any) -> bool:
     return True
 
 
+# The run recipe's record (records.recipe_value), under RECIPE_KEY in an owned subkey: anyone may publish one in
+# their own, so a peer must follow its trusted owner's (--initial-peers) whatever the others hold, and the owner's
+# only as signed: "json" its canonical JSON and "digest" that recipe's hash, "dataset" a dataset id or anything
+# (then it names none), "invites" read in an invite-only run alone. A record that no parser takes (nested deeper
+# than Python's JSON parser goes, a number too long for int(), over a record's size) is refused with one line.
+_recipe_parts: dict = {}
+
+
+def _recipe_keys() -> dict:
+    if not _recipe_parts:
+        from swarm.config import Recipe
+        from swarm.dht.records import recipe_value
+        from swarm.dht.validation import Identity
+        from hivemind.utils.crypto import RSAPrivateKey
+        owner, stranger = (Identity(RSAPrivateKey(), path="", ephemeral=False) for _ in range(2))
+        recipe = Recipe(run_id="fuzz")
+        _recipe_parts.update(owner=owner, stranger=stranger, recipe=recipe,
+                             seed=recipe_value(recipe, dataset="ab" * 32))
+    return _recipe_parts
+
+
+def recipe_seed() -> dict:
+    return dict(_recipe_keys()["seed"])
+
+
+def _recipe_parse(value: Any) -> bool:
+    """Whether a peer that trusts the owner follows the owner's record `value` (records.parse_recipes, then
+    choose_recipe as fetch_run calls them); and the same `value` in a stranger's subkey beside the owner's seed
+    record must leave the owner's recipe followed. Every refusal is one line."""
+    from swarm.config import RecipeError
+    from swarm.dht.records import choose_recipe, parse_recipes
+    keys = _recipe_keys()
+    owner, stranger = keys["owner"], keys["stranger"]
+    recipes, problems = parse_recipes({owner.owned_subkey: keys["seed"], stranger.owned_subkey: value})
+    if choose_recipe(recipes, problems, [owner.peer_id]) != (owner.peer_id, keys["recipe"]):
+        raise Misbehaved("a stranger's recipe record changed which recipe the owner's peers follow")
+    recipes, problems = parse_recipes({owner.owned_subkey: value})
+    if any(len(problem.splitlines()) != 1 or len(problem) > 400 for problem in problems.values()):
+        raise Misbehaved(f"refused a recipe record with more than one short line: {list(problems.values())!r:.120}")
+    try:
+        return choose_recipe(recipes, problems, [owner.peer_id]) is not None
+    except RecipeError as e:
+        if len(str(e).splitlines()) != 1:
+            raise Misbehaved(f"refused a recipe record with more than one line: {str(e)!r:.120}") from None
+        return False
+
+
+def _same_recipe_text(x: Any) -> bool:
+    """Text that means the seed's recipe: the same fields (whitespace aside), which is what its digest hashes."""
+    try:
+        return isinstance(x, str) and json.loads(x) == json.loads(_recipe_keys()["seed"]["json"])
+    except (ValueError, RecursionError):
+        return False
+
+
+def recipe_others(seed: dict) -> Iterator[tuple[str, str, Any, bool]]:
+    """Texts no parser takes, and the recipe's own fields mutated under the seed's digest: the hash is of the recipe
+    the text means, so a field left out, or null where its default is null, means the seed's own recipe (the seed
+    is all defaults but run_id) and is followed; any other change breaks the hash and is refused. Another run's
+    recipe with its own digest is the owner's word."""
+    from swarm.config import MAX_RECIPE_JSON, Recipe
+    from swarm.dht.records import recipe_value
+    text = seed["json"]
+    for name, bad in (("nested", "[" * 5000 + "]" * 5000), ("nested", '{"a":' * 5000 + "1" + "}" * 5000),
+                      ("huge", text.replace('"seed":0', '"seed":' + "9" * 5000, 1)),
+                      ("overlong", text + " " * MAX_RECIPE_JSON), ("wrong type", "[]"), ("nan/inf", "NaN"),
+                      ("wrong type", '"' + text.replace('"', "'") + '"'), ("none", "null")):
+        yield name, "json", {**seed, "json": bad}, False
+    fields = json.loads(text)
+    for section, body in fields.items():
+        for name in (list(body) if isinstance(body, dict) else [None]):
+            for mutation, bad in (("none", None), ("wrong type", "x"), ("negative", -1), ("huge", 10 ** 30),
+                                  ("nan/inf", math.nan), ("omit", "<omit>")):
+                changed = json.loads(text)
+                where, key = (changed, section) if name is None else (changed[section], name)
+                if bad == "<omit>":
+                    where.pop(key)
+                else:
+                    where[key] = bad
+                default = body if name is None else body[name]
+                same = (bad == "<omit>" and key != "run_id") or (bad is None and default is None)
+                yield mutation, f"json.{section}" + (f".{name}" if name else ""), \
+                    {**seed, "json": json.dumps(changed, separators=(",", ":"))}, same
+    other = recipe_value(Recipe(run_id="fuzz-other"), dataset=seed.get("dataset"))
+    yield "valid", "json", other, True
+
+
+MESSAGE_TYPES.append(MessageType("recipe", "owner", recipe_seed, _recipe_parse,
+                                 {"json": _same_recipe_text,
+                                  "digest": _equal_to(lambda: _recipe_keys()["seed"]["digest"]),
+                                  "dataset": lambda x: True, "invites": lambda x: True},
+                                 may_omit=frozenset({"dataset", "invites"}), wire=True, others=recipe_others))
+
+
 MESSAGE_TYPES += [
     MessageType("handshake", "stranger", handshake_seed, _handshake_parse, HANDSHAKE_RULES,
                 may_omit=frozenset({"ack"}), whole=handshake_whole, wire=True, max_bytes=MAX_AUTH_BYTES,

@@ -57,6 +57,24 @@ def test_the_fuzzer_finds_a_leader_that_mixes_in_a_state_only_it_holds(fuzz, mon
     assert any(o.violation and o.field == "digest" for o in outcomes), [o for o in outcomes if o.violation]
 
 
+def test_the_fuzzer_finds_a_recipe_parser_that_a_strangers_record_can_crash(fuzz, monkeypatch):
+    """The hole this session closed, put back: recipe_from_json letting json.loads' RecursionError (JSON nested
+    deeper than its parser goes) and ValueError (a number too long for int()) out, which a stranger's record under
+    RECIPE_KEY made every joining peer raise. Without it, every recipe mutation holds."""
+    import json
+
+    from swarm import config
+    from swarm.dht import records
+    assert [o for o in fuzz.schema_level({"recipe"}) if o.violation] == []
+
+    def trusting(text):
+        return config.parse_recipe(json.loads(text), origin="swarm recipe")
+
+    monkeypatch.setattr(records, "recipe_from_json", trusting)
+    found = {o.mutation for o in fuzz.schema_level({"recipe"}) if o.violation and o.field == "json"}
+    assert {"nested", "huge"} <= found, found
+
+
 # ---- stream messages: each put-back hole below is one the fuzzer must report -------------------------------------
 def _violations(outcomes, **where):
     return [o for o in outcomes if o.violation and all(getattr(o, k) == v for k, v in where.items())]
