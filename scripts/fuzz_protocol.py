@@ -62,6 +62,7 @@ from swarm.dht.records import InvalidRecord, PeerRecord, final_key, group_key  #
 from swarm.peer.pipeline.recompute import RecomputeServer, Recheck, ask_recompute  # noqa: E402
 from swarm.peer.pipeline.routing import HEADER_BYTES as PIPE_HEADER_BYTES, payload_bound  # noqa: E402
 from swarm.peer.pipeline.worker import PipelineError  # noqa: E402
+from swarm.words import shown  # noqa: E402
 
 DIGEST, OTHER_DIGEST, COMMITMENT = "d" * 16, "e" * 16, "c" * 32
 HUGE_LIST = 100_000
@@ -374,9 +375,13 @@ def _frames_of(data: bytes) -> list[bytes]:
 
 
 def _raw_frames(max_bytes: int) -> Iterator[tuple[str, str, Any, bool]]:
-    """Frames that hold no message: empty, not msgpack, msgpack cut short, or longer than the receiver reads."""
+    """Frames that hold no message: empty, not msgpack, msgpack cut short, a list nested as deep as the frame allows
+    (msgpack refuses past 1,024 levels; below that, Python's repr of it recurses too deep), or longer than the
+    receiver reads."""
     for raw in (b"", b"\xc1", b"\x93\x01", b"\xa5abc"):
         yield "wrong type", "<frame>", Variant(raw=raw), False
+    for depth in (min(max_bytes - 1, 1000), min(max_bytes - 1, 5000)):
+        yield "nested", "<frame>", Variant(raw=b"\x91" * depth + b"\xc0"), False
     yield "overlong", "<frame>", Variant(raw=b"\xc0" * (max_bytes + 1)), False
 
 
@@ -1346,6 +1351,9 @@ ALL_TYPES = [t.name for t in MESSAGE_TYPES] + [TERM_TYPE, "matchmaking_entry", "
 
 
 # ---- mutations -------------------------------------------------------------------------------------------------
+NESTED = msgpack.unpackb(b"\x91" * 1000 + b"\xc0")  # a list of a list ... 1,000 deep: repr() of it recurses too deep
+
+
 def mutations_of(value: Any) -> Iterator[tuple[str, Any]]:
     """(class, mutated value) for one field's value."""
     yield "none", None
@@ -1353,6 +1361,7 @@ def mutations_of(value: Any) -> Iterator[tuple[str, Any]]:
         yield "wrong type", wrong
     for special in (math.nan, math.inf, -math.inf):
         yield "nan/inf", special
+    yield "nested", NESTED  # (a value msgpack carries: a peer's record or entry could hold it)
     yield "negative", -1
     yield "negative", -1e-9
     yield "zero", 0
@@ -1454,8 +1463,7 @@ def _quiet(names: tuple[str, ...]):
 
 
 def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return shown(value, 60)  # (repr() of a NESTED value recurses too deep)
 
 
 def schema_level(only: set[str]) -> list[Outcome]:

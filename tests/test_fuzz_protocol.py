@@ -75,6 +75,15 @@ def test_the_fuzzer_finds_a_recipe_parser_that_a_strangers_record_can_crash(fuzz
     assert {"nested", "huge"} <= found, found
 
 
+def test_the_fuzzer_finds_an_error_message_that_quotes_a_nested_value_with_repr(fuzz, monkeypatch):
+    """Put back: a peer record's checks quoting the bad value with repr(), which raises RecursionError on a list
+    nested a thousand deep (a record of a few KiB), out of PeerRecord.from_wire and past parse_peer_records."""
+    from swarm.dht import records
+    monkeypatch.setattr(records, "shown", repr)
+    found = [o for o in fuzz.schema_level({"record"}) if o.violation and o.mutation == "nested"]
+    assert found and all("RecursionError" in o.violation for o in found), found
+
+
 # ---- stream messages: each put-back hole below is one the fuzzer must report -------------------------------------
 def _violations(outcomes, **where):
     return [o for o in outcomes if o.violation and all(getattr(o, k) == v for k, v in where.items())]

@@ -15,6 +15,7 @@ import msgpack
 
 from swarm.dht.frames import recv_frame, send_frame
 from swarm.dht.node import SwarmNode
+from swarm.words import shown
 
 logger = logging.getLogger(__name__)
 MAX_PUSH_BYTES = 1 << 20  # a pushed group: its member ids, shares and flags
@@ -134,7 +135,7 @@ class GroupPush:
             raise ValueError(f"malformed group push from {remote}")
         key = (body.get("round"), body.get("attempt"))
         if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 40 for v in key):
-            raise ValueError(f"group push from {remote} names round/attempt {key!r}")
+            raise ValueError(f"group push from {remote} names round/attempt {shown(key)}")
         final = parse_final(remote, body.get("final"), set(), *key, self.verified)
         if final is None:
             raise ValueError(f"group push from {remote} is not a group it may publish")

@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+from swarm.words import shown
+
 PHASES = ("part", "avg", "commit", "pull", "decision", "abort", "ping", "ring", "verify")
 MAX_ROUND = 1 << 40  # bound on round and attempt numbers, far above any real run
 MAX_WEIGHT = 1e18  # bound on one member's weight (tokens processed)
@@ -70,7 +72,7 @@ class Reveal:
         nonce, hashes = value.get("nonce"), value.get("hashes")
         if not isinstance(nonce, str) or len(nonce) > 128 or len(nonce) % 2 or \
                 not all(c in "0123456789abcdefABCDEF" for c in nonce):  # (fromhex would skip whitespace)
-            raise MessageError(f"nonce must be a hex string, got {nonce!r:.80}")
+            raise MessageError(f"nonce must be a hex string, got {shown(nonce)}")
         raw = bytes.fromhex(nonce)
         if not isinstance(hashes, list) or len(hashes) != parts or \
                 not all(isinstance(h, str) and len(h) <= 64 for h in hashes):
@@ -106,17 +108,17 @@ class Header:
         value = _mapping(value, "header")
         phase = value.get("phase")
         if phase not in PHASES:
-            raise MessageError(f"phase {phase!r} is not one of {', '.join(PHASES)}")
+            raise MessageError(f"phase {shown(phase)} is not one of {', '.join(PHASES)}")
         group_id = value.get("group_id")
         if not isinstance(group_id, str):
-            raise MessageError(f"group_id must be a string, got {group_id!r}")
+            raise MessageError(f"group_id must be a string, got {shown(group_id)}")
         chunks = value.get("chunks", 0)
         if not _is_int(chunks) or not 0 <= chunks <= max_chunks:
-            raise MessageError(f"chunks must be an integer in [0, {max_chunks}], got {chunks!r}")
+            raise MessageError(f"chunks must be an integer in [0, {max_chunks}], got {shown(chunks)}")
         round_no, attempt = value.get("round"), value.get("attempt")
         for name, number in (("round", round_no), ("attempt", attempt)):
             if not _is_int(number) or not 0 <= number < MAX_ROUND:
-                raise MessageError(f"{name} must be an integer in [0, {MAX_ROUND}), got {number!r}")
+                raise MessageError(f"{name} must be an integer in [0, {MAX_ROUND}), got {shown(number)}")
         return cls(phase, group_id, round_no, attempt, chunks)
 
 
@@ -165,13 +167,13 @@ class Averaged:
         value = _mapping(value, "averaged chunk's meta")
         total_weight = value.get("total_weight")
         if not isinstance(total_weight, float) or not math.isfinite(total_weight) or total_weight < 0:
-            raise MessageError(f"total_weight must be a finite float >= 0, got {total_weight!r}")
+            raise MessageError(f"total_weight must be a finite float >= 0, got {shown(total_weight)}")
         radius = value.get("radius")
         if radius is not None and (not isinstance(radius, float) or not radius >= 0):  # (inf: a group of two)
-            raise MessageError(f"radius must be a float >= 0, got {radius!r}")
+            raise MessageError(f"radius must be a float >= 0, got {shown(radius)}")
         cap = value.get("cap")
         if cap is not None and (not isinstance(cap, float) or not cap >= 0):  # (inf: no cap)
-            raise MessageError(f"cap must be a float >= 0, got {cap!r}")
+            raise MessageError(f"cap must be a float >= 0, got {shown(cap)}")
         return cls(_peers(value.get("contributors"), "contributors"), _peers(value.get("rejected", []), "rejected"),
                    total_weight, radius, cap)
 
@@ -188,11 +190,11 @@ def _is_int(value: Any) -> bool:
 
 def _weight(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < MAX_WEIGHT:
-        raise MessageError(f"{name} must be a number in [0, {MAX_WEIGHT:g}), got {value!r}")
+        raise MessageError(f"{name} must be a number in [0, {MAX_WEIGHT:g}), got {shown(value)}")
     return float(value)
 
 
 def _peers(value: Any, name: str) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(peer, str) for peer in value):
-        raise MessageError(f"{name} must be a list of peer ids, got {value!r:.80}")
+        raise MessageError(f"{name} must be a list of peer ids, got {shown(value)}")
     return tuple(value)

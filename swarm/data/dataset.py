@@ -32,6 +32,7 @@ from swarm.data.corpus import CorpusError
 from swarm.data.paths import local_files
 from swarm.data.prepare import EVAL_BATCHES, RunData, WindowDataset, prepare_run_data, tokenizer_digest
 from swarm.data.token_store import token_dtype
+from swarm.words import shown
 
 __all__ = ["DATASETS_DIR", "Dataset", "DatasetError", "FileEntry", "FileStore", "Manifest", "ShardedDataset",
            "Incoming", "export_dataset", "prepare_local", "share_dataset"]
@@ -166,7 +167,7 @@ class FileStore:
 
     def path(self, sha256: str) -> Path:
         if not _SHA256.match(sha256):
-            raise DatasetError(f"{sha256!r} is not a sha256")
+            raise DatasetError(f"{shown(sha256)} is not a sha256")
         return self.directory / sha256
 
     def has(self, entry: FileEntry) -> bool:

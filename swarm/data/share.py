@@ -24,6 +24,7 @@ from swarm.dht.frames import STALL_SECONDS, answer_seconds, failure_reason, rece
 from swarm.dht.node import SwarmNode
 from swarm.dht.records import data_key
 from swarm.dht.validation import subkey_owner
+from swarm.words import shown
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class DataServer:
         offset = request.get("offset") if isinstance(request, dict) else None
         entry = self.files.get(sha256) if isinstance(sha256, str) else None
         if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
-            raise ValueError(f"malformed data request from {remote}: {request!r}")
+            raise ValueError(f"malformed data request from {remote}: {shown(request)}")
         if entry is None or not self.store.has(entry):
             await send_frame(writer, msgpack.packb({"size": None}))
             return
@@ -272,7 +273,7 @@ class DataFetcher:
                     return False
                 if not isinstance(theirs, int) or isinstance(theirs, bool) or not 0 < theirs <= limit or \
                         (size >= 0 and theirs != size):
-                    raise ValueError(f"announced a size of {theirs!r} bytes")
+                    raise ValueError(f"announced a size of {shown(theirs)} bytes")
                 size = theirs
                 part = await receive_bytes(reader, min(RANGE_BYTES, size - incoming.size), self.stall,
                                            "data range")

@@ -24,6 +24,7 @@ from hivemind.utils.crypto import RSAPublicKey
 
 from swarm.config import RecipeError
 from swarm.dht.validation import CLOCK_SLACK, Identity, subkey_owner
+from swarm.words import shown
 
 INVITE_DOMAIN = b"swarm invite v2\x00"  # what an owner's signature is about, so it signs nothing else
 REVOCATION_DOMAIN = b"swarm revocation v1\x00"
@@ -216,10 +217,10 @@ def save_revocation(path: str, revocation: Revocation) -> None:
 
 def _check_ids(run_id: str, peer_ids: Iterable[str]) -> None:
     if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
-        raise InviteError(f"{run_id!r} is not a run id (the recipe's run_id: letters, digits, '_', '.', '-')")
+        raise InviteError(f"{shown(run_id)} is not a run id (the recipe's run_id: letters, digits, '_', '.', '-')")
     for peer_id in peer_ids:
         if not isinstance(peer_id, str) or not _PEER_ID.match(peer_id):
-            raise InviteError(f"{peer_id!r} is not a peer id (the volunteer prints theirs with `swarm-peer id`)")
+            raise InviteError(f"{shown(peer_id)} is not a peer id (the volunteer prints theirs with `swarm-peer id`)")
 
 
 def _typed(fields: Any, types: tuple[type, ...]) -> bool:

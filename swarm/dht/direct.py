@@ -46,6 +46,7 @@ from hivemind.utils.crypto import RSAPublicKey
 
 from swarm.dht.frames import FRAME_HEADER, recv_frame
 from swarm.dht.validation import Identity, peer_id_of
+from swarm.words import shown
 
 logger = logging.getLogger(__name__)
 
@@ -308,7 +309,7 @@ class DirectStreams:
             raise DirectError(f"bad signature from {auth['peer']}")
         handler = self.handlers.get(auth["protocol"])
         if handler is None:
-            raise DirectError(f"{auth['peer']} asked for protocol {auth['protocol']!r}, which we do not serve")
+            raise DirectError(f"{auth['peer']} asked for protocol {shown(auth['protocol'])}, which we do not serve")
         return auth["peer"], handler, ack
 
     # ---- opening ------------------------------------------------------------------------------------------
@@ -417,7 +418,7 @@ class DirectStreams:
                     raise DirectError(f"{host}:{route.port} did not accept the stream in {CONNECT_SECONDS:.0f} s") \
                         from None
                 if answer != ACCEPTED:
-                    raise DirectError(f"{host}:{route.port} answered {answer!r}, not ACCEPTED")
+                    raise DirectError(f"{host}:{route.port} answered {shown(answer)}, not ACCEPTED")
             except BaseException:
                 writer.close()
                 raise

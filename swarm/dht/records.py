@@ -12,6 +12,7 @@ from typing import Any, Optional, Sequence
 
 from swarm.config import Recipe, RecipeError, recipe_from_json
 from swarm.dht.validation import KeyRule, subkey_owner
+from swarm.words import shown
 
 RECIPE_KEY = "swarm.recipe"
 DATASET = "dataset"  # the recipe record's field naming the run's dataset
@@ -137,7 +138,7 @@ class PeerRecord:
         for name in ("state", "version", "run_id", "digest", "device", "device_name"):
             _string(getattr(self, name), name)
         if self.state not in PEER_STATES:
-            raise InvalidRecord(f"state {self.state!r} is not one of {PEER_STATES}")
+            raise InvalidRecord(f"state {shown(self.state)} is not one of {PEER_STATES}")
         for name in ("round", "tokens_in_round", "block_start", "block_end", "attempt"):
             _integer(getattr(self, name), name, 1 << 62)
         _integer(self.device_memory, "device_memory", MAX_MEMORY)
@@ -151,13 +152,13 @@ class PeerRecord:
                             ("bandwidth_down", MAX_BANDWIDTH), ("updated", math.inf)):
             value = getattr(self, name)
             if not _is_number(value) or not math.isfinite(value) or not 0 <= value <= bound:
-                raise InvalidRecord(f"{name} must be a finite number in [0, {bound:g}], got {value!r}")
+                raise InvalidRecord(f"{name} must be a finite number in [0, {bound:g}], got {shown(value)}")
         for name in ("loss", "val_loss"):
             value = getattr(self, name)
             if value is not None and (not _is_number(value) or not math.isfinite(value)):
-                raise InvalidRecord(f"{name} must be a finite number or null, got {value!r}")
+                raise InvalidRecord(f"{name} must be a finite number or null, got {shown(value)}")
         if not isinstance(self.client, bool):
-            raise InvalidRecord(f"client must be true or false, got {self.client!r}")
+            raise InvalidRecord(f"client must be true or false, got {shown(self.client)}")
 
 
 def _is_number(value: Any) -> bool:
@@ -166,7 +167,7 @@ def _is_number(value: Any) -> bool:
 
 def _integer(value: Any, name: str, bound: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < bound:
-        raise InvalidRecord(f"{name} must be an integer in [0, {bound}), got {value!r}")
+        raise InvalidRecord(f"{name} must be an integer in [0, {bound}), got {shown(value)}")
 
 
 def _string(value: Any, name: str) -> str:

@@ -37,6 +37,7 @@ from swarm.peer.pipeline.integrity import (ACTIVATIONS, EXCLUDE_SECONDS, PROBATI
                                            decide, microbatch_id, tally)
 from swarm.peer.pipeline.routing import BUSY, HEADER_BYTES, payload_bound, round_number, size_problem, token_ids
 from swarm.peer.pipeline.worker import PipelineError, StageWorker
+from swarm.words import shown
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +65,10 @@ async def ask_recompute(node: SwarmNode, peer: str, protocol: str, inputs: torch
             answer = msgpack.unpackb(await recv_frame(reader, HEADER_BYTES))
             if not isinstance(answer, dict) or "error" in answer:
                 raise PipelineError(f"first-stage peer {peer[-8:]} did not compute the microbatch again: "
-                                    f"{answer.get('error') if isinstance(answer, dict) else answer!r}")
+                                    f"{answer.get('error') if isinstance(answer, dict) else shown(answer)}")
             round_no = answer.get("round")
             if round_no is not None and not round_number(round_no):
-                raise PipelineError(f"first-stage peer {peer[-8:]} answered a round of {round_no!r}")
+                raise PipelineError(f"first-stage peer {peer[-8:]} answered a round of {shown(round_no)}")
             out = decode(await recv_frame(reader, payload_bound(b * t * hidden)))
             if out.numel() != b * t * hidden or not torch.isfinite(out).all():
                 raise PipelineError(f"first-stage peer {peer[-8:]} answered {out.numel()} activations, not "
@@ -155,7 +156,7 @@ class RecomputeServer:
         if too_large is not None:
             return too_large
         if not isinstance(codec, str) or codec not in CODECS:
-            return f"codec {codec!r} is not one for activations ({', '.join(CODECS)})"
+            return f"codec {shown(codec)} is not one for activations ({', '.join(CODECS)})"
         return None
 
     def _busy(self, remote: str) -> Optional[str]:

@@ -35,6 +35,7 @@ from swarm.peer.pipeline.integrity import (ANSWER_RULES, EXCLUDE_SECONDS, PROBAT
                                            tally)
 from swarm.peer.pipeline.worker import Downstream, Evaluate, PipelineError
 from swarm.runtime import LoopThread
+from swarm.words import shown
 
 logger = logging.getLogger(__name__)
 BUSY = "busy"  # how a stage server's refusal for a full queue starts (swarm.peer.pipeline.server)
@@ -100,12 +101,12 @@ async def call_stage(node: SwarmNode, peer: str, protocol: str, x: torch.Tensor,
                 raise StageBusy(f"stage peer {peer[-8:]} refused the microbatch: {answer['error']}")
             if not isinstance(answer, dict) or "error" in answer:
                 raise PipelineError(f"stage peer {peer[-8:]} refused the microbatch: "
-                                    f"{answer.get('error') if isinstance(answer, dict) else answer!r}")
+                                    f"{answer.get('error') if isinstance(answer, dict) else shown(answer)}")
             loss, round_no = answer.get("loss"), answer.get("round")
             if not isinstance(loss, float) or not np.isfinite(loss) or loss < 0:  # (a cross-entropy)
-                raise PipelineError(f"stage peer {peer[-8:]} answered a loss of {loss!r}")
+                raise PipelineError(f"stage peer {peer[-8:]} answered a loss of {shown(loss)}")
             if round_no is not None and not round_number(round_no):
-                raise PipelineError(f"stage peer {peer[-8:]} answered a round of {round_no!r}")
+                raise PipelineError(f"stage peer {peer[-8:]} answered a round of {shown(round_no)}")
             if evaluate:
                 return None, loss, round_no
             back = await recv_frame(reader, payload_bound(x.numel()))

@@ -32,6 +32,7 @@ from swarm.peer.pipeline.recompute import Recheck
 from swarm.peer.pipeline.routing import (BUSY, HEADER_BYTES, HOP_SECONDS, NoPeerTook, Router, WireMeter,
                                          payload_bound, round_number, size_problem, token_ids)
 from swarm.peer.pipeline.worker import Accept, Downstream, Execute, PipelineError, StageWorker
+from swarm.words import shown
 
 logger = logging.getLogger(__name__)
 
@@ -104,9 +105,9 @@ class StageServer:
                 evaluate = header.get("eval", False) if isinstance(header, dict) else None
                 claimed = header.get("round") if isinstance(header, dict) else None
                 problem = self._check(shape, codec) or (
-                    None if isinstance(scale, float) and 0.0 < scale <= 1.0 else f"scale {scale!r} is not in (0, 1]") \
-                    or (None if isinstance(evaluate, bool) else f"eval {evaluate!r} is not true or false") or (
-                    None if claimed is None or round_number(claimed) else f"round {claimed!r} is not a round number")
+                    None if isinstance(scale, float) and 0.0 < scale <= 1.0 else f"scale {shown(scale)} is not in (0, 1]") \
+                    or (None if isinstance(evaluate, bool) else f"eval {shown(evaluate)} is not true or false") or (
+                    None if claimed is None or round_number(claimed) else f"round {shown(claimed)} is not a round number")
                 if problem is not None:
                     self.refused["header"] += 1  # (by kind: the problem quotes what the sender wrote)
                     await send_frame(writer, msgpack.packb({"error": problem}))
@@ -252,7 +253,7 @@ class StageServer:
         if too_large is not None:
             return too_large
         if not isinstance(codec, str) or codec not in ("none", "fp16", "bf16", "int8"):
-            return f"codec {codec!r} is not one for activations (none, fp16, bf16, int8)"
+            return f"codec {shown(codec)} is not one for activations (none, fp16, bf16, int8)"
         return None
 
     async def _eval_in_executor(self, x: torch.Tensor, targets: torch.Tensor) -> float:

@@ -21,6 +21,7 @@ from swarm.dht.node import SwarmNode
 from swarm.peer.diloco import DiLoCo
 from swarm.peer.outer import OuterStep
 from swarm.peer.state.wire import MAX_REPLAY_STEPS, STALL_SECONDS, protocol, send_bytes
+from swarm.words import shown
 
 logger = logging.getLogger(__name__)
 SNAPSHOT_SECONDS = 300.0  # a served snapshot is kept this long after its last request, for resuming joiners
@@ -102,7 +103,7 @@ class StateServer:
         offset, length = (request.get("offset", 0), request.get("length", 0)) if isinstance(request, dict) else \
             (None, None)
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (offset, length)):
-            raise ValueError(f"malformed state request from {remote}: {request!r}")
+            raise ValueError(f"malformed state request from {remote}: {shown(request)}")
         wanted = request.get("sha256")
         snapshot = await self.snapshot(wanted if isinstance(wanted, str) else None)
         end = min(offset + length, len(snapshot.payload))
@@ -124,7 +125,7 @@ class StateServer:
         round_no, digest, target = request.get("replay_from"), request.get("digest"), request.get("to")
         if not isinstance(round_no, int) or isinstance(round_no, bool) or not isinstance(digest, str) or \
                 not isinstance(target, str):
-            raise ValueError(f"malformed replay request from {remote}: {request!r}")
+            raise ValueError(f"malformed replay request from {remote}: {shown(request)}")
         await asyncio.get_running_loop().run_in_executor(None, self.diloco.hashed)  # (the latest step is logged)
         steps = _up_to(self.diloco.steps_since(round_no, digest)[:MAX_REPLAY_STEPS], target)
         bodies = [[memoryview(payload) for _, _, payload in step.wire] if step.wire is not None else
