@@ -80,7 +80,7 @@ def main() -> None:
 
     from swarm.config import InnerRecipe, ModelRecipe
     from swarm.model.build import build_model
-    from swarm.peer.training import inner_step, lm_loss, make_inner_optimizer
+    from swarm.peer.training import inner_for, inner_step, lm_loss, make_inner_optimizer
 
     torch.set_num_threads(args.threads)
     config = Path(tempfile.mkdtemp()) / "config.json"
@@ -89,7 +89,7 @@ def main() -> None:
     model = build_model(ModelRecipe(config_file=str(config)), 8192, recompute=args.recompute_activations)
     n = sum(p.numel() for p in model.parameters())
     rows = {"model": (resident() - base) / n}
-    optimizer = make_inner_optimizer(model, InnerRecipe())
+    optimizer = make_inner_optimizer(model, inner_for(InnerRecipe(), model))
     batch = torch.randint(0, 8192, (args.batch, args.seq_len + 1), generator=torch.Generator().manual_seed(0))
     inner_step(model, optimizer, batch, torch.device("cpu"), 1e-4, 1.0)
     rows["after the first step (AdamW's state)"] = (resident() - base) / n

@@ -78,7 +78,9 @@ class DataRecipe(_Section):
     seed: int = Field(0, ge=0, description="shuffling seed")
 
 
-ADAMW_LR, MUON_LR = 3e-3, 4e-3  # the inner lr's defaults
+# The inner lr's defaults at width LR_WIDTH, where they were tuned; a wider model's default is smaller by the ratio
+# of the widths (docs/measured.md#the-recipes-defaults: at width 512, 3e-3 ended 5.6% behind 7.5e-4).
+ADAMW_LR, MUON_LR, LR_WIDTH = 3e-3, 4e-3, 128
 WARMUP_SHARE = 0.2  # the warm-up's default share of the run's tokens
 
 
@@ -89,7 +91,9 @@ class InnerRecipe(_Section):
     optimizer: Literal["adamw", "muon"] = Field(
         "adamw", description="muon: Muon (torch.optim.Muon, its update's RMS matched to AdamW's, so `lr` means the "
                              "same) on the blocks' weight matrices, AdamW on embeddings, head, norms and biases")
-    lr: float = Field(ADAMW_LR, gt=0, le=1.0, description=f"peak lr; default {ADAMW_LR} ({MUON_LR} with muon)")
+    lr: Optional[float] = Field(
+        None, gt=0, le=1.0, description=f"peak lr; null: {ADAMW_LR} ({MUON_LR} with muon) x min(1, {LR_WIDTH} / the "
+                                        f"model's hidden size), the peer works it out from the model (peak_lr)")
     weight_decay: float = Field(0.1, ge=0, le=1.0)
     beta1: float = Field(0.8, ge=0, lt=1)
     beta2: float = Field(0.999, ge=0, lt=1)
@@ -98,12 +102,16 @@ class InnerRecipe(_Section):
     grad_clip: float = Field(1.0, gt=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _optimizer_lr(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "lr" not in data and data.get("optimizer") == "muon":
-            return {**data, "lr": MUON_LR}  # Muon's own tuned lr, where the recipe names none
-        return data
+    def peak_lr(self, width: int) -> float:
+        """The peak lr for a model of hidden size `width`: the recipe's, or else its optimizer's default scaled down
+        by the width (Muon's own tuned lr, as AdamW's, at LR_WIDTH)."""
+        if self.lr is not None:
+            return self.lr
+        return (MUON_LR if self.optimizer == "muon" else ADAMW_LR) * min(1.0, LR_WIDTH / width)
+
+    def resolved(self, width: int) -> "InnerRecipe":
+        """This recipe with `lr` set to peak_lr(width): what the inner loop runs on a model of that hidden size."""
+        return self.model_copy(update={"lr": self.peak_lr(width)})
 
     def warmup(self, total_tokens: int) -> int:
         """The warm-up's tokens in a run of `total_tokens`."""

@@ -18,7 +18,7 @@ from swarm.config import Recipe, sync_steps
 from swarm.data.prepare import RunData
 from swarm.peer.diloco import DiLoCo
 from swarm.model.build import build_model, n_blocks
-from swarm.peer.training import (inner_step, learning_rate, make_inner_optimizer, schedule_tokens,
+from swarm.peer.training import (inner_for, inner_step, learning_rate, make_inner_optimizer, schedule_tokens,
                                  validation_loss)
 
 logger = logging.getLogger(__name__)
@@ -72,8 +72,9 @@ def simulate_diloco(recipe: Recipe, data: RunData, shards: list[int], rounds: in
         raise ValueError("fragments take no overlap_delay here, and at least as many inner_steps as they are")
     codec = codec or get_codec(codec_name or recipe.averaging.codec, **(codec_options or {}))
     workers = [build_model(recipe.model, data.vocab_size).to(device) for _ in shards]
+    inner = inner_for(recipe.inner, workers[0])  # (its lr, where the recipe leaves it to the width)
     diloco = DiLoCo(workers[0], recipe.outer)  # global params + outer optimizer; worker 0's model is its local
-    optimizers = [make_inner_optimizer(model, recipe.inner) for model in workers]
+    optimizers = [make_inner_optimizer(model, inner) for model in workers]
     batches = [data.train.batches(shard, recipe.data.num_shards, recipe.data.batch_size, recipe.data.seed)
                for shard in shards]
     feedback = [[ErrorFeedback(codec.error_feedback, codec.feedback_decay) for _ in range(fragments)]
@@ -114,10 +115,10 @@ def simulate_diloco(recipe: Recipe, data: RunData, shards: list[int], rounds: in
             for step in range(steps):
                 if arrived is not None and step == min(overlap_delay, inner_steps):
                     rebase(index)
-                lr = learning_rate(recipe.inner, schedule_tokens(diloco.tokens_seen, step * tokens_per_step,
+                lr = learning_rate(inner, schedule_tokens(diloco.tokens_seen, step * tokens_per_step,
                                                                  group_size), recipe.total_tokens)
                 inner_step(model, optimizers[index], next(batches[index]), torch.device(device), lr,
-                           recipe.inner.grad_clip)
+                           inner.grad_clip)
             if arrived is not None and overlap_delay >= inner_steps:
                 rebase(index)  # one full round late: just before this round's snapshot
             with torch.no_grad():
@@ -167,8 +168,9 @@ def simulate_groups(recipe: Recipe, data: RunData, shards: list[int], rounds: in
 
     codec = get_codec(codec_name or recipe.averaging.codec)
     workers = [build_model(recipe.model, data.vocab_size).to(device) for _ in shards]
+    inner = inner_for(recipe.inner, workers[0])
     dilocos = [DiLoCo(model, recipe.outer) for model in workers]
-    optimizers = [make_inner_optimizer(model, recipe.inner) for model in workers]
+    optimizers = [make_inner_optimizer(model, inner) for model in workers]
     batches = [data.train.batches(shard, recipe.data.num_shards, recipe.data.batch_size, recipe.data.seed)
                for shard in shards]
     feedback = [ErrorFeedback(codec.error_feedback, codec.feedback_decay) for _ in shards]
@@ -179,10 +181,10 @@ def simulate_groups(recipe: Recipe, data: RunData, shards: list[int], rounds: in
         delivered = []
         for index, model in enumerate(workers):
             for step in range(inner_steps):
-                lr = learning_rate(recipe.inner, schedule_tokens(dilocos[index].tokens_seen, step * tokens_per_step,
+                lr = learning_rate(inner, schedule_tokens(dilocos[index].tokens_seen, step * tokens_per_step,
                                                                  last_swarm), recipe.total_tokens)
                 inner_step(model, optimizers[index], next(batches[index]), torch.device(device), lr,
-                           recipe.inner.grad_clip)
+                           inner.grad_clip)
             to_send = feedback[index].compensate(dilocos[index].pseudo_gradient())
             payload = codec.encode(to_send)
             delivered.append((codec.decode(payload) if codec.name != "none" else to_send, len(payload)))
@@ -231,16 +233,17 @@ def simulate_data_parallel(recipe: Recipe, data: RunData, shards: list[int], ste
                            eval_every: int, device: str = "cpu") -> SimulationResult:
     """The baseline: gradients averaged every step, i.e. one model trained on the M workers' batches together."""
     model = build_model(recipe.model, data.vocab_size).to(device)
-    optimizer = make_inner_optimizer(model, recipe.inner)
+    inner = inner_for(recipe.inner, model)
+    optimizer = make_inner_optimizer(model, inner)
     batches = [data.train.batches(shard, recipe.data.num_shards, recipe.data.batch_size, recipe.data.seed)
                for shard in shards]
     tokens_per_step = recipe.data.batch_size * recipe.data.seq_len * len(shards)
     params = sum(p.numel() for p in model.parameters())
     result = SimulationResult([p.detach() for p in model.parameters()])
     for step in range(steps):
-        lr = learning_rate(recipe.inner, step * tokens_per_step, recipe.total_tokens)
+        lr = learning_rate(inner, step * tokens_per_step, recipe.total_tokens)
         inner_step(model, optimizer, torch.cat([next(b) for b in batches]), torch.device(device), lr,
-                   recipe.inner.grad_clip)
+                   inner.grad_clip)
         result.bytes_per_worker += _allreduce_bytes(4 * params, len(shards))  # fp32 gradients every step
         result.tokens += tokens_per_step
         if (step + 1) % eval_every == 0:
@@ -275,17 +278,18 @@ def simulate_pipeline(recipe: Recipe, data: RunData, shards: list[int], stages: 
     codec, wire = get_codec(codec_name or recipe.averaging.codec), get_codec(wire_codec)
     replicas = len(shards)
     models = [build_model(recipe.model, data.vocab_size).to(device) for _ in shards]
+    inner = inner_for(recipe.inner, models[0])
     bounds = even_bounds(n_blocks(models[0]), stages)
     hosted = [make_stages(model, bounds) for model in models]  # hosted[r][s]: stage s of replica r's model
     dilocos = [DiLoCo(hosted[0][s], recipe.outer) for s in range(stages)]  # replica 0 holds each stage's globals
-    optimizers = [[make_inner_optimizer(hosted[r][s], recipe.inner) for s in range(stages)] for r in range(replicas)]
+    optimizers = [[make_inner_optimizer(hosted[r][s], inner) for s in range(stages)] for r in range(replicas)]
     feedback = [[ErrorFeedback(codec.error_feedback, codec.feedback_decay) for _ in range(stages)]
                 for _ in range(replicas)]
     batches = [data.train.batches(shard, recipe.data.num_shards, recipe.data.batch_size, recipe.data.seed)
                for shard in shards]
     wiring = torch.Generator().manual_seed(seed)
     tokens_per_step = recipe.data.batch_size * recipe.data.seq_len
-    clip = recipe.inner.grad_clip / stages ** 0.5
+    clip = inner.grad_clip / stages ** 0.5
     result = PipelineResult([p for d in dilocos for p in d.global_params])
     stats = WireStats()
     for round_no in range(rounds):
@@ -297,7 +301,7 @@ def simulate_pipeline(recipe: Recipe, data: RunData, shards: list[int], stages: 
         processed = [[0] * replicas for _ in range(stages)]
         stashed: list[Optional[dict]] = [None] * replicas  # each first stage's weights before its last step
         for step in range(inner_steps):
-            lr = learning_rate(recipe.inner, schedule_tokens(dilocos[0].tokens_seen, step * tokens_per_step,
+            lr = learning_rate(inner, schedule_tokens(dilocos[0].tokens_seen, step * tokens_per_step,
                                                              replicas if round_no else 1), recipe.total_tokens)
             for first in range(replicas):
                 path = [first] + [int(torch.randint(replicas, (1,), generator=wiring)) for _ in range(stages - 1)]

@@ -15,7 +15,8 @@ def test_default_recipe_is_the_demo_run():
     assert recipe.run_id == "swarm-demo" and recipe.outer.lr == 1.0 and recipe.outer.momentum == 0.5
     # the inner defaults that won on a corpus read once (docs/measured.md#the-recipes-defaults)
     inner = recipe.inner
-    assert (inner.optimizer, inner.lr, inner.beta1, inner.beta2) == ("adamw", 3e-3, 0.8, 0.999)
+    assert (inner.optimizer, inner.lr, inner.beta1, inner.beta2) == ("adamw", None, 0.8, 0.999)
+    assert inner.peak_lr(recipe.model.hidden_size) == 1.5e-3  # (3e-3 at width 128; the demo model is 256 wide)
     assert inner.warmup(recipe.total_tokens) == recipe.total_tokens // 5 and inner.min_lr_ratio == 0.1
     assert recipe.averaging.codec == "fp16"
     assert recipe_from_json(recipe.canonical_json()) == recipe

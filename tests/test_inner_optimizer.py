@@ -14,7 +14,7 @@ import yaml
 from swarm.config import RecipeError, load_recipe, parse_recipe, recipe_from_json
 from swarm.model.build import build_model
 from swarm.model.stages import even_bounds, make_stages
-from swarm.peer.training import Optimizers, inner_step, make_inner_optimizer
+from swarm.peer.training import Optimizers, inner_for, inner_step, make_inner_optimizer
 
 TINY = Path(__file__).parent / "recipes" / "tiny.yaml"
 
@@ -75,11 +75,33 @@ def test_the_option_keeps_every_adamw_recipes_digest_and_names_a_bad_value():
         parse_recipe(inner("sgd"))
 
 
-def test_muon_has_its_own_default_lr_and_a_named_lr_is_kept():
-    """Muon's lr that won on a corpus read once (4e-3) is its default where the recipe names no lr; AdamW's is
-    3e-3; a recipe's own lr is kept with either."""
-    assert parse_recipe({}).inner.lr == 3e-3
-    assert parse_recipe({"inner": {"optimizer": "muon"}}).inner.lr == 4e-3
-    assert parse_recipe({"inner": {"optimizer": "muon", "lr": 1e-3}}).inner.lr == 1e-3
-    muon = parse_recipe({"inner": {"optimizer": "muon"}})
-    assert recipe_from_json(muon.canonical_json()) == muon
+def test_the_default_lr_is_each_optimizers_own_scaled_down_by_the_width_and_a_named_lr_is_kept():
+    """Where the recipe names no lr, a model of width 128 (where both were tuned, on a corpus read once) takes AdamW's
+    3e-3 or Muon's 4e-3, a narrower one the same, and a wider one less by the ratio of the widths (at width 512,
+    3e-3 ended 5.6% behind 7.5e-4: docs/measured.md); a recipe's own lr is kept with either, whatever the width."""
+    adamw, muon = parse_recipe({}).inner, parse_recipe({"inner": {"optimizer": "muon"}}).inner
+    assert adamw.lr is None and muon.lr is None
+    assert [adamw.peak_lr(w) for w in (64, 128, 256, 512, 2048)] == [3e-3, 3e-3, 1.5e-3, 7.5e-4, 1.875e-4]
+    assert [muon.peak_lr(w) for w in (128, 512)] == [4e-3, 1e-3]
+    named = parse_recipe({"inner": {"optimizer": "muon", "lr": 1e-3}}).inner
+    assert named.peak_lr(128) == named.peak_lr(4096) == 1e-3
+    assert adamw.resolved(512).lr == 7.5e-4 and adamw.resolved(512).model_copy(update={"lr": None}) == adamw
+    recipe = parse_recipe({"inner": {"optimizer": "muon"}})
+    assert recipe_from_json(recipe.canonical_json()) == recipe
+    # the inner loop is given the recipe resolved for its model; an unresolved one is a programming error, named
+    model = build_model(recipe.model, 512)
+    with pytest.raises(ValueError, match="resolved"):
+        make_inner_optimizer(model, adamw)
+    assert all(group["lr"] == adamw.peak_lr(recipe.model.hidden_size)
+               for group in make_inner_optimizer(model, inner_for(adamw, model)).param_groups)
+
+
+def test_a_config_files_width_sizes_the_default_lr(tmp_path):
+    """A model from a transformers config.json takes the default lr of its own width (GPT-2's n_embd)."""
+    import transformers
+
+    from swarm.config import InnerRecipe, ModelRecipe
+    transformers.GPT2Config(vocab_size=300, n_embd=256, n_layer=1, n_head=4, n_positions=32).save_pretrained(tmp_path)
+    model = build_model(ModelRecipe(config_file=str(tmp_path / "config.json")), 300, meta=True)
+    assert inner_for(InnerRecipe(), model).lr == 1.5e-3
+    assert inner_for(InnerRecipe(optimizer="muon", lr=2e-2), model).lr == 2e-2

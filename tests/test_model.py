@@ -125,7 +125,7 @@ def test_two_peers_train_a_gpt2_config_on_one_text_file_for_three_rounds(swarm):
     recipe.write_text(json.dumps({
         "run_id": "gpt2-one-file", "model": {"config_file": "gpt2/config.json"},
         "data": {"source": "book.txt", "vocab_size": 512, "seq_len": 32, "batch_size": 8},
-        "inner": {"lr": 0.003, "warmup_tokens": 2048},
+        "inner": {"warmup_tokens": 2048},  # (no lr: the default for the config's width, 64: 3e-3)
         "averaging": {"codec": "none", "min_group_size": 2, "matchmaking_timeout": 10, "allreduce_timeout": 30},
         "tokens_per_round": 8192, "total_tokens": 200000}))
     # Each peer reads its own copy of the files (the bootstrap has none to share: --no-share-data).
@@ -135,7 +135,7 @@ def test_two_peers_train_a_gpt2_config_on_one_text_file_for_three_rounds(swarm):
                         name=f"peer{i}") for i in range(2)]
     for peer in peers:
         assert peer.wait(240) == 0, peer.output()[-3000:]
-    assert peers[0].events("model")[0]["blocks"] == 2
+    assert peers[0].events("model")[0]["blocks"] == 2 and peers[0].events("model")[0]["inner_lr"] == 3e-3
     metas = [[json.loads(path.read_text()) for path in sorted((swarm.workdir / f"trace{i}").glob("round-*.json"))]
              for i in range(2)]
     assert [m["round"] for m in metas[0]] == [m["round"] for m in metas[1]] == [0, 1, 2]
@@ -154,14 +154,14 @@ def test_two_peers_train_a_gpt2_config_on_one_text_file_for_three_rounds(swarm):
 def test_recomputed_activations_give_the_same_training_bit_for_bit():
     """--recompute-activations (gradient checkpointing, done by transformers' blocks) trades memory for compute
     and nothing else: two inner steps of a whole model end at identical params."""
-    from swarm.peer.training import inner_step, make_inner_optimizer
+    from swarm.peer.training import inner_for, inner_step, make_inner_optimizer
 
     recipe = ModelRecipe(hidden_size=64, intermediate_size=172, num_layers=2, num_heads=4, max_seq_len=64)
     plain, recomputing = build_model(recipe, 512), build_model(recipe, 512, recompute=True)
     assert recomputing.model.layers[0].gradient_checkpointing and not plain.model.layers[0].gradient_checkpointing
     batch = torch.randint(0, 512, (4, 33), generator=torch.Generator().manual_seed(0))
     for model in (plain, recomputing):
-        optimizer = make_inner_optimizer(model, InnerRecipe())
+        optimizer = make_inner_optimizer(model, inner_for(InnerRecipe(), model))
         for _ in range(2):
             inner_step(model, optimizer, batch, torch.device("cpu"), 1e-3, 1.0)
     assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), recomputing.parameters()))

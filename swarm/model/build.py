@@ -63,6 +63,12 @@ def build_model(recipe: ModelRecipe, vocab_size: int, meta: bool = False, recomp
     return model.float()
 
 
+def hidden_size(model: torch.nn.Module) -> int:
+    """The width of a built model's residual stream (its config's hidden_size: transformers maps GPT-2's n_embd and
+    OPT's onto it), which sizes the recipe's default inner lr (InnerRecipe.peak_lr)."""
+    return int(model.config.hidden_size)
+
+
 def module_seed(seed: int, path: str) -> int:
     """The seed of one module's initialisation in a model built part by part: the recipe's seed and the module's
     path in the whole model, so a block gets the same params whichever stage holds it."""

@@ -42,8 +42,8 @@ from swarm.peer.pipeline.part import Part
 from swarm.peer.stop import Stop
 from swarm.peer.stream import DataStream
 from swarm.peer.report import Timeline, report_round, write_trace
-from swarm.peer.training import (StepClock, ValidationBudget, learning_rate, make_inner_optimizer, schedule_tokens,
-                                 validation_loss)
+from swarm.peer.training import (StepClock, ValidationBudget, inner_for, learning_rate, make_inner_optimizer,
+                                 schedule_tokens, validation_loss)
 from swarm.runtime import LoopThread
 
 logger = logging.getLogger("swarm.peer")
@@ -110,13 +110,14 @@ class Peer:
         self.diloco = DiLoCo(self.part.module, r.outer, log_bytes=None if s.replay_log_mb is None else
                              int(s.replay_log_mb * 1e6), log_bytes_per_param=r.averaging.replay_bytes_per_param)
         self.error_feedback = FragmentFeedback.for_codec(self.diloco.fragment_sizes(), r.averaging.codec)
-        self.inner_optimizer = make_inner_optimizer(self.part.module, r.inner)
+        self.inner = inner_for(r.inner, self.model)  # (its lr, where the recipe leaves it to the width)
+        self.inner_optimizer = make_inner_optimizer(self.part.module, self.inner)
         self.checkpoints = ckpt.CheckpointWriter(s.checkpoints.dir, s.checkpoints.keep, s.checkpoints.series,
                                                  self.metrics, self.events) if s.checkpoints.dir else None
-        logger.info("model: %.2fM parameters, %d blocks, on %s; replay log up to %.2f MB", self.diloco.numel / 1e6,
-                    self.n_blocks, self.device, self.diloco.log_bytes / 1e6)
+        logger.info("model: %.2fM parameters, %d blocks, on %s; inner lr %.2g; replay log up to %.2f MB",
+                    self.diloco.numel / 1e6, self.n_blocks, self.device, self.inner.lr, self.diloco.log_bytes / 1e6)
         self.events.emit("model", parameters=self.diloco.numel, blocks=self.n_blocks, device=str(self.device),
-                         replay_log_bytes=self.diloco.log_bytes)
+                         replay_log_bytes=self.diloco.log_bytes, inner_lr=self.inner.lr)
 
     def _start_services(self) -> None:
         """The all-reduce and state servers, the announcer and its heartbeat, the metrics endpoint, and the round
@@ -267,7 +268,7 @@ class Peer:
     def _inner_step(self, batches, settle: bool = False) -> bool:
         """One inner AdamW step, with its metrics; False if the loss was not finite (the round then restarts)."""
         r = self.recipe
-        lr = learning_rate(r.inner, schedule_tokens(self.diloco.tokens_seen, self.rounds.tokens_in_round,
+        lr = learning_rate(self.inner, schedule_tokens(self.diloco.tokens_seen, self.rounds.tokens_in_round,
                                                     self.last_group_size), r.total_tokens)
         if self.faults.local("diverge", self.rounds.counting_round(self.diloco.round)):
             with torch.no_grad():
@@ -393,7 +394,7 @@ class Peer:
     def _drop_local_progress(self) -> None:
         """Our state was replaced by the swarm's: error feedback and inner moments are of a model we left."""
         self.error_feedback.reset()
-        self.inner_optimizer = make_inner_optimizer(self.part.module, self.recipe.inner)
+        self.inner_optimizer = make_inner_optimizer(self.part.module, self.inner)
 
     def _recover(self, why: str) -> None:
         """Never send a diverged pseudo-gradient: drop local progress and restart the round from global."""

@@ -10,18 +10,32 @@ from typing import Callable, Optional
 import torch
 
 from swarm.config import InnerRecipe
-from swarm.model.build import lm_loss
+from swarm.model.build import hidden_size, lm_loss
 
 
 def learning_rate(inner: InnerRecipe, tokens: int, total_tokens: int) -> float:
-    """Linear warm-up over the recipe's warm-up tokens, then cosine decay to `min_lr_ratio * lr` at `total_tokens`."""
+    """Linear warm-up over the recipe's warm-up tokens, then cosine decay to `min_lr_ratio * lr` at `total_tokens`.
+    `inner` is resolved for the model (InnerRecipe.resolved): its lr is a number."""
+    peak = _peak(inner)
     warmup = inner.warmup(total_tokens)
     if warmup and tokens < warmup:
-        return inner.lr * max(tokens, 1) / warmup
+        return peak * max(tokens, 1) / warmup
     span = max(total_tokens - warmup, 1)
     progress = min(max(tokens - warmup, 0) / span, 1.0)
-    floor = inner.min_lr_ratio * inner.lr
-    return floor + (inner.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    floor = inner.min_lr_ratio * peak
+    return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def inner_for(inner: InnerRecipe, model: torch.nn.Module) -> InnerRecipe:
+    """`inner` resolved for `model` (a whole model, or the whole model a stage is cut from): its lr a number."""
+    return inner.resolved(hidden_size(model))
+
+
+def _peak(inner: InnerRecipe) -> float:
+    if inner.lr is None:
+        raise ValueError("inner.lr is null: the inner loop takes the recipe resolved for its model "
+                         "(InnerRecipe.resolved(hidden size))")
+    return inner.lr
 
 
 def schedule_tokens(tokens_seen: int, tokens_in_round: int, last_group_size: int) -> int:
@@ -39,10 +53,10 @@ def make_inner_optimizer(model: torch.nn.Module, inner: InnerRecipe) -> "torch.o
     no_decay = [p for p in model.parameters() if p.ndim < 2]  # norms and biases are not decayed
     adamw = torch.optim.AdamW([{"params": decay, "weight_decay": inner.weight_decay},
                                {"params": no_decay, "weight_decay": 0.0}],
-                              lr=inner.lr, betas=(inner.beta1, inner.beta2))
+                              lr=_peak(inner), betas=(inner.beta1, inner.beta2))
     if not matrices:
         return adamw
-    muon = torch.optim.Muon(matrices, lr=inner.lr, weight_decay=inner.weight_decay, adjust_lr_fn="match_rms_adamw")
+    muon = torch.optim.Muon(matrices, lr=_peak(inner), weight_decay=inner.weight_decay, adjust_lr_fn="match_rms_adamw")
     return Optimizers([muon, adamw])
 
 
