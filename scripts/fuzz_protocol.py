@@ -1248,6 +1248,9 @@ def _same_recipe_text(x: Any) -> bool:
         return False
 
 
+RECIPE_NESTED = json.loads("[" * 900 + "]" * 900)  # (as deep as JSON text the parser takes goes)
+
+
 def recipe_others(seed: dict) -> Iterator[tuple[str, str, Any, bool]]:
     """Texts no parser takes, and the recipe's own fields mutated under the seed's digest: the hash is of the recipe
     the text means, so a field left out, or null where its default is null, means the seed's own recipe (the seed
@@ -1265,7 +1268,7 @@ def recipe_others(seed: dict) -> Iterator[tuple[str, str, Any, bool]]:
     for section, body in fields.items():
         for name in (list(body) if isinstance(body, dict) else [None]):
             for mutation, bad in (("none", None), ("wrong type", "x"), ("negative", -1), ("huge", 10 ** 30),
-                                  ("nan/inf", math.nan), ("omit", "<omit>")):
+                                  ("nan/inf", math.nan), ("omit", "<omit>"), ("nested", RECIPE_NESTED)):
                 changed = json.loads(text)
                 where, key = (changed, section) if name is None else (changed[section], name)
                 if bad == "<omit>":

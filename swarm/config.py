@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from swarm import combinations
 from swarm.combinations import AGGREGATORS, RING_MODES
+from swarm.words import shown
 
 
 # The replay log's default size (swarm/peer/diloco.py), bytes a parameter: a round of fp16 averages, two of int8;
@@ -79,7 +80,7 @@ class DataRecipe(_Section):
 
 
 # The inner lr's defaults at width LR_WIDTH, where they were tuned; a wider model's default is smaller by the ratio
-# of the widths (docs/measured.md#the-recipes-defaults: at width 512, 3e-3 ended 5.6% behind 7.5e-4).
+# of the widths (docs/measured.md#the-recipes-defaults: at width 512 and 6 rounds, 3e-3 ended 5.6% behind 7.5e-4).
 ADAMW_LR, MUON_LR, LR_WIDTH = 3e-3, 4e-3, 128
 WARMUP_SHARE = 0.2  # the warm-up's default share of the run's tokens
 
@@ -393,9 +394,7 @@ def parse_recipe(data: Any, origin: str = "recipe") -> Recipe:
         field = ".".join(str(part) for part in err["loc"]) or "(top level)"
         msg = err["msg"].replace("Extra inputs are not permitted", "unknown field (check the spelling)")
         msg = msg.removeprefix("Value error, ")
-        got = repr(err.get("input"))
-        got = got if len(got) <= 80 else got[:77] + "..."  # (one short line, whatever was sent)
-        raise RecipeError(f"{origin}: field '{field}': {msg} (got {got})") from None
+        raise RecipeError(f"{origin}: field '{field}': {msg} (got {shown(err.get('input'))})") from None
 
 
 def load_recipe(path: str | Path) -> Recipe:
