@@ -53,7 +53,8 @@ def main() -> None:
 
     def train(pair, steps: int, seed: int):
         first, last = copy.deepcopy(pair[0]), copy.deepcopy(pair[1])
-        optimizer = torch.optim.AdamW([*first.parameters(), *last.parameters()], lr=recipe.inner.peak_lr(recipe.model.hidden_size))
+        lr = recipe.inner.peak_lr(recipe.model.hidden_size)
+        optimizer = torch.optim.AdamW([*first.parameters(), *last.parameters()], lr=lr)
         generator = torch.Generator().manual_seed(seed)
         for _ in range(steps):
             batch = data.train.windows(torch.randint(0, data.train.num_windows, (d.batch_size,), generator=generator))

@@ -105,9 +105,11 @@ class StageServer:
                 evaluate = header.get("eval", False) if isinstance(header, dict) else None
                 claimed = header.get("round") if isinstance(header, dict) else None
                 problem = self._check(shape, codec) or (
-                    None if isinstance(scale, float) and 0.0 < scale <= 1.0 else f"scale {shown(scale)} is not in (0, 1]") \
+                    None if isinstance(scale, float) and 0.0 < scale <= 1.0
+                    else f"scale {shown(scale)} is not in (0, 1]") \
                     or (None if isinstance(evaluate, bool) else f"eval {shown(evaluate)} is not true or false") or (
-                    None if claimed is None or round_number(claimed) else f"round {shown(claimed)} is not a round number")
+                    None if claimed is None or round_number(claimed)
+                    else f"round {shown(claimed)} is not a round number")
                 if problem is not None:
                     self.refused["header"] += 1  # (by kind: the problem quotes what the sender wrote)
                     await send_frame(writer, msgpack.packb({"error": problem}))
