@@ -416,7 +416,7 @@ def load_recipe(path: str | Path) -> Recipe:
     return parse_recipe(data if data is not None else {}, origin=str(path))
 
 
-MAX_RECIPE_JSON = 256 << 10  # bytes: what a recipe record may hold (records.RECIPE_RULE)
+MAX_RECIPE_JSON = 256 << 10  # bytes: the most a recipe record holds (records.RECIPE_RULE), and so its JSON text
 
 
 def recipe_from_json(text: str) -> Recipe:

@@ -116,7 +116,7 @@ def simulate_diloco(recipe: Recipe, data: RunData, shards: list[int], rounds: in
                 if arrived is not None and step == min(overlap_delay, inner_steps):
                     rebase(index)
                 lr = learning_rate(inner, schedule_tokens(diloco.tokens_seen, step * tokens_per_step,
-                                                                 group_size), recipe.total_tokens)
+                                                          group_size), recipe.total_tokens)
                 inner_step(model, optimizers[index], next(batches[index]), torch.device(device), lr,
                            inner.grad_clip)
             if arrived is not None and overlap_delay >= inner_steps:
@@ -182,7 +182,7 @@ def simulate_groups(recipe: Recipe, data: RunData, shards: list[int], rounds: in
         for index, model in enumerate(workers):
             for step in range(inner_steps):
                 lr = learning_rate(inner, schedule_tokens(dilocos[index].tokens_seen, step * tokens_per_step,
-                                                                 last_swarm), recipe.total_tokens)
+                                                          last_swarm), recipe.total_tokens)
                 inner_step(model, optimizers[index], next(batches[index]), torch.device(device), lr,
                            inner.grad_clip)
             to_send = feedback[index].compensate(dilocos[index].pseudo_gradient())
@@ -302,7 +302,7 @@ def simulate_pipeline(recipe: Recipe, data: RunData, shards: list[int], stages: 
         stashed: list[Optional[dict]] = [None] * replicas  # each first stage's weights before its last step
         for step in range(inner_steps):
             lr = learning_rate(inner, schedule_tokens(dilocos[0].tokens_seen, step * tokens_per_step,
-                                                             replicas if round_no else 1), recipe.total_tokens)
+                                                      replicas if round_no else 1), recipe.total_tokens)
             for first in range(replicas):
                 path = [first] + [int(torch.randint(replicas, (1,), generator=wiring)) for _ in range(stages - 1)]
                 pipeline = [hosted[r][s] for s, r in enumerate(path)]

@@ -10,7 +10,7 @@ import math
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, Optional, Sequence
 
-from swarm.config import Recipe, RecipeError, recipe_from_json
+from swarm.config import MAX_RECIPE_JSON, Recipe, RecipeError, recipe_from_json
 from swarm.dht.validation import KeyRule, subkey_owner
 from swarm.words import shown
 
@@ -28,7 +28,7 @@ MAX_TOKENS_PER_S = 1e12
 MAX_BANDWIDTH = 1e13  # bytes/s
 MAX_MEMORY = 1 << 50  # bytes
 # Lifetimes and sizes every node enforces when it stores or receives these records (validation.KeyRule).
-RECIPE_RULE = KeyRule(max_ttl=3600.0, max_bytes=256 << 10)
+RECIPE_RULE = KeyRule(max_ttl=3600.0, max_bytes=MAX_RECIPE_JSON)
 PEER_RECORD_RULE = KeyRule(max_ttl=600.0, max_bytes=8 << 10)
 DATA_HOLDER_RULE = KeyRule(max_ttl=600.0, max_bytes=1 << 10)
 

@@ -269,7 +269,7 @@ class Peer:
         """One inner AdamW step, with its metrics; False if the loss was not finite (the round then restarts)."""
         r = self.recipe
         lr = learning_rate(self.inner, schedule_tokens(self.diloco.tokens_seen, self.rounds.tokens_in_round,
-                                                    self.last_group_size), r.total_tokens)
+                                                       self.last_group_size), r.total_tokens)
         if self.faults.local("diverge", self.rounds.counting_round(self.diloco.round)):
             with torch.no_grad():
                 self.diloco.local_params[0].fill_(float("nan"))  # as if the optimizer blew up
