@@ -102,7 +102,9 @@ def test_hostile_writes_leave_records_and_recipe_intact(swarm):
                 (RECIPE_KEY, fake_recipe, bootstrap_subkey),  # the owner's recipe entry
                 (RECIPE_KEY, fake_recipe, None),  # a plain value over the whole recipe key
                 (RECIPE_KEY, fake_recipe, owned_subkey(bootstrap_id, attacker_public)),
-                (RECIPE_KEY, fake_recipe, attacker_identity.owned_subkey),  # its own entry: allowed, not trusted
+                # its own entry: allowed, not trusted; JSON nested deeper than Python's parser goes, which raised
+                # RecursionError out of every peer's recipe fetch (join, status) before
+                (RECIPE_KEY, {"json": "[" * 5000 + "]" * 5000, "digest": ""}, attacker_identity.owned_subkey),
             ]
             for write_key, value, subkey in writes:
                 attacker.store(write_key, value, later, subkey=subkey)
@@ -119,6 +121,8 @@ def test_hostile_writes_leave_records_and_recipe_intact(swarm):
             record = by_id(after)[victim_id]
             assert record["state"] in ONLINE_STATES and record["device_name"] == genuine["device_name"] != "HIJACKED"
             assert record["round"] < 999
+            late = swarm.peer(maddr, name="late")  # a peer that joins now follows the owner's recipe
+            assert late.wait_for(r"run tiny-test \(recipe (\w+)\)", 90).group(1) == before["recipe_digest"][:12]
         finally:
             if attacker is not None:
                 attacker.shutdown()
