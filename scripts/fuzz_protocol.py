@@ -1132,6 +1132,8 @@ def stage_answer_others(seed: dict, tensor: str = "<gradient>") -> Iterator[tupl
     yield "inconsistent", "error", {"error": "busy: 8 microbatches are here already; try another peer"}, False
     yield "inconsistent", "error", {**seed, "error": "x"}, False
     yield "inconsistent", "error", {**seed, "error": None}, False
+    # an error that is a list nested 1,000 deep (msgpack a peer writes by hand: packb stops at 511 levels)
+    yield "nested", "error", Variant(raw=b"\x81\xa5error" + b"\x91" * 1000 + b"\xc0"), False
     yield from _raw_frames(PIPE_HEADER_BYTES)
 
 

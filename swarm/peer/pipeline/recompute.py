@@ -35,7 +35,8 @@ from swarm.dht.frames import recv_frame, send_frame
 from swarm.dht.node import SwarmNode
 from swarm.peer.pipeline.integrity import (ACTIVATIONS, EXCLUDE_SECONDS, PROBATION, Answer, AnswerCheck, Verdict,
                                            decide, microbatch_id, tally)
-from swarm.peer.pipeline.routing import BUSY, HEADER_BYTES, payload_bound, round_number, size_problem, token_ids
+from swarm.peer.pipeline.routing import (BUSY, HEADER_BYTES, payload_bound, refused_with, round_number, size_problem,
+                                         token_ids)
 from swarm.peer.pipeline.worker import PipelineError, StageWorker
 from swarm.words import shown
 
@@ -63,9 +64,9 @@ async def ask_recompute(node: SwarmNode, peer: str, protocol: str, inputs: torch
             await send_frame(writer, msgpack.packb({"shape": [b, t], "codec": codec}))
             await send_frame(writer, inputs.to("cpu", torch.int32).contiguous().numpy().tobytes())
             answer = msgpack.unpackb(await recv_frame(reader, HEADER_BYTES))
-            if not isinstance(answer, dict) or "error" in answer:
-                raise PipelineError(f"first-stage peer {peer[-8:]} did not compute the microbatch again: "
-                                    f"{answer.get('error') if isinstance(answer, dict) else shown(answer)}")
+            refusal = refused_with(answer)
+            if refusal is not None:
+                raise PipelineError(f"first-stage peer {peer[-8:]} did not compute the microbatch again: {refusal}")
             round_no = answer.get("round")
             if round_no is not None and not round_number(round_no):
                 raise PipelineError(f"first-stage peer {peer[-8:]} answered a round of {shown(round_no)}")

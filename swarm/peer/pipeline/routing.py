@@ -97,11 +97,11 @@ async def call_stage(node: SwarmNode, peer: str, protocol: str, x: torch.Tensor,
             await send_frame(writer, ids)
             meter.sent += len(payload) + len(ids)
             answer = msgpack.unpackb(await recv_frame(reader, HEADER_BYTES))
-            if isinstance(answer, dict) and str(answer.get("error", "")).startswith(BUSY):
-                raise StageBusy(f"stage peer {peer[-8:]} refused the microbatch: {answer['error']}")
-            if not isinstance(answer, dict) or "error" in answer:
-                raise PipelineError(f"stage peer {peer[-8:]} refused the microbatch: "
-                                    f"{answer.get('error') if isinstance(answer, dict) else shown(answer)}")
+            refusal = refused_with(answer)
+            if refusal is not None and refusal.startswith(BUSY):
+                raise StageBusy(f"stage peer {peer[-8:]} refused the microbatch: {refusal}")
+            if refusal is not None:
+                raise PipelineError(f"stage peer {peer[-8:]} refused the microbatch: {refusal}")
             loss, round_no = answer.get("loss"), answer.get("round")
             if not isinstance(loss, float) or not np.isfinite(loss) or loss < 0:  # (a cross-entropy)
                 raise PipelineError(f"stage peer {peer[-8:]} answered a loss of {shown(loss)}")
@@ -131,6 +131,16 @@ def _submitter(loop: "asyncio.AbstractEventLoop | LoopThread") -> Callable[[Awai
 def payload_bound(values: int) -> int:
     """The largest payload a codec makes of `values` floats: fp32 and a header."""
     return 4 * values + 4096
+
+
+def refused_with(answer: object) -> Optional[str]:
+    """What a stage peer's answer header says when it refuses: its `error` text as it is (a header is at most
+    HEADER_BYTES), or else what it sent quoted within bounds (words.shown: an error of nested lists is no text);
+    None if it does not refuse."""
+    if isinstance(answer, dict) and "error" not in answer:
+        return None
+    said = answer.get("error") if isinstance(answer, dict) else answer
+    return said if isinstance(said, str) else shown(said)
 
 
 def round_number(value: object) -> bool:
