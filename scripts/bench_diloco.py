@@ -217,8 +217,8 @@ def main() -> None:
               lambda: simulate_diloco(streaming, data, shards, rounds, h, "none")),
         # SparseLoCo: the sparse codec, its decayed error feedback in place of outer momentum
         "m": (f"SparseLoCo M={m} H={h} {args.sparse_per_chunk}/4096",
-              lambda: simulate_diloco(sparse, data, shards, rounds, h, "sparse", codec=sparse_codec(
-                  args.sparse_per_chunk, args.sparse_values))),
+              lambda: simulate_diloco(sparse, data, shards, rounds, h,
+                                      codec=sparse_codec(args.sparse_per_chunk, args.sparse_values))),
     }
     chosen = args.only.split(",") if args.only else list(configs)
     rows = []

@@ -53,11 +53,10 @@ def _through_reducers(codec, average: torch.Tensor, members: int) -> tuple[torch
 def simulate_diloco(recipe: Recipe, data: RunData, shards: list[int], rounds: int, inner_steps: int,
                     codec_name: Optional[str] = None, device: str = "cpu",
                     overlap_delay: Optional[int] = None, aggregator_name: Optional[str] = None,
-                    codec_options: Optional[dict] = None, codec: Optional[Codec] = None) -> SimulationResult:
+                    codec: Optional[Codec] = None) -> SimulationResult:
     """M = len(shards) workers, each `inner_steps` AdamW steps on its shard per round, then the token-weighted
     aggregate (the recipe's `averaging.aggregator`, or `aggregator_name`, chunk by chunk as reducers do) of their
-    pseudo-gradients (through `codec_name`, configured with `codec_options`, or `codec` itself, with error
-    feedback) and the outer step.
+    pseudo-gradients (through `codec_name`'s codec, or `codec` itself, with error feedback) and the outer step.
 
     With `overlap_delay` = d (outer.overlap, as the peers run it): workers never wait for the average; round t's
     average arrives d inner steps into round t+1 and is applied then, each worker keeping the progress it made
@@ -70,7 +69,7 @@ def simulate_diloco(recipe: Recipe, data: RunData, shards: list[int], rounds: in
     fragments = recipe.outer.fragments
     if fragments > 1 and (overlap_delay is not None or inner_steps < fragments):
         raise ValueError("fragments take no overlap_delay here, and at least as many inner_steps as they are")
-    codec = codec or get_codec(codec_name or recipe.averaging.codec, **(codec_options or {}))
+    codec = codec or get_codec(codec_name or recipe.averaging.codec)
     workers = [build_model(recipe.model, data.vocab_size).to(device) for _ in shards]
     inner = inner_for(recipe.inner, workers[0])  # (its lr, where the recipe leaves it to the width)
     diloco = DiLoCo(workers[0], recipe.outer)  # global params + outer optimizer; worker 0's model is its local

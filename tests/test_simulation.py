@@ -164,7 +164,7 @@ def test_a_one_stage_pipeline_is_diloco_and_two_stages_learn_with_every_replica_
 def test_bench_diloco_exact_sparse_ablation_keeps_the_codecs_positions_and_bytes(cache_dir):
     """bench_diloco.py --sparse-values exact (an ablation) sends exactly the entries the sparse codec keeps, with
     their own values, in the codec's own payloads; and simulate_diloco given a codec runs it as it runs the named one
-    (the same params as codec_name with the same options)."""
+    (the same params as codec_name with the same codec)."""
     sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
     try:
         from bench_diloco import ExactSparse, sparse_codec
@@ -181,10 +181,9 @@ def test_bench_diloco_exact_sparse_ablation_keeps_the_codecs_positions_and_bytes
 
     recipe = load_recipe(RECIPE)
     data = _data(recipe, cache_dir)
-    named = simulate_diloco(recipe, data, shards=[0, 1], rounds=1, inner_steps=2, codec_name="sparse",
-                            codec_options={"per_chunk": 16})
-    given = simulate_diloco(recipe, data, shards=[0, 1], rounds=1, inner_steps=2, codec=sparse_codec(16, "2bit"))
+    named = simulate_diloco(recipe, data, shards=[0, 1], rounds=1, inner_steps=2, codec_name="sparse")
+    given = simulate_diloco(recipe, data, shards=[0, 1], rounds=1, inner_steps=2, codec=sparse_codec(64, "2bit"))
     assert all(torch.equal(a, b) for a, b in zip(named.global_params, given.global_params))
-    exact = simulate_diloco(recipe, data, shards=[0, 1], rounds=1, inner_steps=2, codec=codec)
+    exact = simulate_diloco(recipe, data, shards=[0, 1], rounds=1, inner_steps=2, codec=sparse_codec(64, "exact"))
     assert exact.bytes_per_worker == given.bytes_per_worker
     assert not all(torch.equal(a, b) for a, b in zip(exact.global_params, given.global_params))
