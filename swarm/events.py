@@ -9,8 +9,8 @@ replay|download, reason, replayed, bytes) · sync_failed(error, moved_on, reason
 training(round, overlap, client) · no_group(round, attempt) · averaging_failed(round, attempt, reason, suspects,
 rejected) · bad_peer(peer_id, reason) · averaged(round, group_size, swarm_size, mix, ring, members, seconds,
 bytes_sent, total_weight, val_loss, loss, digest) · recovered(round, reason) · checkpoint(round, path) ·
-fault(kind, phase, round) · pipeline(stage, microbatches, taken, trained, pending, retries, busy, wall, span,
-wire_bytes, tokens; a stage peer, as it stops) · stopped(streams_direct, streams_fallback; forced when the stop
+fault(kind, phase, round) · pipeline(stage, microbatches, taken, trained, pending, retries, refreshed, busy, wall,
+span, wire_bytes, tokens; a stage peer, as it stops) · stopped(streams_direct, streams_fallback; forced when the stop
 deadline ran out).
 Bootstrap: listening(peer_id, maddrs, run_id, metrics_port) · stopped.
 """

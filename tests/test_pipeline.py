@@ -248,6 +248,87 @@ def test_stages_on_a_gpu_hop_stream_and_validate_as_one_process_does(p2p_network
     assert worker.microbatches == 1 + 8 and server.worker.microbatches == 1 + 8, "each microbatch trained once"
 
 
+def test_a_microbatch_kept_across_an_outer_step_is_computed_again_on_the_new_params(pipeline):
+    """A microbatch the next stage took nowhere, kept while an outer step moved the stage's params (our round
+    changed), goes again computed on the params as they are then, not the old stash's: the stage after the first
+    compares activations with what the other first-stage peers compute now, and a first round moves the params
+    so far that the old ones never agree (CI saw an honest first-stage peer stall for the rest of its run). The
+    batch's step gathers the gradients of both stashes, and every microbatch is trained once."""
+    from torch.func import functional_call
+    from swarm.peer.pipeline.microbatches import MicrobatchStream
+    loop, worker, router, servers, alive = pipeline
+    served = sorted(servers)[1]
+    alive.discard(sorted(servers)[0])
+    server = servers[served][1]
+    received, original = [], server.execute
+
+    async def recording(x, targets, scale, accept=None):
+        received.append(x.clone())
+        return await original(x, targets, scale, accept)
+
+    server.execute = recording
+    stream = MicrobatchStream(worker, router.send(loop.loop), parts=2, window=2)
+    rounds = [0]
+    stream.round = lambda: rounds[0]
+    data = [torch.randint(0, VOCAB, (4, 9), generator=torch.Generator().manual_seed(seed)) for seed in range(6)]
+    batches = iter(data)
+    stream.step(lambda: next(batches))  # batch 0 stepped on, batch 1's microbatches in flight
+    alive.clear()
+    with pytest.raises(PipelineError, match="no peer of the next stage"):
+        for _ in range(2):  # (batch 1's, in flight, may still come back)
+            stream.step(lambda: next(batches))
+    kept = stream.unsent[0]
+    old = {name: p.detach().clone() for name, p in worker.stage.named_parameters()}
+    with worker.lock, torch.no_grad():  # an outer step: the params move, and our round with them
+        for param in worker.stage.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=torch.Generator().manual_seed(param.numel())))
+    new = {name: p.detach().clone() for name, p in worker.stage.named_parameters()}
+    rounds[0] = 1
+    received.clear()
+    alive.add(served)
+    stream.step(lambda: next(batches))
+    stream.settle()
+    tokens = kept.batch.x.chunk(kept.batch.parts)[kept.index]  # the microbatch sent when nobody took it
+    with torch.no_grad():
+        on_new, on_old = functional_call(worker.stage, new, (tokens,)), functional_call(worker.stage, old, (tokens,))
+    torch.testing.assert_close(received[0], on_new, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(received[0], on_old, atol=1e-3), "it went again on the old stash's params"
+    assert stream.refreshed >= 1
+    assert stream.pending == 0 and stream.taken == stream.trained
+    assert worker.microbatches == server.worker.microbatches == 2 * stream.taken, "each microbatch trained once"
+    assert all(torch.isfinite(p).all() for p in worker.stage.parameters())
+
+
+def test_activations_refused_as_disputed_leave_the_refuser_in_the_wiring_unless_another_takes_them():
+    """A refusal of our activations because no two first-stage peers agreed on them (recompute.py) is a verdict on
+    what we sent, not the refuser's fault: with every peer of the next stage refusing them, none is left out of the
+    wiring (the kept microbatch goes again a second later; left out for RETRY_AFTER, they starved an honest first
+    stage of every hop, its validation too). A peer that refused what another then took is left out as for any
+    failed hop."""
+    import asyncio
+    from swarm.peer.pipeline.routing import DISPUTED, ActivationsDisputed, NoPeerTook
+
+    class Disputed(Router):
+        takes: set = set()
+
+        async def _ask(self, peer, x, targets, scale, evaluate=False):
+            if peer not in self.takes:
+                raise ActivationsDisputed(f"stage peer {peer} refused the microbatch: {DISPUTED} on them (...)")
+            return torch.zeros_like(x), 1.0, None
+
+    router = Disputed(None, "stage", lambda: [("a", 1.0), ("b", 1.0)], seed=0)
+    x, targets = torch.ones(1, 2, 4), torch.zeros(1, 2, dtype=torch.long)
+    with pytest.raises(NoPeerTook, match="tried 2"):
+        asyncio.run(router.forward(x, targets))
+    assert router.failed == {} and router.choose(set()) is not None, "both still in the wiring"
+    router.takes = {"b"}
+    for _ in range(10):  # until "a" was asked first once
+        asyncio.run(router.forward(x, targets))
+        if router.failed:
+            break
+    assert router.failed.keys() == {"a"} and router.choose(set()) == "b"
+
+
 def test_the_wiring_feeds_both_peers_and_a_dead_peer_costs_retries_not_microbatches(pipeline):
     loop, worker, router, servers, alive = pipeline
     losses = [_run(loop, worker, router, _batch(seed)) for seed in range(10)]

@@ -11,6 +11,10 @@ weights take the optimizer steps; at most two batches, so two copies of the weig
 window of more than `parts` microbatches, for a pipeline of more stages than that, fills only while the next batch
 is the second in flight).
 A microbatch the next stage did not take is kept and sent again; none is lost and none is trained twice here.
+One kept across an outer step (or a sync) is computed again on the params as they are then, with the rest of its
+batch (`_fresh`): the next stage holds a first stage's activations to what its other peers compute now
+(recompute.py), and a round's outer step moves the params far enough, in the first rounds above all, that the old
+activations could never agree again (an honest first-stage peer once stalled on one for the rest of its run).
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ class _Batch:
     rows: torch.Tensor  # its whole rows (inputs and targets, on the CPU), which travel with the activations
     parts: int
     weights: dict[str, torch.Tensor]  # the stage's weights when its first microbatch went: its forwards use these
+    round: Optional[int] = None  # our stage's round when they were taken (MicrobatchStream.round)
+    older: list = field(default_factory=list)  # stashes it used before an outer step: their gradients count too
     sent: int = 0
     back: int = 0  # microbatches whose gradient came back and was backpropagated
     loss: float = 0.0
@@ -50,6 +56,7 @@ class _Hop:
     batch: _Batch
     index: int
     out: torch.Tensor  # our stage's output for it, with the graph its gradient is backpropagated through
+    weights: dict[str, torch.Tensor]  # the stash `out` was computed on
     future: Optional[concurrent.futures.Future] = field(default=None)
 
 
@@ -67,6 +74,8 @@ class MicrobatchStream:
         self.unsent: deque[_Hop] = deque()  # the next stage took them nowhere: sent again first
         self.batches: deque[_Batch] = deque()  # taken, not yet stepped on, oldest first
         self.taken = self.trained = 0  # batches taken from the data, and stepped on
+        self.round: Optional[Callable[[], int]] = None  # our stage's round (Part.follow); None: never moves
+        self.refreshed = 0  # microbatches computed again on new params after an outer step (`_fresh`)
 
     @property
     def pending(self) -> int:
@@ -102,7 +111,9 @@ class MicrobatchStream:
     def _top_up(self, next_batch: Optional[Callable[[], torch.Tensor]]) -> None:
         while len(self.flight) < self.window:
             if self.unsent:
-                self._send(self.unsent.popleft())
+                hop = self.unsent.popleft()
+                self._fresh(hop.batch, hop)
+                self._send(hop)
                 continue
             batch = self.batches[-1] if self.batches and self.batches[-1].sent < self.batches[-1].parts else None
             if batch is None:
@@ -112,15 +123,35 @@ class MicrobatchStream:
                 self.taken += 1
                 # (the token ids where the stage computes; the targets travel to the next stage from the CPU)
                 batch = _Batch(tokens[:, :-1].to(self.worker.device), tokens[:, 1:].cpu(), tokens.cpu(),
-                               min(self.parts, tokens.shape[0]), self.worker.stash())
+                               min(self.parts, tokens.shape[0]), self.worker.stash(), self._round())
                 self.batches.append(batch)
+            self._fresh(batch)
             index = batch.sent
             batch.sent += 1
-            with self.worker.lock:
-                started = time.perf_counter()
-                out = functional_call(self.worker.stage, batch.weights, (batch.x.chunk(batch.parts)[index],))
-                self.worker.computed(started)
-            self._send(_Hop(batch, index, out))
+            self._send(_Hop(batch, index, self._forward(batch, index), batch.weights))
+
+    def _round(self) -> Optional[int]:
+        return None if self.round is None else self.round()
+
+    def _forward(self, batch: _Batch, index: int) -> torch.Tensor:
+        with self.worker.lock:
+            started = time.perf_counter()
+            out = functional_call(self.worker.stage, batch.weights, (batch.x.chunk(batch.parts)[index],))
+            self.worker.computed(started)
+        return out
+
+    def _fresh(self, batch: _Batch, hop: Optional[_Hop] = None) -> None:
+        """If our round moved since `batch` took its weights (an outer step or a sync changed the params), its
+        forwards from now on use the params as they are (a new stash; the gradients gathered in the old one, of its
+        microbatches already back or still in flight, are added at its step), and `hop`, one to send again, is
+        computed again on them."""
+        now = self._round()
+        if now is not None and batch.round is not None and now != batch.round:
+            batch.older.append(batch.weights)
+            batch.weights, batch.round = self.worker.stash(), now
+        if hop is not None and hop.weights is not batch.weights:
+            hop.out, hop.weights = self._forward(batch, hop.index), batch.weights
+            self.refreshed += 1
 
     def _send(self, hop: _Hop) -> None:
         rows = hop.batch.x.chunk(hop.batch.parts)
@@ -163,10 +194,21 @@ class MicrobatchStream:
             if done:
                 self.batches = deque(b for b in self.batches if b is not batch)
                 self.trained += 1
-                self.worker.apply_stashed(batch.weights)
+                self.worker.apply_stashed(_gathered(batch))
                 self.worker.tokens += batch.targets.numel()
             self.worker.computed(started)
         return batch if done else None
+
+
+def _gathered(batch: _Batch) -> dict[str, torch.Tensor]:
+    """`batch`'s stash, holding the gradients gathered in the stashes it used before (`MicrobatchStream._fresh`)."""
+    for older in batch.older:
+        for name, weight in batch.weights.items():
+            grad = older[name].grad
+            if grad is not None:
+                weight.grad = grad if weight.grad is None else weight.grad + grad
+    batch.older.clear()
+    return batch.weights
 
 
 def together(finished: list[tuple[float, int]]) -> tuple[Optional[float], int, int]:

@@ -194,9 +194,9 @@ class Part:
                                                        server.handle), timeout=30)
 
     def follow(self, round_no: Callable[[], int]) -> None:
-        """Give our server, router and recompute server our stage's round (read on the event loop): our answers and
-        training microbatches say it (so the next stage holds them to what we sent in that round)."""
-        for part in (self.server, self.router, self.recompute):
+        """Give our server, router, recompute server and stream our stage's round: our answers and training
+        microbatches say it (the next stage holds them to that round), and the stream recomputes one kept across it."""
+        for part in (self.server, self.router, self.recompute, self.stream):
             if part is not None:
                 part.round = round_no
 
@@ -403,8 +403,8 @@ class Part:
             self.relay.settle(self.router.timeout)
         if self.work is not None:
             self.work.close()
-        taken, trained, pending = (self.stream.taken, self.stream.trained, self.stream.pending) if self.stream \
-            else (0, 0, 0)
+        taken, trained, pending, refreshed = (self.stream.taken, self.stream.trained, self.stream.pending,
+                                              self.stream.refreshed) if self.stream else (0, 0, 0, 0)
         retries = self.router.retries if self.router is not None else 0
         wall = time.monotonic() - self.started
         meters = [part.meter for part in (self.router, self.server) if part is not None]
@@ -417,11 +417,11 @@ class Part:
                     "token", self.index, 100 * self.worker.busy / max(wall, 1e-9), wall,
                     100 * self.worker.busy / max(span, 1e-9), span, wire / max(self.worker.tokens, 1))
         logger.info("pipeline: stage %d trained %d microbatches (%d batches of %d taken from our data, %d pending), "
-                    "%d hops retried, at most %d microbatches in flight", self.index, self.worker.microbatches,
-                    trained, taken, pending, retries,
+                    "%d hops retried (%d computed again after a round), at most %d microbatches in flight",
+                    self.index, self.worker.microbatches, trained, taken, pending, retries, refreshed,
                     self.router.most_in_flight if self.router is not None else 0)
         events.emit("pipeline", stage=self.index, microbatches=self.worker.microbatches, taken=taken,
-                    trained=trained, pending=pending, retries=retries,
+                    trained=trained, pending=pending, retries=retries, refreshed=refreshed,
                     busy=self.worker.busy, wall=wall, span=span, wire_bytes=wire, tokens=self.worker.tokens)
 
     def drain(self, stop: threading.Event) -> None:

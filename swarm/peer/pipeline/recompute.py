@@ -35,8 +35,8 @@ from swarm.dht.frames import recv_frame, send_frame
 from swarm.dht.node import SwarmNode
 from swarm.peer.pipeline.integrity import (ACTIVATIONS, EXCLUDE_SECONDS, PROBATION, Answer, AnswerCheck, Verdict,
                                            decide, microbatch_id, tally)
-from swarm.peer.pipeline.routing import (BUSY, HEADER_BYTES, payload_bound, refused_with, round_number, size_problem,
-                                         token_ids)
+from swarm.peer.pipeline.routing import (BUSY, DISPUTED, HEADER_BYTES, payload_bound, refused_with, round_number,
+                                         size_problem, token_ids)
 from swarm.peer.pipeline.worker import PipelineError, StageWorker
 from swarm.words import shown
 
@@ -257,7 +257,7 @@ class Recheck:
             self.disputed += 1
             logger.info("pipeline: no two first-stage peers agree on the activations of microbatch %s, nothing "
                         "applied: %s", microbatch, verdict.evidence)
-            return f"activations refused: no two first-stage peers agree on them ({verdict.evidence})"
+            return f"{DISPUTED} on them ({verdict.evidence})"
         return f"activations refused: outvoted on microbatch {microbatch}: {verdict.evidence}"
 
     def _leave_out(self, peer: str, why: str) -> None:

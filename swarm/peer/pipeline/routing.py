@@ -39,6 +39,7 @@ from swarm.words import shown
 
 logger = logging.getLogger(__name__)
 BUSY = "busy"  # how a stage server's refusal for a full queue starts (swarm.peer.pipeline.server)
+DISPUTED = "activations refused: no two first-stage peers agree"  # how a refusal of disputed activations starts
 
 
 class StageBusy(PipelineError):
@@ -51,6 +52,13 @@ class NoPeerTook(PipelineError):
     middle peer is not at fault for the stage after it (a stage whose peers it has not found yet, or all left), so
     the sender tries it again next time rather than leaving it out (a start-up race once cost a 4-stage pipeline
     30 s: each stage in turn left out the one after it)."""
+
+
+class ActivationsDisputed(PipelineError):
+    """The stage after the first refused our activations because no two first-stage peers agreed on them
+    (recompute.py): a verdict on what we sent (activations of params a round old, as a first round moves them
+    far), not a fault of the peer that refused. It counts against that peer only if another takes the same
+    microbatch (Router.forward)."""
 
 
 class AnswerRefused(PipelineError):
@@ -100,6 +108,8 @@ async def call_stage(node: SwarmNode, peer: str, protocol: str, x: torch.Tensor,
             refusal = refused_with(answer)
             if refusal is not None and refusal.startswith(BUSY):
                 raise StageBusy(f"stage peer {peer[-8:]} refused the microbatch: {refusal}")
+            if refusal is not None and refusal.startswith(DISPUTED):
+                raise ActivationsDisputed(f"stage peer {peer[-8:]} refused the microbatch: {refusal}")
             if refusal is not None:
                 raise PipelineError(f"stage peer {peer[-8:]} refused the microbatch: {refusal}")
             loss, round_no = answer.get("loss"), answer.get("round")
@@ -260,6 +270,7 @@ class Router:
         if self.garbage and not evaluate:
             noise = torch.randn(x.shape, dtype=torch.float32)
             x = (noise * (float(x.detach().float().norm()) / float(noise.norm().clamp_min(1e-30)))).to(x)
+        disputed: list[str] = []  # peers that refused these activations as disputed
         for _ in range(self.attempts):
             peer = self.choose(tried)
             if peer is None:
@@ -271,7 +282,10 @@ class Router:
                 last_error = e
                 self.retries += 1
                 self._failed(peer, e)
+                disputed += [peer] if isinstance(e, ActivationsDisputed) else []
                 continue
+            for other in disputed:  # another took what they refused: a refusal like any other failed hop
+                self.failed[other] = time.monotonic()
             if evaluate:
                 return None, loss
             self.sent_to[peer] += 1
@@ -307,8 +321,9 @@ class Router:
 
     def _failed(self, peer: str, error: BaseException) -> None:
         """Bookkeeping of a hop to `peer` that failed: left out RETRY_AFTER s, unless its queue was full (no fault:
-        tried again next time) or `check` refused its answer (logged with its numbers already)."""
-        if not isinstance(error, (StageBusy, AnswerRefused)):
+        tried again next time), it refused our activations as disputed (see forward) or `check` refused its answer
+        (logged with its numbers already)."""
+        if not isinstance(error, (StageBusy, AnswerRefused, ActivationsDisputed)):
             self.failed[peer] = time.monotonic()
         if isinstance(error, AnswerRefused):
             return
