@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from swarm.config import _Section
 
@@ -92,6 +92,17 @@ class PeerSettings(_Section):
         json_schema_extra={"metavar": "MADDR"},
         description="multiaddr(s) printed by `swarm-peer bootstrap` (/ip4/.../tcp/.../p2p/<id>)")
     network: NetworkSettings = NetworkSettings()
+
+    @field_validator("initial_peers")
+    @classmethod
+    def _with_peer_ids(cls, maddrs: tuple[str, ...]) -> tuple[str, ...]:
+        """An address copied without its peer id fails here at once, not after the start-up checks (`doctor` says
+        the same of any other malformed one)."""
+        for maddr in maddrs:
+            if "/p2p/" not in maddr:
+                raise ValueError(f"{maddr} has no /p2p/<peer id> part: copy the full multiaddr that `swarm-peer "
+                                 "bootstrap` printed")
+        return maddrs
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where to train: auto uses CUDA with bf16 autocast when available (default auto)")
     num_threads: Optional[int] = Field(
