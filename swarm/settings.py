@@ -92,17 +92,6 @@ class PeerSettings(_Section):
         json_schema_extra={"metavar": "MADDR"},
         description="multiaddr(s) printed by `swarm-peer bootstrap` (/ip4/.../tcp/.../p2p/<id>)")
     network: NetworkSettings = NetworkSettings()
-
-    @field_validator("initial_peers")
-    @classmethod
-    def _with_peer_ids(cls, maddrs: tuple[str, ...]) -> tuple[str, ...]:
-        """An address copied without its peer id fails here at once, not after the start-up checks (`doctor` says
-        the same of any other malformed one)."""
-        for maddr in maddrs:
-            if "/p2p/" not in maddr:
-                raise ValueError(f"{maddr} has no /p2p/<peer id> part: copy the full multiaddr that `swarm-peer "
-                                 "bootstrap` printed")
-        return maddrs
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where to train: auto uses CUDA with bf16 autocast when available (default auto)")
     num_threads: Optional[int] = Field(
@@ -178,6 +167,17 @@ class PeerSettings(_Section):
                     "noise of its activations' norm (garbage-act, a first stage), or break its own "
                     "training once (diverge: NaN params; explode: an absurd pseudo-gradient), or compute 4x "
                     "slower from that round on (slow: a weaker device, for rebalancing drills)")
+
+    @field_validator("initial_peers")
+    @classmethod
+    def _with_peer_ids(cls, maddrs: tuple[str, ...]) -> tuple[str, ...]:
+        """An address copied without its peer id fails here at once, not after the start-up checks (`doctor` says
+        the same of any other malformed one)."""
+        for maddr in maddrs:
+            if "/p2p/" not in maddr:
+                raise ValueError(f"{maddr} has no /p2p/<peer id> part: copy the full multiaddr that `swarm-peer "
+                                 "bootstrap` printed")
+        return maddrs
 
 
 class BootstrapSettings(_Section):

@@ -282,7 +282,8 @@ class Router:
                 last_error = e
                 self.retries += 1
                 self._failed(peer, e)
-                disputed += [peer] if isinstance(e, ActivationsDisputed) else []
+                if isinstance(e, ActivationsDisputed):
+                    disputed.append(peer)
                 continue
             for other in disputed:  # another took what they refused: a refusal like any other failed hop
                 self.failed[other] = time.monotonic()
