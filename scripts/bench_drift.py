@@ -29,6 +29,7 @@ from swarm.config import load_recipe  # noqa: E402
 from swarm.data.prepare import prepare_run_data  # noqa: E402
 from swarm.model.build import build_model  # noqa: E402
 from swarm.model.stages import even_bounds, make_stages  # noqa: E402
+from swarm.peer.training import inner_for  # noqa: E402
 
 RECIPE = Path(__file__).resolve().parents[1] / "tests" / "recipes" / "stages.yaml"
 PAIRS = ((0, 64), (64, 64), (0, 300), (300, 300), (10, 300))  # steps each copy takes from the common point
@@ -50,10 +51,10 @@ def main() -> None:
     stages = make_stages(model, even_bounds(len(model.model.layers), 2))
     probe = data.train.windows(torch.arange(4))[:, :-1]
     n = probe.numel() * recipe.model.hidden_size
+    lr = inner_for(recipe.inner, model).lr  # (the peer's lr for this model)
 
     def train(pair, steps: int, seed: int):
         first, last = copy.deepcopy(pair[0]), copy.deepcopy(pair[1])
-        lr = recipe.inner.peak_lr(recipe.model.hidden_size)
         optimizer = torch.optim.AdamW([*first.parameters(), *last.parameters()], lr=lr)
         generator = torch.Generator().manual_seed(seed)
         for _ in range(steps):

@@ -106,12 +106,10 @@ async def call_stage(node: SwarmNode, peer: str, protocol: str, x: torch.Tensor,
             meter.sent += len(payload) + len(ids)
             answer = msgpack.unpackb(await recv_frame(reader, HEADER_BYTES))
             refusal = refused_with(answer)
-            if refusal is not None and refusal.startswith(BUSY):
-                raise StageBusy(f"stage peer {peer[-8:]} refused the microbatch: {refusal}")
-            if refusal is not None and refusal.startswith(DISPUTED):
-                raise ActivationsDisputed(f"stage peer {peer[-8:]} refused the microbatch: {refusal}")
             if refusal is not None:
-                raise PipelineError(f"stage peer {peer[-8:]} refused the microbatch: {refusal}")
+                kind = StageBusy if refusal.startswith(BUSY) else \
+                    ActivationsDisputed if refusal.startswith(DISPUTED) else PipelineError
+                raise kind(f"stage peer {peer[-8:]} refused the microbatch: {refusal}")
             loss, round_no = answer.get("loss"), answer.get("round")
             if not isinstance(loss, float) or not np.isfinite(loss) or loss < 0:  # (a cross-entropy)
                 raise PipelineError(f"stage peer {peer[-8:]} answered a loss of {shown(loss)}")
