@@ -152,17 +152,67 @@ def test_two_peers_train_a_gpt2_config_on_one_text_file_for_three_rounds(swarm):
 
 
 def test_recomputed_activations_give_the_same_training_bit_for_bit():
-    """--recompute-activations (gradient checkpointing, done by transformers' blocks) trades memory for compute
-    and nothing else: two inner steps of a whole model end at identical params."""
+    """--recompute-activations (gradient checkpointing, done by the blocks) trades memory for compute and nothing
+    else: two inner steps of a whole model end at identical params, and each block ran its forward again in the
+    backward pass."""
     from swarm.peer.training import inner_for, inner_step, make_inner_optimizer
 
     recipe = ModelRecipe(hidden_size=64, intermediate_size=172, num_layers=2, num_heads=4, max_seq_len=64)
     plain, recomputing = build_model(recipe, 512), build_model(recipe, 512, recompute=True)
-    assert recomputing.model.layers[0].gradient_checkpointing and not plain.model.layers[0].gradient_checkpointing
     batch = torch.randint(0, 512, (4, 33), generator=torch.Generator().manual_seed(0))
+    calls = {}
     for model in (plain, recomputing):
+        calls[id(model)] = []
+        model.model.layers[0].register_forward_pre_hook(lambda *_, into=calls[id(model)]: into.append(1))
         optimizer = make_inner_optimizer(model, inner_for(InnerRecipe(), model))
         for _ in range(2):
             inner_step(model, optimizer, batch, torch.device("cpu"), 1e-3, 1.0)
+    assert len(calls[id(plain)]) == 2 and len(calls[id(recomputing)]) == 4, calls
     assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), recomputing.parameters()))
     assert any(not torch.equal(a, b) for a, b in zip(plain.parameters(), build_model(recipe, 512).parameters()))
+
+
+@pytest.mark.parametrize("shape", [dict(hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4, seed=0),
+                                   dict(hidden_size=48, intermediate_size=128, num_layers=2, num_heads=3, seed=11)])
+def test_a_recipes_llama_is_transformers_llama_bit_for_bit(shape):
+    """A recipe's own fields build swarm.model.llama (no transformers import): the same parameter names, seeded
+    init, logits and gradients as transformers' LlamaForCausalLM of that config, with and without recomputed
+    activations, so figures, checkpoints and states carry over between the two."""
+    recipe = ModelRecipe(**shape, max_seq_len=32)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=recipe.hidden_size,
+                                      intermediate_size=recipe.intermediate_size, num_hidden_layers=recipe.num_layers,
+                                      num_attention_heads=recipe.num_heads, num_key_value_heads=recipe.num_heads,
+                                      max_position_embeddings=recipe.max_seq_len, tie_word_embeddings=False)
+    for recompute in (False, True):
+        ours = build_model(recipe, VOCAB, recompute=recompute)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(recipe.seed)
+            theirs = transformers.LlamaForCausalLM(config).float()
+        if recompute:
+            theirs.activation_checkpointing_enable({"use_reentrant": False})
+        assert type(ours).__module__ == "swarm.model.llama"
+        ours_state, theirs_state = ours.state_dict(), theirs.state_dict()
+        assert list(ours_state) == list(theirs_state)
+        assert all(torch.equal(ours_state[name], theirs_state[name]) for name in ours_state)
+        batch = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(5))
+        losses = [lm_loss(model, batch, torch.device("cpu")) for model in (ours, theirs)]
+        assert torch.equal(losses[0], losses[1])
+        for loss in losses:
+            loss.backward()
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(ours.parameters(), theirs.parameters(), strict=True))
+        with torch.no_grad():
+            one = torch.zeros((1, 1), dtype=torch.long)  # a single position: attention without its causal mask
+            assert torch.equal(ours(input_ids=one).logits, theirs(input_ids=one).logits)
+
+
+def test_a_recipes_llama_builds_without_importing_transformers():
+    """transformers' model code takes seconds and about 110 MB to import: a peer whose recipe gives the model's
+    fields (not a config.json) never loads it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from swarm.config import ModelRecipe; from swarm.model.build import build_model, block_map; "
+            "block_map(build_model(ModelRecipe(hidden_size=32, num_heads=2), 300, recompute=True)); "
+            "print(sorted(m for m in sys.modules if m.startswith('transformers.model')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr

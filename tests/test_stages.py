@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import transformers
 
 from swarm.compression import get_codec
+from swarm.model import llama
 from swarm.model.stages import Stage, StageError, WireStats, even_bounds, make_stages, materialize, run_pipeline
 
 VOCAB = 300
@@ -19,15 +20,22 @@ SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attentio
              tie_word_embeddings=False)
 CUTTABLE = {
     "llama": transformers.LlamaConfig(**SMALL),
+    "swarm-llama": llama.LlamaConfig(**{**SMALL, "max_position_embeddings": 64}),  # a recipe's own fields
     "gpt_neox": transformers.GPTNeoXConfig(**SMALL, max_position_embeddings=64),
     "mistral": transformers.MistralConfig(**SMALL, num_key_value_heads=1),
     "qwen2": transformers.Qwen2Config(**SMALL, num_key_value_heads=1),
 }
 
 
+def _build(config) -> torch.nn.Module:
+    if isinstance(config, llama.LlamaConfig):
+        return llama.LlamaForCausalLM(config)
+    return transformers.AutoModelForCausalLM.from_config(config).float()
+
+
 def _model(config) -> torch.nn.Module:
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config).float()
+    return _build(config)
 
 
 def test_even_bounds_cover_the_blocks_in_order():
@@ -94,7 +102,7 @@ def test_families_with_learned_positions_or_tied_heads_are_refused_with_one_line
 
 def _meta(config) -> torch.nn.Module:
     with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(config).float()
+        return _build(config)
 
 
 @pytest.mark.parametrize("family", sorted(CUTTABLE))

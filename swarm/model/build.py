@@ -1,8 +1,9 @@
 """Model construction and block addressing, apart from how the model is trained or distributed.
 
-Builds a causal LM from the recipe (Llama-style from its fields, or any family transformers builds from a local
-config.json; never downloads weights) with a seeded initialisation, so every peer of a fresh run starts from the
-same parameters; `block_map` finds its embeddings, decoder blocks and head whatever the family names them.
+Builds a causal LM from the recipe (Llama-style from its fields, swarm.model.llama, or any family transformers
+builds from a local config.json; never downloads weights) with a seeded initialisation, so every peer of a fresh run
+starts from the same parameters; `block_map` finds its embeddings, decoder blocks and head whatever the family names
+them. transformers is imported only for a config.json: its model code takes seconds to import.
 """
 
 from __future__ import annotations
@@ -11,18 +12,25 @@ import contextlib
 import hashlib
 from pathlib import Path
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PretrainedConfig
 
 from swarm.config import ModelRecipe, RecipeError
 from swarm.model.device import autocast
+from swarm.model.llama import LlamaConfig, LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
-def model_config(recipe: ModelRecipe, vocab_size: int) -> PretrainedConfig:
-    """The transformers config the recipe describes, with the tokenizer's vocabulary size."""
+def model_config(recipe: ModelRecipe, vocab_size: int) -> LlamaConfig | PretrainedConfig:
+    """The config the recipe describes, with the tokenizer's vocabulary size: swarm's Llama config from its fields,
+    or the transformers config its config_file holds."""
     if recipe.config_file:
+        from transformers import AutoConfig
+
         path = Path(recipe.config_file)
         if not path.is_file():
             raise RecipeError(f"model.config_file {path} does not exist: give a path to a transformers config.json")
@@ -32,23 +40,16 @@ def model_config(recipe: ModelRecipe, vocab_size: int) -> PretrainedConfig:
             raise RecipeError(f"model.config_file vocab_size {config.vocab_size} is smaller than the tokenizer's "
                               f"{vocab_size}")
         return config
-    return LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=recipe.hidden_size,
-        intermediate_size=recipe.intermediate_size,
-        num_hidden_layers=recipe.num_layers,
-        num_attention_heads=recipe.num_heads,
-        num_key_value_heads=recipe.num_heads,
-        max_position_embeddings=recipe.max_seq_len,
-        tie_word_embeddings=False,
-    )
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=recipe.hidden_size,
+                       intermediate_size=recipe.intermediate_size, num_hidden_layers=recipe.num_layers,
+                       num_attention_heads=recipe.num_heads, max_position_embeddings=recipe.max_seq_len)
 
 
 def build_model(recipe: ModelRecipe, vocab_size: int, meta: bool = False, recompute: bool = False) -> torch.nn.Module:
     """A freshly initialised model on the CPU in fp32; identical on every peer for the same recipe. With `meta`, on
     the meta device instead: shapes only, nothing allocated (a pipeline stage then allocates and initialises its own
     part alone, swarm.model.stages.materialize). `recompute`: each block keeps its input alone and recomputes the
-    rest in the backward pass (transformers' gradient checkpointing, done by the blocks themselves, so a pipeline
+    rest in the backward pass (gradient checkpointing, done by the blocks themselves, so a pipeline
     stage calling them does it too): the same gradients for less memory and more compute."""
     config = model_config(recipe, vocab_size)
     with torch.random.fork_rng(devices=[]), torch.device("meta") if meta else contextlib.nullcontext():
@@ -56,7 +57,12 @@ def build_model(recipe: ModelRecipe, vocab_size: int, meta: bool = False, recomp
         if isinstance(config, LlamaConfig):
             model = LlamaForCausalLM(config)
         else:
-            model = AutoModelForCausalLM.from_config(config)
+            import transformers
+
+            if isinstance(config, transformers.LlamaConfig):
+                model = transformers.LlamaForCausalLM(config)
+            else:
+                model = transformers.AutoModelForCausalLM.from_config(config)
     if recompute:
         model.config.use_cache = False  # (a cache is for generation; transformers warns of it under checkpointing)
         model.activation_checkpointing_enable({"use_reentrant": False})
