@@ -329,6 +329,26 @@ def test_activations_refused_as_disputed_leave_the_refuser_in_the_wiring_unless_
     assert router.failed.keys() == {"a"} and router.choose(set()) == "b"
 
 
+def test_a_first_stage_waiting_for_a_next_stage_peer_logs_the_wait_not_every_retry():
+    """It retries every second; its log gets the first failure, a line every 30 s while they go on, and one when a
+    peer takes a microbatch again, and starts over for the next wait."""
+    from swarm.peer.pipeline.worker import RetryLog
+
+    lines, now = [], [0.0]
+    retries = RetryLog(lambda text, *args: lines.append(text % args), every=30.0, clock=lambda: now[0])
+    retries.succeeded()
+    for _ in range(65):  # 65 s of retries, one a second
+        retries.failed(PipelineError("no peer of the next stage (tried 0)"))
+        now[0] += 1.0
+    retries.succeeded()
+    retries.failed("again")
+    assert lines == ["pipeline: no peer of the next stage (tried 0); trying again every second",
+                     "pipeline: no peer of the next stage (tried 0); still trying, for 30 s now",
+                     "pipeline: no peer of the next stage (tried 0); still trying, for 60 s now",
+                     "pipeline: the next stage takes our microbatches again, after 65 s",
+                     "pipeline: again; trying again every second"]
+
+
 def test_the_wiring_feeds_both_peers_and_a_dead_peer_costs_retries_not_microbatches(pipeline):
     loop, worker, router, servers, alive = pipeline
     losses = [_run(loop, worker, router, _batch(seed)) for seed in range(10)]

@@ -20,6 +20,7 @@ activations could never agree again (an honest first-stage peer once stalled on 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -29,7 +30,9 @@ from typing import Optional
 import torch
 from torch.func import functional_call
 
-from swarm.peer.pipeline.worker import PipelineError, StageWorker
+from swarm.peer.pipeline.worker import PipelineError, RetryLog, StageWorker
+
+logger = logging.getLogger(__name__)
 
 BATCHES = 2  # batches in flight at most, so copies of the weights held (a window over `parts` waits for a step)
 # (activations, their targets or whole rows of token ids, the microbatch's share of its batch) -> a future of (their
@@ -76,6 +79,7 @@ class MicrobatchStream:
         self.taken = self.trained = 0  # batches taken from the data, and stepped on
         self.round: Optional[Callable[[], int]] = None  # our stage's round (Part.follow); None: never moves
         self.refreshed = 0  # microbatches computed again on new params after an outer step (`_fresh`)
+        self.retries = RetryLog(logger.info)  # while no next-stage peer takes our microbatches
 
     @property
     def pending(self) -> int:
@@ -89,8 +93,13 @@ class MicrobatchStream:
         call. `taken` counts the batches taken from `next_batch`."""
         while True:
             self._top_up(next_batch)
-            done = self._receive_oldest(next_batch)
+            try:
+                done = self._receive_oldest(next_batch)
+            except PipelineError as e:
+                self.retries.failed(e)
+                raise
             if done is not None:
+                self.retries.succeeded()
                 return done.loss, done.targets.numel()
 
     def settle(self) -> list[tuple[float, int]]:

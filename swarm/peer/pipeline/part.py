@@ -350,8 +350,7 @@ class Part:
                 return together(self.stream.settle())
             try:
                 loss, tokens = self.stream.step(lambda: next(batches))
-            except PipelineError as e:  # the microbatch is not lost: it is sent again once a next-stage peer takes it
-                logger.info("pipeline: %s; trying again in 1 s", e)
+            except PipelineError:  # not lost: sent again once a next-stage peer takes it (the stream logs the wait)
                 time.sleep(1.0)
                 return None, 0, self.stream.taken - taken
             except concurrent.futures.CancelledError:  # a stop signal cancelled the hops in flight: the loop ends

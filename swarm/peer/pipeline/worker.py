@@ -23,6 +23,31 @@ class PipelineError(RuntimeError):
     """No peer of the next stage could take a microbatch."""
 
 
+class RetryLog:
+    """A first stage's log of its retries while no next-stage peer takes its microbatches (it tries again every
+    second): the first failure, then one line every `every` seconds while they go on, and one when a peer takes a
+    microbatch again; not a line a second."""
+
+    def __init__(self, log: Callable[..., None], every: float = 30.0, clock: Callable[[], float] = time.monotonic):
+        self.log, self.every, self.clock = log, every, clock
+        self.since: Optional[float] = None
+        self.logged = 0.0
+
+    def failed(self, reason: object) -> None:
+        now = self.clock()
+        if self.since is None:
+            self.since, self.logged = now, now
+            self.log("pipeline: %s; trying again every second", reason)
+        elif now - self.logged >= self.every:
+            self.logged = now
+            self.log("pipeline: %s; still trying, for %.0f s now", reason, now - self.since)
+
+    def succeeded(self) -> None:
+        if self.since is not None:
+            self.log("pipeline: the next stage takes our microbatches again, after %.0f s", self.clock() - self.since)
+            self.since = None
+
+
 # (activations, targets, the microbatch's share of its batch) -> (their gradient, the microbatch's loss)
 Downstream = Callable[[torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, float]]
 # A microbatch's loss, before anything is applied -> None, or raises PipelineError to refuse the microbatch
