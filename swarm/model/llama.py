@@ -33,7 +33,6 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False
-    use_cache: bool = False
 
     @property
     def num_key_value_heads(self) -> int:
@@ -78,7 +77,6 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
-        self.config = config
         self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,7 +149,7 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
 
     def forward(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
-                use_cache: bool = False) -> ModelOutput:
+                use_cache: bool = False) -> ModelOutput:  # (use_cache: transformers' signature; nothing is cached)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("give exactly one of input_ids and inputs_embeds")
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
@@ -207,8 +205,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.recompute = True
 
-    def forward(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
-                use_cache: bool = False) -> CausalLMOutput:
+    def forward(self, input_ids: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> CausalLMOutput:
         hidden = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds).last_hidden_state
         return CausalLMOutput(self.lm_head(hidden))
 
@@ -218,4 +216,3 @@ def _post_order(module: nn.Module):
     for child in module.children():
         yield from _post_order(child)
     yield module
-
