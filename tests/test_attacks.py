@@ -163,22 +163,32 @@ def test_a_lying_reducer_is_caught_and_no_honest_peer_applies_its_part(swarm):
     """One of four peers reduces its part of every average x1000 and makes up its own verification term to hide it
     as best it can (fault lying-reducer). Every honest member refuses such an average and accuses it; the retry
     without it averages the honest three. No average an honest peer applied ever had it as a member, and the
-    honest peers end bit-identical."""
+    honest peers end bit-identical.
+
+    The liar and two honest peers start first: with groups of at least three, their only group has the liar in it
+    (with all four at once, three honest peers whose views differed from the liar's could form their groups without
+    it, and the lie went unseen). The third honest peer joins once the lie is caught."""
     rounds = 3
     _, maddr = swarm.bootstrap(recipe=ROOT / "tests" / "recipes" / "liar.yaml")
     names = ["honest0", "honest1", "honest2"]
-    # The liar is training before the others start, so the honest peers' rounds wait for it (as test_faults does).
     liar = swarm.peer(maddr, "--until-round", str(rounds), "--inject-fault", "lying-reducer@0", name="liar")
     liar.wait_event("training", 120, round=0)
-    peers = [swarm.peer(maddr, "--until-round", str(rounds), "--trace-dir", str(swarm.workdir / name), name=name)
-             for name in names]
+    liar_id = liar.events("joined")[0]["peer_id"]
+
+    def start(name):
+        return swarm.peer(maddr, "--until-round", str(rounds), "--trace-dir", str(swarm.workdir / name), name=name)
+
+    peers = [start(name) for name in names[:2]]
+    deadline = time.monotonic() + 180
+    while not any(peer.events("averaging_failed", reason="unverified", where=lambda e: liar_id in e["rejected"])
+                  for peer in peers):
+        assert time.monotonic() < deadline, "no honest peer caught the lie in the only group it could form:\n" + \
+            "\n".join(peer.report() for peer in peers)
+        time.sleep(0.2)
+    peers.append(start(names[2]))
     for peer in peers:
         assert peer.wait(300) == 0, peer.output()[-3000:]
     liar.process.kill()
-    liar_id = liar.events("joined")[0]["peer_id"]
-    caught = [e for peer in peers for e in peer.events("averaging_failed", reason="unverified")
-              if liar_id in e["rejected"]]
-    assert caught, "no honest peer caught the lie: the liar never reduced in a group with them"
     for name in names:
         traces = _traces(swarm.workdir / name)
         assert traces, f"{name} averaged nothing"
