@@ -58,6 +58,22 @@ def test_the_dataset_gives_the_windows_batches_and_tokenizer_of_the_prepared_cor
         sorted({e.sha256 for e in manifest.files} | {manifest.id})
 
 
+def test_a_peer_opens_the_dataset_without_importing_transformers(prepared):
+    """transformers takes a second and more to import, in every peer process: a peer that loads its code and opens
+    the run's dataset never imports it, and the dataset's tokenizer has the size and encoding of the owner's."""
+    import subprocess
+    import sys
+
+    root, run, manifest = prepared
+    code = (f"import sys, swarm.peer.peer; from swarm.data.dataset import FileStore, Manifest, open_dataset; "
+            f"store = FileStore({str(root / 'files')!r}); "
+            f"data = open_dataset(Manifest.from_bytes(store.path({manifest.id!r}).read_bytes()), store, 4, print); "
+            f"print(len(data.tokenizer), data.tokenizer.encode('Paragraph 3: word1')); "
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [f"{len(run.tokenizer)} {run.tokenizer.encode('Paragraph 3: word1')}", "[]"]
+
 def test_a_shard_file_is_fetched_when_the_stream_first_reads_it(prepared, tmp_path):
     root, run, manifest = prepared
     store = FileStore(tmp_path / "files")

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
+import tokenizers
 import torch
-from transformers import PreTrainedTokenizerFast
 
 from swarm.config import ModelRecipe, Recipe
 from swarm.data.corpus import CorpusError
@@ -337,6 +337,23 @@ class ShardedDataset(WindowDataset):
         return torch.from_numpy(np.stack(rows).astype(np.int64)) if rows else torch.zeros((0, width), dtype=torch.long)
 
 
+class SharedTokenizer:
+    """The dataset's tokenizer as its file gives it, loaded by `tokenizers` alone: what a peer needs of it (its size,
+    digest and encoding) without transformers, which takes a second and more to import in every peer process. The
+    file holds the tokenizer as transformers set it up for the run's owner (its post-processor included), so it
+    encodes as the owner's does, and `tokenizer_digest` reads it as it reads the owner's."""
+
+    def __init__(self, path: Path, eos_token: str, pad_token: str):
+        self.backend_tokenizer = tokenizers.Tokenizer.from_file(str(path))
+        self.eos_token, self.pad_token = eos_token, pad_token
+
+    def __len__(self) -> int:
+        return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend_tokenizer.encode(text).ids
+
+
 @dataclass(frozen=True)
 class Dataset:
     """A dataset whose start files are here: what the peer trains on (`train`), evaluates on, and its tokenizer."""
@@ -344,7 +361,7 @@ class Dataset:
     manifest: Manifest
     train: ShardedDataset
     eval_batches: list[torch.Tensor]
-    tokenizer: PreTrainedTokenizerFast
+    tokenizer: SharedTokenizer
     model_config: Optional[Path]
 
     @property
@@ -364,8 +381,7 @@ def open_dataset(manifest: Manifest, store: FileStore, batch_size: int, fetch: C
         if entry is not None and not store.has(entry):
             raise DatasetError(f"dataset {manifest.id[:12]}: its {what} file is not here")
     try:
-        tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(store.path(manifest.tokenizer.sha256)),
-                                            eos_token=manifest.eos_token, pad_token=manifest.pad_token)
+        tokenizer = SharedTokenizer(store.path(manifest.tokenizer.sha256), manifest.eos_token, manifest.pad_token)
     except Exception as error:  # noqa: BLE001 - tokenizers raises its own exception types for a bad file
         raise DatasetError(f"dataset {manifest.id[:12]}: its tokenizer does not load ({error})") from None
     if tokenizer_digest(tokenizer) != manifest.tokenizer_digest or len(tokenizer) != manifest.vocab_size:

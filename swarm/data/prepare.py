@@ -19,18 +19,23 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import tokenizers
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from swarm.data.corpus import (BUNDLED_CORPUS, Corpus, CorpusError, Document, Split, load_corpus,
                                split_by_keys, split_documents)
 from swarm.data.token_store import BuildStats, TokenStore, build_store, load_store
 from swarm.words import counted
+
+if TYPE_CHECKING:  # (transformers takes a second and more to import: only what prepares data loads it)
+    from transformers import PreTrainedTokenizerFast
+
+    from swarm.data.dataset import SharedTokenizer
 
 __all__ = ["BUNDLED_CORPUS", "EOS_TOKEN", "Corpus", "CorpusError", "Document", "TokenDataset", "choose_data_shard",
            "load_corpus", "load_tokenizer", "split_documents", "tokenizer_digest"]
@@ -74,6 +79,7 @@ def load_tokenizer(
         raise CorpusError(f"tokenizer {spec!r} is neither 'bpe' nor an existing directory")
     if not (path / "tokenizer.json").is_file():
         raise CorpusError(f"tokenizer directory {str(path)!r} holds no tokenizer.json (write one with save_pretrained)")
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as error:
@@ -88,11 +94,11 @@ def load_tokenizer(
     return tokenizer
 
 
-def tokenizer_digest(tokenizer: PreTrainedTokenizerFast) -> str:
-    """sha256 hex digest of what decides how `tokenizer` maps text to ids: its vocabulary, merges, added tokens,
-    normalizer, pre-tokenizer, post-processor and decoder, plus its eos and pad tokens. Padding and truncation
-    settings, which transformers changes on the fly while encoding, are left out. Peers with equal digests
-    produce equal token ids."""
+def tokenizer_digest(tokenizer: PreTrainedTokenizerFast | SharedTokenizer) -> str:
+    """sha256 hex digest of what decides how `tokenizer` (transformers' or a dataset's, swarm.data.dataset) maps
+    text to ids: its vocabulary, merges, added tokens, normalizer, pre-tokenizer, post-processor and decoder, plus
+    its eos and pad tokens. Padding and truncation settings, which transformers changes on the fly while encoding,
+    are left out. Peers with equal digests produce equal token ids."""
     state = json.loads(tokenizer.backend_tokenizer.to_str())
     state.pop("padding", None)
     state.pop("truncation", None)
@@ -113,6 +119,7 @@ def _load_or_train_bpe(docs: Iterable[Document], vocab_size: int, cache_dir: Pat
     if not path.is_file():
         cache_dir.mkdir(parents=True, exist_ok=True)
         _write_atomically(path, lambda tmp: _train_bpe(texts, vocab_size).save(str(tmp)))
+    from transformers import PreTrainedTokenizerFast
     return PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
 
 
