@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
-import tokenizers
 import torch
 
 from swarm.config import ModelRecipe, Recipe
 from swarm.data.corpus import CorpusError
 from swarm.data.paths import local_files
-from swarm.data.prepare import EVAL_BATCHES, RunData, WindowDataset, prepare_run_data, tokenizer_digest
+from swarm.data.prepare import EVAL_BATCHES, RunData, WindowDataset, prepare_run_data
+from swarm.data.tokenizer import SharedTokenizer, tokenizer_digest
 from swarm.data.token_store import token_dtype
 from swarm.words import shown
 
@@ -335,23 +335,6 @@ class ShardedDataset(WindowDataset):
         width, shards = self.seq_len + 1, self.manifest.num_shards
         rows = [self.shard(i % shards)[i // shards] for i in indices.tolist()]
         return torch.from_numpy(np.stack(rows).astype(np.int64)) if rows else torch.zeros((0, width), dtype=torch.long)
-
-
-class SharedTokenizer:
-    """The dataset's tokenizer as its file gives it, loaded by `tokenizers` alone: what a peer needs of it (its size,
-    digest and encoding) without transformers, which takes a second and more to import in every peer process. The
-    file holds the tokenizer as transformers set it up for the run's owner (its post-processor included), so it
-    encodes as the owner's does, and `tokenizer_digest` reads it as it reads the owner's."""
-
-    def __init__(self, path: Path, eos_token: str, pad_token: str):
-        self.backend_tokenizer = tokenizers.Tokenizer.from_file(str(path))
-        self.eos_token, self.pad_token = eos_token, pad_token
-
-    def __len__(self) -> int:
-        return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
-
-    def encode(self, text: str) -> list[int]:
-        return self.backend_tokenizer.encode(text).ids
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
 import os
 import random
@@ -30,12 +29,11 @@ from tqdm import tqdm
 from swarm.data.corpus import (BUNDLED_CORPUS, Corpus, CorpusError, Document, Split, load_corpus,
                                split_by_keys, split_documents)
 from swarm.data.token_store import BuildStats, TokenStore, build_store, load_store
+from swarm.data.tokenizer import tokenizer_digest
 from swarm.words import counted
 
 if TYPE_CHECKING:  # (transformers takes a second and more to import: only what prepares data loads it)
     from transformers import PreTrainedTokenizerFast
-
-    from swarm.data.dataset import SharedTokenizer
 
 __all__ = ["BUNDLED_CORPUS", "EOS_TOKEN", "Corpus", "CorpusError", "Document", "TokenDataset", "choose_data_shard",
            "load_corpus", "load_tokenizer", "split_documents", "tokenizer_digest"]
@@ -92,20 +90,6 @@ def load_tokenizer(
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
-
-
-def tokenizer_digest(tokenizer: PreTrainedTokenizerFast | SharedTokenizer) -> str:
-    """sha256 hex digest of what decides how `tokenizer` (transformers' or a dataset's, swarm.data.dataset) maps
-    text to ids: its vocabulary, merges, added tokens, normalizer, pre-tokenizer, post-processor and decoder, plus
-    its eos and pad tokens. Padding and truncation settings, which transformers changes on the fly while encoding,
-    are left out. Peers with equal digests produce equal token ids."""
-    state = json.loads(tokenizer.backend_tokenizer.to_str())
-    state.pop("padding", None)
-    state.pop("truncation", None)
-    state["eos_token"] = tokenizer.eos_token
-    state["pad_token"] = tokenizer.pad_token
-    canonical = json.dumps(state, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
 def _load_or_train_bpe(docs: Iterable[Document], vocab_size: int, cache_dir: Path) -> PreTrainedTokenizerFast:
