@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 from swarm import __version__
 from swarm.config import RecipeError
+from swarm.dht.process import import_hivemind_without_torch
 from swarm.settings import BootstrapSettings, PeerSettings
 from swarm.settings_cli import FlagError, add_flags, settings_from_args
 from swarm.words import counted
@@ -132,6 +133,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # speed. Memory taken afresh after a while costs more (the kernel compacts to find huge pages), which is why a
     # round's buffers are kept (DiLoCo.recycle). docs/measured.md#scale
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    # hivemind's __init__ imports all of hivemind, torch and scipy among it: load only the parts used, when used.
+    # A bootstrap, `status` and `doctor` then never load torch (3 s a process here); a peer skips scipy and
+    # hivemind's averager and MoE code.
+    import_hivemind_without_torch()
     args = build_parser().parse_args(argv)
     _setup_logging(args.verbose)
     try:

@@ -140,3 +140,18 @@ def test_the_peer_and_the_bootstrap_publish_the_tree_gauges():
     for registry in registries:
         gauges = _gauges(registry)
         assert gauges["total"] >= gauges["main"] > 0 and gauges.keys() == {"total", "main", "dht", "p2pd", "other"}
+
+
+def test_a_bootstrap_and_the_clis_errors_load_no_torch(swarm):
+    """A bootstrap of a run whose data peers prepare themselves needs no torch: the CLI loads only the parts of
+    hivemind it uses (hivemind's own __init__ imports torch and scipy), so a bootstrap holds tens of MB and a bad
+    recipe is reported in about a second rather than after torch's 3 s."""
+    bootstrap, _ = swarm.bootstrap(recipe=None)
+    with open(f"/proc/{bootstrap.process.pid}/maps") as maps:
+        loaded = maps.read()
+    assert "libtorch" not in loaded and "scipy" not in loaded, "the bootstrap loaded torch or scipy"
+    assert _resident(bootstrap.process.pid) < 150e6
+    code = ("import sys; from swarm.cli import main; rc = main(['bootstrap', '--recipe', '/nonexistent/run.yaml']); "
+            "print(rc, 'torch' in sys.modules, 'scipy' in sys.modules)")
+    bad = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert bad.stdout.splitlines()[-1] == "2 False False", bad.stdout + bad.stderr
