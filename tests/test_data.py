@@ -15,11 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from swarm.dht.records import PeerRecord
 from swarm.data import corpus as corpus_module
 from swarm.data import prepare as data_module
 from swarm.data.prepare import (
+    EOS_TOKEN,
     CorpusError,
     Document,
     TokenDataset,
@@ -230,7 +232,7 @@ def test_bpe_tokenizer_shape_and_round_trip(tokenizer, plays):
     assert len(tokenizer) == 4096
     assert tokenizer.eos_token == "<|endoftext|>" and tokenizer.pad_token_id == tokenizer.eos_token_id
     text = plays[0].text[:2000]
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = tokenizer.encode(text)
     assert tokenizer.decode(ids) == text
     assert len(ids) < len(text) / 2.5, "a 4096-entry BPE should compress English text well below 1 token/char"
 
@@ -258,18 +260,43 @@ def test_tokenizer_digest_ignores_padding_state_but_sees_vocab(tmp_path):
     docs = [Document(f"d{i}", f"the cat sat on mat number {i} " * 20) for i in range(4)]
     tokenizer = load_tokenizer("bpe", docs, 300, tmp_path)
     before = tokenizer_digest(tokenizer)
-    tokenizer(["a b", "a"], padding=True)  # transformers enables padding on the backend tokenizer
+    tokenizer.backend_tokenizer.enable_padding()  # as transformers does on the backend while encoding a batch
+    tokenizer.backend_tokenizer.enable_truncation(16)
     assert tokenizer_digest(tokenizer) == before
     other = load_tokenizer("bpe", docs[:2] + [Document("x", "completely different words " * 30)], 300, tmp_path)
     assert tokenizer_digest(other) != before
 
 
+def test_a_trained_bpe_is_what_transformers_makes_of_its_file_without_importing_it(tmp_path):
+    """A "bpe" tokenizer is loaded by `tokenizers` alone (transformers takes a second and more to import, in every
+    peer process), set up as transformers' PreTrainedTokenizerFast sets up the same file: the same JSON, so the
+    same digest, token files and shared datasets as before, and the same ids and text."""
+    docs = [Document(f"d{i}", f"the cat sat on mat number {i}\n\n  and 'quoted' words " * 20) for i in range(4)]
+    ours = load_tokenizer("bpe", docs, 300, tmp_path)
+    (path,) = tmp_path.glob("bpe-*.json")
+    theirs = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
+    assert ours.backend_tokenizer.to_str() == theirs.backend_tokenizer.to_str()
+    assert tokenizer_digest(ours) == tokenizer_digest(theirs) and len(ours) == len(theirs)
+    assert (ours.eos_token_id, ours.pad_token_id) == (theirs.eos_token_id, theirs.pad_token_id)
+    text = "The cat sat, on 3 mats!\n\n  And words"
+    assert ours.encode(text) == theirs.encode(text) and ours.decode(ours.encode(text)) == theirs.decode(
+        theirs.encode(text)) == text
+    code = (f"import sys; from swarm.data.prepare import load_tokenizer, Document; "
+            f"load_tokenizer('bpe', [Document('d', 'words ' * 50)], 300, {str(tmp_path / 'fresh')!r}); "
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
 def test_tokenizer_from_directory(tmp_path):
     docs = [Document(f"d{i}", f"lines of verse, line {i}\n" * 30) for i in range(3)]
     trained = load_tokenizer("bpe", docs, 300, tmp_path / "cache")
-    trained.save_pretrained(tmp_path / "saved")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=trained.backend_tokenizer, eos_token=trained.eos_token,
+                                         pad_token=trained.pad_token).save_pretrained(tmp_path / "saved")
     loaded = load_tokenizer(str(tmp_path / "saved"), [], 0, tmp_path / "unused")
     assert tokenizer_digest(loaded) == tokenizer_digest(trained)
+    text = "lines of verse, line 7\nand more"
+    assert loaded.encode(text) == trained.encode(text) and loaded.decode(trained.encode(text)) == text
     with pytest.raises(CorpusError, match="neither 'bpe' nor an existing directory"):
         load_tokenizer(str(tmp_path / "missing"), [], 0, tmp_path)
     (tmp_path / "empty").mkdir()
@@ -288,7 +315,7 @@ def test_token_stream_is_documents_joined_by_eos(tmp_path):
     dataset = TokenDataset(docs, tokenizer, seq_len=4)
     expected = []
     for doc in docs:
-        expected += tokenizer(doc.text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        expected += tokenizer.encode(doc.text) + [tokenizer.eos_token_id]
     assert dataset.tokens.dtype == torch.int32 and dataset.tokens.tolist() == expected
     assert len(dataset) == len(expected) and dataset.num_windows == len(expected) // 5
     # A shard smaller than a batch still yields full batches, running through several epochs per batch.

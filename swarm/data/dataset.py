@@ -30,7 +30,7 @@ from swarm.config import ModelRecipe, Recipe
 from swarm.data.corpus import CorpusError
 from swarm.data.paths import local_files
 from swarm.data.prepare import EVAL_BATCHES, RunData, WindowDataset, prepare_run_data
-from swarm.data.tokenizer import SharedTokenizer, tokenizer_digest
+from swarm.data.tokenizer import JsonTokenizer, tokenizer_digest
 from swarm.data.token_store import token_dtype
 from swarm.words import shown
 
@@ -344,7 +344,7 @@ class Dataset:
     manifest: Manifest
     train: ShardedDataset
     eval_batches: list[torch.Tensor]
-    tokenizer: SharedTokenizer
+    tokenizer: JsonTokenizer
     model_config: Optional[Path]
 
     @property
@@ -364,7 +364,8 @@ def open_dataset(manifest: Manifest, store: FileStore, batch_size: int, fetch: C
         if entry is not None and not store.has(entry):
             raise DatasetError(f"dataset {manifest.id[:12]}: its {what} file is not here")
     try:
-        tokenizer = SharedTokenizer(store.path(manifest.tokenizer.sha256), manifest.eos_token, manifest.pad_token)
+        tokenizer = JsonTokenizer.from_file(store.path(manifest.tokenizer.sha256), manifest.eos_token,
+                                           manifest.pad_token)
     except Exception as error:  # noqa: BLE001 - tokenizers raises its own exception types for a bad file
         raise DatasetError(f"dataset {manifest.id[:12]}: its tokenizer does not load ({error})") from None
     if tokenizer_digest(tokenizer) != manifest.tokenizer_digest or len(tokenizer) != manifest.vocab_size:

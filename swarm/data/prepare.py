@@ -29,7 +29,7 @@ from tqdm import tqdm
 from swarm.data.corpus import (BUNDLED_CORPUS, Corpus, CorpusError, Document, Split, load_corpus,
                                split_by_keys, split_documents)
 from swarm.data.token_store import BuildStats, TokenStore, build_store, load_store
-from swarm.data.tokenizer import tokenizer_digest
+from swarm.data.tokenizer import JsonTokenizer, tokenizer_digest, trained_bpe
 from swarm.words import counted
 
 if TYPE_CHECKING:  # (transformers takes a second and more to import: only what prepares data loads it)
@@ -55,17 +55,18 @@ order): the trainer holds every distinct word it sees, so this bounds its memory
 
 def load_tokenizer(
     spec: str, docs: Iterable[Document], vocab_size: int, cache_dir: str | Path
-) -> PreTrainedTokenizerFast:
+) -> JsonTokenizer | PreTrainedTokenizerFast:
     """Return the tokenizer named by `spec`; its eos token separates documents and is also its pad token.
 
     spec "bpe": a byte-level BPE with at most `vocab_size` entries ("<|endoftext|>" included) trained on the
-    texts of `docs` (any re-iterable of documents, read as a stream twice), up to BPE_SAMPLE_CHARS. Training is
-    deterministic, so peers that train on the same texts with the same `tokenizers` version get byte-identical
-    tokenizers (check with `tokenizer_digest`). The result is cached in `cache_dir` as "bpe-<vocab_size>-<sha256
-    of texts, vocab_size and tokenizers version>.json", written atomically so that peers sharing the directory
-    may train at the same moment; later calls load it in milliseconds. Any other spec is a local directory
-    holding a saved fast tokenizer (tokenizer.json); a missing pad token is set to its eos token, and `docs`,
-    `vocab_size` and `cache_dir` are ignored.
+    texts of `docs` (any re-iterable of documents, read as a stream twice), up to BPE_SAMPLE_CHARS; a
+    JsonTokenizer, loaded without transformers. Training is deterministic, so peers that train on the same texts
+    with the same `tokenizers` version get byte-identical tokenizers (check with `tokenizer_digest`). The result
+    is cached in `cache_dir` as "bpe-<vocab_size>-<sha256 of texts, vocab_size and tokenizers version>.json",
+    written atomically so that peers sharing the directory may train at the same moment; later calls load it in
+    milliseconds. Any other spec is a local directory holding a saved fast tokenizer (tokenizer.json), loaded by
+    transformers; a missing pad token is set to its eos token, and `docs`, `vocab_size` and `cache_dir` are
+    ignored.
 
     Raises CorpusError for a vocab_size below 257 or no documents ("bpe"), or a directory that does not exist,
     holds no tokenizer.json or cannot be loaded from it, or whose tokenizer has no eos token.
@@ -92,7 +93,7 @@ def load_tokenizer(
     return tokenizer
 
 
-def _load_or_train_bpe(docs: Iterable[Document], vocab_size: int, cache_dir: Path) -> PreTrainedTokenizerFast:
+def _load_or_train_bpe(docs: Iterable[Document], vocab_size: int, cache_dir: Path) -> JsonTokenizer:
     if vocab_size < _MIN_BPE_VOCAB:
         raise CorpusError(f"bpe vocab_size must be at least {_MIN_BPE_VOCAB} (256 bytes + eos), got {vocab_size}")
     texts = _Texts(docs, limit_chars=BPE_SAMPLE_CHARS)
@@ -103,8 +104,7 @@ def _load_or_train_bpe(docs: Iterable[Document], vocab_size: int, cache_dir: Pat
     if not path.is_file():
         cache_dir.mkdir(parents=True, exist_ok=True)
         _write_atomically(path, lambda tmp: _train_bpe(texts, vocab_size).save(str(tmp)))
-    from transformers import PreTrainedTokenizerFast
-    return PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
+    return trained_bpe(path, EOS_TOKEN)
 
 
 class _Texts:
@@ -245,7 +245,7 @@ class TokenDataset(WindowDataset):
     def __init__(
         self,
         docs: Iterable[Document],
-        tokenizer: PreTrainedTokenizerFast,
+        tokenizer: JsonTokenizer | PreTrainedTokenizerFast,
         seq_len: int,
         cache_dir: str | Path | None = None,
         progress: Callable[[int, int], None] | None = None,
@@ -313,7 +313,7 @@ def _epoch_permutation(size: int, seed: int, shard: int, epoch: int) -> torch.Te
     return torch.randperm(size, generator=generator)
 
 
-def _load_or_tokenize(texts: _Texts, tokenizer: PreTrainedTokenizerFast, cache_dir: str | Path | None,
+def _load_or_tokenize(texts: _Texts, tokenizer: JsonTokenizer | PreTrainedTokenizerFast, cache_dir: str | Path | None,
                       progress: Callable[[int, int], None] | None) -> tuple[TokenStore, BuildStats | None]:
     # The backend's batch encoder skips transformers' per-call checks (and its max-length warnings) and
     # encodes documents in parallel; encode_batch_fast (tokenizers >= 0.21) also skips character offsets.
@@ -372,7 +372,7 @@ class RunData:
     n_train_docs: int
     n_val_docs: int
     skipped_files: int = 0
-    tokenizer: PreTrainedTokenizerFast | None = None
+    tokenizer: JsonTokenizer | PreTrainedTokenizerFast | None = None
 
 
 def prepare_run_data(source: str, tokenizer_spec: str, vocab_size: int, val_fraction: float, seq_len: int,
