@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from swarm.peer.state.checkpoint import in_series, list_checkpoints, load_latest, save_checkpoint
@@ -65,6 +66,7 @@ while True:
 """
 
 
+@pytest.mark.slow  # about 7-12 s on the 2-core machines: out of the quick subset
 def test_kill_during_write_leaves_a_loadable_checkpoint(tmp_path):
     for kill_at in (2, 3, 5):
         directory = tmp_path / f"kill-{kill_at}"

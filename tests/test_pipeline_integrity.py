@@ -444,6 +444,7 @@ def _stage_servers(loop, node, lies: tuple, round_no: Optional[int] = None) -> d
     return servers
 
 
+@pytest.mark.slow  # about 7-12 s on the 2-core machines: out of the quick subset
 def test_a_lying_stage_server_is_caught_over_the_network_and_training_goes_on(p2p_network, caplog):
     """A first-stage worker and three last-stage servers over real p2p streams; one server answers with its
     gradients x1000 (StageServer lie="scale-grad"). Within 40 microbatches it is refused and left out, every
@@ -701,6 +702,7 @@ def test_stage_peer_processes_sending_back_x1000_or_noise_are_left_out_and_the_s
     assert any(liar_ids["garbage-grad"] in line and "outvoted on microbatch" in line for line in exclusions)
 
 
+@pytest.mark.slow  # about 7-12 s on the 2-core machines: out of the quick subset
 def test_a_last_stage_refuses_a_first_stage_peer_sending_noise_by_the_loss_it_gives_and_applies_none(p2p_network):
     """Activations that are not the first stage's computation (noise of the honest ones' norm, which the activation
     rule cannot see) predict nothing: once the stage has learnt, their loss there stays near ln(vocabulary) while

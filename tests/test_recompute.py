@@ -116,6 +116,7 @@ class _Swarm:
             return str(e)
 
 
+@pytest.mark.slow  # about 7-12 s on the 2-core machines: out of the quick subset
 def test_honest_copies_of_a_first_stage_agree_and_noise_of_their_norm_does_not():
     copies = _drifted_copies(2, steps=40)
     batch = _batch(7)[:, :-1]
@@ -129,6 +130,7 @@ def test_honest_copies_of_a_first_stage_agree_and_noise_of_their_norm_does_not()
         "zeros are no computation"
 
 
+@pytest.mark.slow  # about 7-12 s on the 2-core machines: out of the quick subset
 def test_noise_from_a_first_stage_peer_is_outvoted_on_its_first_microbatch_and_applied_nowhere(shared, caplog):
     """Peer 2 sends noise of its activations' norm from its first microbatch: the last stage has peer 0 or 1
     compute it again, they disagree, the third agrees with the other, and peer 2 is left out (one warning naming it)
@@ -177,6 +179,7 @@ def test_a_peer_lying_in_what_it_computes_again_is_outvoted_and_the_honest_sende
     assert swarm.server.worker.microbatches == 12
 
 
+@pytest.mark.slow  # about 7-12 s on the 2-core machines: out of the quick subset
 def test_two_lone_first_stage_peers_that_disagree_apply_nothing_and_blame_nobody(shared):
     """Whatever round the noise sender claims (its own, the next, one far off): nothing of it is applied, and
     nobody is left out; the claim chooses nothing and compares nothing."""

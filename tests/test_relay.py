@@ -67,6 +67,7 @@ def three_stages(p2p_network):
     assert not thread.is_alive()
 
 
+@pytest.mark.slow  # about 7-12 s on the 2-core machines: out of the quick subset
 def test_a_middle_stage_relays_microbatches_in_flight_together_and_trains_what_one_process_trains(three_stages):
     """pipeline.schedule flush: each batch as 2 microbatches in flight, the next batch once this one is stepped on.
     The middle stage has both in flight to the last stage at once (holding one from its forward to its gradient's
@@ -98,6 +99,7 @@ def test_a_middle_stage_relays_microbatches_in_flight_together_and_trains_what_o
     assert [w.microbatches for w in workers] == [6, 6, 6] and not relay.pending
 
 
+@pytest.mark.slow  # about 7-12 s on the 2-core machines: out of the quick subset
 def test_a_streaming_middle_stage_trains_each_microbatch_once_and_settles_before_averaging(three_stages):
     """The first stage's default schedule (stream): microbatches of the next batch go before this one is stepped
     on, so the middle stage holds two generations of weights at times. Every microbatch is trained once on each

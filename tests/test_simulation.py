@@ -79,6 +79,7 @@ def test_real_swarm_matches_simulation(swarm, cache_dir, variant):
         assert 0 < float((expected != first).float().mean()) <= 6 / 64 + 0.01
 
 
+@pytest.mark.slow  # about 7-12 s on the 2-core machines: out of the quick subset
 def test_simulated_overlap_keeps_local_progress_on_the_new_global_params(cache_dir):
     """The overlap bookkeeping of the simulation (the benchmark's config f): an average that arrives before the
     first inner step of the next round (delay 0) re-bases every worker exactly onto the new global params, so the

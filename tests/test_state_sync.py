@@ -246,6 +246,7 @@ def test_nothing_is_loaded_when_no_holder_has_the_swarms_digest(network):
     assert all(torch.equal(before[k], v) for k, v in joiner_state.state_tensors().items()), "left untouched"
 
 
+@pytest.mark.slow  # about 7-12 s on the 2-core machines: out of the quick subset
 def test_the_swarms_params_with_other_momentum_or_round_are_refused(network):
     """The digest the swarm announces covers the outer momentum and the round too: a holder that serves the right
     params with other momentum (which would make the joiner's next outer steps differ from everyone's), or claims
