@@ -14,6 +14,9 @@ from __future__ import annotations
 
 from typing import Optional
 
+# The codecs a recipe may name: swarm/compression/registry.py's, listed here so that checking a recipe loads no
+# torch (a bootstrap needs none); tests/test_config.py holds the two lists equal.
+CODEC_NAMES = ("none", "fp16", "bf16", "int8", "int4", "topk", "sparse")
 AGGREGATORS = ("mean", "trimmed_mean", "centered_clip")
 RING_MODES = ("auto", "always", "never")
 LOSSLESS_CODECS = ("none",)

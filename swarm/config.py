@@ -168,11 +168,8 @@ class AveragingRecipe(_Section):
     @field_validator("codec")
     @classmethod
     def _known_codec(cls, codec: str) -> str:
-        # Imported here: the registry imports torch, which building the CLI's flags (and `--help`) does not need.
-        from swarm.compression import CODEC_NAMES
-
-        if codec not in CODEC_NAMES:
-            raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODEC_NAMES)}")
+        if codec not in combinations.CODEC_NAMES:  # (not the registry's: it imports torch, which a bootstrap needs not)
+            raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(combinations.CODEC_NAMES)}")
         return codec
 
     @model_validator(mode="after")

@@ -5,6 +5,7 @@ import json
 import pydantic
 import pytest
 
+from swarm import combinations
 from swarm.compression import CODEC_NAMES
 from swarm.config import AveragingRecipe, Recipe, RecipeError, load_recipe, parse_recipe, recipe_from_json
 from swarm.data.paths import local_files, local_path
@@ -64,6 +65,8 @@ def test_differing_fields_and_digest():
 
 
 def test_codecs_are_the_compression_registrys():
+    # The recipe checks names against swarm/combinations.py's list, which loads no torch (a bootstrap does not).
+    assert combinations.CODEC_NAMES == CODEC_NAMES
     for codec in CODEC_NAMES:
         assert parse_recipe({"averaging": {"codec": codec}}).averaging.codec == codec
     with pytest.raises(RecipeError) as excinfo:
@@ -215,7 +218,6 @@ def test_rebalancing_waits_keep_the_digest_at_their_defaults_and_are_checked():
 def test_what_goes_together_is_one_table_that_the_recipe_and_the_all_reduce_read():
     """swarm/combinations.py: the recipe refuses exactly the averaging settings it names, and the all-reduce checks
     reducers and rides a ring exactly where it says (docs/design.md prints the same table)."""
-    from swarm import combinations
     from swarm.averaging.allreduce import GroupAllReduce
     from swarm.averaging.deadlines import AdaptiveDeadlines
     from swarm.compression import get_codec

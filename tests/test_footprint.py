@@ -146,7 +146,7 @@ def test_a_bootstrap_and_the_clis_errors_load_no_torch(swarm):
     """A bootstrap of a run whose data peers prepare themselves needs no torch: the CLI loads only the parts of
     hivemind it uses (hivemind's own __init__ imports torch and scipy), so a bootstrap holds tens of MB and a bad
     recipe is reported in about a second rather than after torch's 3 s."""
-    bootstrap, _ = swarm.bootstrap(recipe=None)
+    bootstrap, _ = swarm.bootstrap()  # the tiny recipe of the tests: a file to read, the bundled corpus
     with open(f"/proc/{bootstrap.process.pid}/maps") as maps:
         loaded = maps.read()
     assert "libtorch" not in loaded and "scipy" not in loaded, "the bootstrap loaded torch or scipy"
