@@ -211,8 +211,26 @@ def test_a_recipes_llama_builds_without_importing_transformers():
     import subprocess
     import sys
 
-    code = ("import sys; from swarm.config import ModelRecipe; from swarm.model.build import build_model, block_map; "
+    code = ("import sys; from swarm.config import ModelRecipe, Recipe; from swarm.model.memory import estimate_needs, "
+            "stage_needs; from swarm.model.build import build_model, block_map; "
             "block_map(build_model(ModelRecipe(hidden_size=32, num_heads=2), 300, recompute=True)); "
-            "print(sorted(m for m in sys.modules if m.startswith('transformers.model')))")
+            "print(sorted(m for m in sys.modules if m.startswith('transformers.model'))); "
+            "recipe = Recipe.model_validate({'pipeline': {'stages': 2}}); "
+            "needs = estimate_needs(recipe, 'cpu', None), stage_needs(recipe); "
+            "print('torch._dynamo' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
+    # A model built on the meta device to count its parameters (every peer's start-up checks) skips the init and
+    # the probing forward pass that torch would run in Python reference code, importing torch._dynamo (2-3 s).
+    assert result.returncode == 0 and result.stdout.split() == ["[]", "False"], result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("shape", [dict(hidden_size=32, num_heads=2), dict(hidden_size=48, num_heads=3, num_layers=3)])
+def test_swarms_llama_declares_the_block_map_that_probing_it_finds(shape):
+    from swarm.model.build import probed_block_map
+
+    for meta in (False, True):
+        model = build_model(ModelRecipe(**shape), 300, meta=meta)
+        declared, probed = block_map(model), probed_block_map(model)
+        assert (declared.blocks_path, declared.inputs, declared.outputs) == \
+            (probed.blocks_path, probed.inputs, probed.outputs)
+        assert declared.blocks is probed.blocks

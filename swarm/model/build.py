@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from swarm.config import ModelRecipe, RecipeError
 from swarm.model.device import autocast
@@ -52,7 +53,11 @@ def build_model(recipe: ModelRecipe, vocab_size: int, meta: bool = False, recomp
     rest in the backward pass (gradient checkpointing, done by the blocks themselves, so a pipeline
     stage calling them does it too): the same gradients for less memory and more compute."""
     config = model_config(recipe, vocab_size)
-    with torch.random.fork_rng(devices=[]), torch.device("meta") if meta else contextlib.nullcontext():
+    on_meta = contextlib.ExitStack()
+    if meta:
+        on_meta.enter_context(torch.device("meta"))
+        on_meta.enter_context(_NoInitOnMeta())
+    with torch.random.fork_rng(devices=[]), on_meta:
         torch.manual_seed(recipe.seed)
         if isinstance(config, LlamaConfig):
             model = LlamaForCausalLM(config)
@@ -67,6 +72,24 @@ def build_model(recipe: ModelRecipe, vocab_size: int, meta: bool = False, recomp
         model.config.use_cache = False  # (a cache is for generation; transformers warns of it under checkpointing)
         model.activation_checkpointing_enable({"use_reentrant": False})
     return model.float()
+
+
+class _NoInitOnMeta(TorchFunctionMode):
+    """Skips the initialisation of meta tensors (torch.nn.init's functions and a tensor's random fills), which hold
+    no values: torch runs its random fills in Python reference
+    code whose first call imports torch._dynamo, 2-3 s of CPU in every peer process that counts its model's
+    parameters (swarm.model.memory) or builds a stage (materialize initialises the real tensors)."""
+
+    SKIPPED = {torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.random_, torch.Tensor.exponential_,
+               torch.Tensor.bernoulli_, torch.Tensor.log_normal_, torch.Tensor.geometric_, torch.Tensor.cauchy_}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.SKIPPED or getattr(func, "__module__", None) == "torch.nn.init":
+            tensor = args[0] if args else kwargs.get("tensor")  # (torch.nn.init's functions pass it by name)
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
 
 
 def hidden_size(model: torch.nn.Module) -> int:
@@ -101,7 +124,16 @@ def block_map(model: torch.nn.Module) -> BlockMap:
     one-token forward pass calls them before block 0 and outputs otherwise (declaration order is no guide: OPT
     declares its final norm first); the output embedding (`get_output_embeddings`) is an output. The probe runs in
     eval mode under a forked RNG, so it changes neither the model nor the random state. Raises RecipeError naming
-    the model class when no such list exists or a parameter lies outside every part."""
+    the model class when no such list exists or a parameter lies outside every part. swarm's own Llama declares
+    its map (the same: tests/test_model.py), so building one on the meta device runs no forward pass there (torch
+    runs meta ops in Python reference code whose first call imports torch._dynamo, 2-3 s of CPU a process)."""
+    if type(model) is LlamaForCausalLM:
+        return BlockMap("model.layers", model.model.layers, ("model.embed_tokens",), ("model.norm", "lm_head"))
+    return probed_block_map(model)
+
+
+def probed_block_map(model: torch.nn.Module) -> BlockMap:
+    """block_map as found by probing the model, whatever its class."""
     name = type(model).__name__
     config = getattr(model, "config", None)
     n_layers = getattr(config.get_text_config() if config is not None else None, "num_hidden_layers", None)

@@ -68,8 +68,10 @@ class RMSNorm(nn.Module):
 
 
 def inverse_frequencies(config: LlamaConfig) -> torch.Tensor:
+    """On the CPU even in a model built on the meta device: torch computes arange on meta in Python reference code
+    whose first call imports torch._dynamo (2-3 s of CPU; swarm.model.build._NoInitOnMeta)."""
     dim = config.head_dim
-    return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
 
 
 class RotaryEmbedding(nn.Module):
