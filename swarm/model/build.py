@@ -76,9 +76,9 @@ def build_model(recipe: ModelRecipe, vocab_size: int, meta: bool = False, recomp
 
 class _NoInitOnMeta(TorchFunctionMode):
     """Skips the initialisation of meta tensors (torch.nn.init's functions and a tensor's random fills), which hold
-    no values: torch runs its random fills in Python reference
-    code whose first call imports torch._dynamo, 2-3 s of CPU in every peer process that counts its model's
-    parameters (swarm.model.memory) or builds a stage (materialize initialises the real tensors)."""
+    no values: torch runs its random fills on meta in Python reference code whose first call imports torch._dynamo,
+    2-3 s of CPU in every process that counts a model's parameters (swarm.model.memory) or cuts it into stages
+    (swarm.model.stages.materialize initialises the real tensors)."""
 
     SKIPPED = {torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.random_, torch.Tensor.exponential_,
                torch.Tensor.bernoulli_, torch.Tensor.log_normal_, torch.Tensor.geometric_, torch.Tensor.cauchy_}
