@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import kill_session
+from conftest import kill_session, wait_until
 from swarm.averaging.aggregate import capped_weights, centered_clip_radius
 from swarm.averaging.common import chunk_bounds
 from swarm.averaging.faults import SCALE
@@ -179,12 +179,10 @@ def test_a_lying_reducer_is_caught_and_no_honest_peer_applies_its_part(swarm):
         return swarm.peer(maddr, "--until-round", str(rounds), "--trace-dir", str(swarm.workdir / name), name=name)
 
     peers = [start(name) for name in names[:2]]
-    deadline = time.monotonic() + 180
-    while not any(peer.events("averaging_failed", reason="unverified", where=lambda e: liar_id in e["rejected"])
-                  for peer in peers):
-        assert time.monotonic() < deadline, "no honest peer caught the lie in the only group it could form:\n" + \
-            "\n".join(peer.report() for peer in peers)
-        time.sleep(0.2)
+    caught = wait_until(lambda: any(peer.events("averaging_failed", reason="unverified",
+                                                where=lambda e: liar_id in e["rejected"]) for peer in peers), 180, 0.2)
+    assert caught, "no honest peer caught the lie in the only group it could form:\n" + \
+        "\n".join(peer.report() for peer in peers)
     peers.append(start(names[2]))
     for peer in peers:
         assert peer.wait(300) == 0, peer.output()[-3000:]
