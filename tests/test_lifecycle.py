@@ -198,3 +198,57 @@ def test_without_a_parent_death_signal_the_pid_watch_stops_the_node():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         process.wait(10)
+
+
+# A node whose process holds a P2P replica of its DHT process's p2pd (as a peer's does once it serves a stream):
+# the replica listens on a unix socket file of its own, which nothing removed once this process was SIGKILLed.
+WITH_REPLICA = """
+import asyncio, sys, threading, time
+from swarm.dht import lifeline
+from swarm.dht.node import NetworkOptions, SwarmNode
+if sys.argv[1] == "thread":
+    lifeline.load_prctl = lambda: None
+nodes = []
+start = lambda: nodes.append(SwarmNode([], NetworkOptions(direct_streams=False)))
+if sys.argv[1] == "thread":
+    thread = threading.Thread(target=start)
+    thread.start()
+    thread.join()
+else:
+    start()
+async def serve():
+    async def handler(remote, reader, writer):
+        writer.close()
+    await nodes[0].add_stream_handler("swarm.test.echo", handler, admitted_only=False)
+    return await nodes[0].p2p()
+p2p = asyncio.run(serve())
+print(p2p._client_listen_maddr.value_for_protocol("unix"), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("watch", ["death-signal", "thread"])
+def test_a_sigkilled_process_leaves_no_socket_file_of_its_node(watch):
+    """SIGKILL a process with a node and a P2P replica in it: its DHT process (told of the death by the parent-death
+    signal, or by the pid watch where the node was started from a thread) stops p2pd, and removes the dead
+    process's replica socket: no socket file of the three processes is left in /tmp."""
+    process = subprocess.Popen([sys.executable, "-c", WITH_REPLICA, watch], stdout=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    helpers: dict[int, ProcessEntry] = {}
+    try:
+        replica_socket = process.stdout.readline().strip()
+        helpers = _helpers_of(process.pid)
+        with open(f"/proc/{next(p for p, e in helpers.items() if e.name == 'p2pd')}/cmdline", "rb") as f:
+            daemon_socket = next(a for a in f.read().decode().split("\0") if a.startswith("-listen=/unix"))[13:]
+        sockets = [replica_socket, daemon_socket]
+        assert all(os.path.exists(path) for path in sockets), sockets
+        killed = time.monotonic()
+        os.kill(process.pid, signal.SIGKILL)
+        assert process.wait(10) == -signal.SIGKILL
+        print(f"{watch}: helpers exited after (s)", wait_gone(helpers, killed, HELPERS_GONE_SECONDS))
+        assert [path for path in sockets if os.path.exists(path)] == []
+    finally:  # after a failure, end what this test started (and only that)
+        for pid in [process.pid, *(pid for pid, entry in helpers.items() if _running(pid, entry))]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        process.wait(10)

@@ -92,11 +92,11 @@ def end_children(children: list, grace: float) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child.pid, sig)
         deadline = time.monotonic() + grace
-        while running and time.monotonic() < deadline and any(_alive(child.pid) for child in running):
+        while running and time.monotonic() < deadline and any(alive(child.pid) for child in running):
             time.sleep(0.05)
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     """Whether `pid` runs (a zombie, dead but not yet reaped, does not)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -135,7 +135,7 @@ def identity_holders(identity_path: str) -> list[int]:
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 argv = f.read().split(b"\0")
-            if not os.path.basename(argv[0]).startswith(b"p2pd") or not _alive(int(entry)):
+            if not os.path.basename(argv[0]).startswith(b"p2pd") or not alive(int(entry)):
                 continue
             for arg in argv[1:]:
                 if arg.startswith(b"-id="):  # relative to p2pd's working directory

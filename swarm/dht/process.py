@@ -17,6 +17,7 @@ import os
 import pickle
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -109,7 +110,11 @@ class DHTProcess:
         if self._p2p_replica is None:
             from hivemind.p2p import P2P
 
-            self._p2p_replica = await P2P.replicate(await asyncio.wrap_future(self._call("daemon_maddr")))
+            replica = await P2P.replicate(await asyncio.wrap_future(self._call("daemon_maddr")))
+            # (its unix socket file: P2P.shutdown removes it; if we die first, the DHT process does, as it ends)
+            with contextlib.suppress(AttributeError, KeyError, ValueError, TypeError, DHTProcessError):
+                self._call("remove_when_orphaned", replica._client_listen_maddr["unix"])
+            self._p2p_replica = replica
         return self._p2p_replica
 
     def is_alive(self) -> bool:
@@ -215,11 +220,15 @@ def serve() -> None:
     prctl = lifeline.load_prctl() if settings["use_prctl"] else None
     die_with_parent(prctl if settings["death_signal"] else None, settings["parent_pid"], signal.SIGTERM)
     children: list = []
-    server = _NodeServer(conn, children)
+    server = _NodeServer(conn, children, settings["parent_pid"])
     watch_parent(settings["parent_pid"], server.orphaned)
     from hivemind.utils.asyncio import switch_to_uvloop
 
     loop = switch_to_uvloop()
+    # SIGTERM is how we learn of our parent's death (die_with_parent above) and how an operator stops us: shut the
+    # node down as an orphan does, so hivemind removes its sockets (the default action left them in /tmp for good).
+    loop.add_signal_handler(signal.SIGTERM, lambda: threading.Thread(target=server.orphaned, name="sigterm",
+                                                                     daemon=True).start())
     with children_die_with_this_process(prctl, children):
         loop.run_until_complete(server.run(settings))
     end_children(children, grace=0.3)  # stopped with the node, unless it failed to start
@@ -280,13 +289,14 @@ def _configure_logging(settings: dict) -> None:
 class _NodeServer:
     """Runs the DHTNode and answers the parent's requests, each in a task of its own."""
 
-    def __init__(self, conn: Connection, children: list):
-        self.conn, self.children = conn, children
+    def __init__(self, conn: Connection, children: list, parent_pid: int):
+        self.conn, self.children, self.parent_pid = conn, children, parent_pid
         self.node: Any = None
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self.requests: Optional[asyncio.Queue] = None
         self.tasks: dict[int, asyncio.Task] = {}
         self._orphaned = threading.Lock()
+        self.parents_sockets: list[str] = []  # the parent's unix socket files (its P2P replica's) to remove if orphaned
 
     async def run(self, settings: dict) -> None:
         import hivemind.dht.node
@@ -360,6 +370,9 @@ class _NodeServer:
             return node.p2p.daemon_listen_maddr
         if method == "shutdown":
             return await node.shutdown()
+        if method == "remove_when_orphaned":
+            self.parents_sockets.append(str(args[0]))
+            return None
         raise ValueError(f"unknown DHT process request {method!r}")
 
     def _send(self, message: tuple) -> None:
@@ -381,6 +394,9 @@ class _NodeServer:
         period."""
         if not self._orphaned.acquire(blocking=False):
             return  # the other watch got here first
+        if not lifeline.alive(self.parent_pid):  # (not when only our end closed: its P2P shutdown removes them)
+            for path in self.parents_sockets:  # (a dead process's socket files stayed in /tmp for good)
+                remove_socket_file(path)
         if self.node is not None:
             with contextlib.suppress(RuntimeError):  # the loop is closed: the node has stopped already
                 self.loop.call_soon_threadsafe(self.requests.put_nowait, ("shutdown", None, pickle.dumps(())))
@@ -389,6 +405,13 @@ class _NodeServer:
             time.sleep(0.05)
         end_children(self.children, grace=0.3)
         os._exit(0)
+
+
+def remove_socket_file(path: str) -> None:
+    """Remove `path` if it is a unix socket file (and nothing else)."""
+    with contextlib.suppress(OSError):
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)
 
 
 def daemon_with_relay_service(relay_service: bool) -> type:
