@@ -132,26 +132,25 @@ class SwarmProcess(EventReader):
 
     def session_alive(self) -> bool:
         """Whether any process of this child's session (e.g. its p2pd daemons) is still running."""
-        try:
-            os.killpg(self.process.pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
+        return bool(session_members(self.process.pid))
 
     def kill(self) -> None:
-        for target in (lambda: os.killpg(self.process.pid, signal.SIGKILL), self.process.kill):
-            try:
-                target()
-            except (ProcessLookupError, PermissionError):
-                pass
+        kill_all_of_session(self.process)
+
+
+def kill_all_of_session(process: subprocess.Popen) -> None:
+    """SIGKILL every process of a child's session: its own group, and p2pd, which runs in a group of its own
+    (swarm/dht/lifeline.py)."""
+    for pid in [process.pid, *(int(member.rsplit("[", 1)[1][:-1]) for member in session_members(process.pid))]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def kill_session(process: subprocess.Popen) -> None:
     """SIGKILL a child's whole session (its helper processes too), then reap it."""
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    kill_all_of_session(process)
     process.wait(10)
 
 

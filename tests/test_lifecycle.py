@@ -252,3 +252,30 @@ def test_a_sigkilled_process_leaves_no_socket_file_of_its_node(watch):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         process.wait(10)
+
+
+def _daemon_socket(helpers: dict[int, ProcessEntry]) -> str:
+    with open(f"/proc/{next(p for p, e in helpers.items() if e.name == 'p2pd')}/cmdline", "rb") as f:
+        return next(a for a in f.read().decode().split("\0") if a.startswith("-listen=/unix"))[13:]
+
+
+def test_ctrl_c_to_the_whole_process_group_stops_peer_and_bootstrap_cleanly(swarm):
+    """A terminal's Ctrl-C sends SIGINT to its whole foreground process group. p2pd got it too and stopped at once,
+    racing the DHT process's shutdown of the node through it: when p2pd went mid-shutdown (`timeout -s INT` on a
+    bootstrap showed it every time), the shutdown hung until the main process's 3 s timeout ("the DHT process did
+    not exit within 3 s"), and a peer's offline record went nowhere. p2pd runs in a group of its own now, which the
+    terminal's signal does not reach: each stops in order, leaving no process and no socket file."""
+    bootstrap, maddr = swarm.bootstrap()
+    peer = swarm.peer(maddr, name="peer")
+    peer.wait_for("training round 0", 120)
+    for process in (peer, bootstrap):
+        helpers = _helpers_of(process.pid)
+        socket_file = _daemon_socket(helpers)
+        daemon = next(pid for pid, entry in helpers.items() if entry.name == "p2pd")
+        assert os.getpgid(daemon) != process.pid and os.getsid(daemon) == process.pid
+        os.killpg(process.pid, signal.SIGINT)  # (the harness starts each in a session and group of its own)
+        assert process.wait(30) == 0, process.output()[-3000:]
+        assert "did not exit" not in process.output() and "Traceback" not in process.output(), \
+            process.output()[-3000:]
+        wait_gone(helpers, time.monotonic(), HELPERS_GONE_SECONDS)
+        assert not process.session_alive() and not os.path.exists(socket_file)

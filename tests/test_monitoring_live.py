@@ -8,7 +8,6 @@ import os
 import pty
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import TINY_RECIPE, EventReader, SwarmProcess, http_get, kill_session, stop_all
+from conftest import TINY_RECIPE, EventReader, SwarmProcess, http_get, kill_all_of_session, kill_session, stop_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,10 +84,7 @@ class TerminalProcess(EventReader):
             time.sleep(0.1)
 
     def kill(self) -> None:
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        kill_all_of_session(self.process)
 
 
 class LiveSwarm:

@@ -62,12 +62,16 @@ def watch_parent(parent_pid: int, on_death: Callable[[], None]) -> threading.Thr
 def children_die_with_this_process(prctl: Optional[Prctl], children: list) -> Iterator[None]:
     """While inside, each process that asyncio spawns here (hivemind starts p2pd with
     `asyncio.subprocess.create_subprocess_exec`, from the loop's thread) gets SIGTERM when this process dies, and is
-    appended to `children`. p2pd stops cleanly on SIGTERM and removes its socket. Use it only in a process that
-    exists to run hivemind: it rebinds that function for the whole process."""
+    appended to `children`. p2pd stops cleanly on SIGTERM and removes its socket. Each runs in a process group of its
+    own (Linux: where the death signal ends it): a terminal's Ctrl-C, SIGINT to its whole foreground group, stopped
+    p2pd at once, before this process could shut the node down through it, which then hung until our parent's
+    timeout (3 s) and a peer's offline record went nowhere. Use it only in a process that exists to run hivemind: it
+    rebinds that function for the whole process."""
     original = asyncio.subprocess.create_subprocess_exec
     parent_pid = os.getpid()
 
     def _in_child() -> None:
+        os.setpgid(0, 0)
         die_with_parent(prctl, parent_pid, signal.SIGTERM)
 
     async def _create(*args, **kwargs):
