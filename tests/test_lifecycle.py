@@ -279,3 +279,19 @@ def test_ctrl_c_to_the_whole_process_group_stops_peer_and_bootstrap_cleanly(swar
             process.output()[-3000:]
         wait_gone(helpers, time.monotonic(), HELPERS_GONE_SECONDS)
         assert not process.session_alive() and not os.path.exists(socket_file)
+
+
+def test_a_bootstrap_whose_p2pd_was_killed_stops_at_once_and_removes_its_socket_files(swarm):
+    """hivemind's shutdown calls through a p2pd that is gone never return: the DHT process waited out its parent's
+    3 s timeout ("did not exit within 3 s") and left the dead daemon's socket files in /tmp. Now it stops when
+    p2pd has exited, and removes them."""
+    bootstrap, _ = swarm.bootstrap()
+    helpers = _helpers_of(bootstrap.pid)
+    socket_file = _daemon_socket(helpers)
+    daemon = next(pid for pid, entry in helpers.items() if entry.name == "p2pd")
+    os.kill(daemon, signal.SIGKILL)
+    wait_gone({daemon: helpers[daemon]}, time.monotonic(), HELPERS_GONE_SECONDS)
+    bootstrap.process.send_signal(signal.SIGINT)
+    assert bootstrap.wait(30) == 0, bootstrap.output()[-3000:]
+    assert "did not exit" not in bootstrap.output(), bootstrap.output()[-3000:]
+    assert not bootstrap.session_alive() and not os.path.exists(socket_file)

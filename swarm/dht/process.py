@@ -330,10 +330,24 @@ class _NodeServer:
                 continue
             task = asyncio.create_task(self._answer(method, request_id, payload))
             if method == "shutdown":
-                await task
+                await self._shut_down(task)
                 return
             self.tasks[request_id] = task
             task.add_done_callback(lambda _, request_id=request_id: self.tasks.pop(request_id, None))
+
+    async def _shut_down(self, task: asyncio.Task) -> None:
+        """Wait for the node's shutdown `task`, or for p2pd's exit if that comes first: hivemind's calls through a
+        p2pd that is gone never return (a stop then waited out its parent's timeout, 3 s), and a p2pd that was
+        killed leaves its socket files behind, which we remove."""
+        ends = [asyncio.ensure_future(child.wait()) for child in self.children]
+        await asyncio.wait([task, *ends], return_when=asyncio.FIRST_COMPLETED)
+        for end in ends:
+            end.cancel()
+        if not task.done():
+            p2p = self.node.p2p
+            for maddr in (p2p.daemon_listen_maddr, getattr(p2p, "_client_listen_maddr", None)):
+                with contextlib.suppress(Exception):  # (a maddr without a unix path: nothing to remove)
+                    remove_socket_file(maddr.value_for_protocol("unix"))
 
     async def _answer(self, method: str, request_id: Optional[int], payload: bytes) -> None:
         try:
