@@ -10,7 +10,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 
@@ -141,8 +141,10 @@ def run_bootstrap(settings: BootstrapSettings) -> int:
                   f"{recipe.run_id}", flush=True)
         events.emit("listening", peer_id=node.peer_id, maddrs=[str(m) for m in maddrs], run_id=recipe.run_id,
                     metrics_port=server.port if server is not None else None)
-        loop.submit(_maintain(node, recipe, view, invites, dataset, revocations))
+        loop.submit(_maintain(node, recipe, view, invites, dataset, revocations, on_gone=stop.set))
         stop.wait()
+        if not node.dht.is_alive():  # (its p2pd was killed: _maintain said so)
+            return 1
         logger.info("stopping")
         return 0
     finally:
@@ -201,7 +203,8 @@ class SwarmMonitor:
 
 
 async def _maintain(node: SwarmNode, recipe: Recipe, view: SwarmMonitor, invites: dict[str, str],
-                    dataset: Optional[str], revocations: Optional["RevocationList"]) -> None:
+                    dataset: Optional[str], revocations: Optional["RevocationList"], on_gone: Callable[[], None]
+                    ) -> None:
     since_publish = 0.0
     while True:
         try:
@@ -216,6 +219,10 @@ async def _maintain(node: SwarmNode, recipe: Recipe, view: SwarmMonitor, invites
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - a transient DHT error must not stop the bootstrap
+            if not node.dht.is_alive():  # (our DHT process is gone, its p2pd killed: nobody can reach us)
+                logger.error("%s", e)
+                on_gone()
+                return
             logger.warning("could not refresh the swarm view: %s", e)
             view.board.failed(str(e) or type(e).__name__)
         await asyncio.sleep(VIEW_SECONDS)

@@ -22,7 +22,7 @@ from swarm.cli import build_parser
 from swarm.settings import BootstrapSettings, NetworkSettings
 from swarm.dht import node as dht_node
 from swarm.dht.node import NetworkOptions, SwarmNode
-from swarm.dht.process import daemon_with_relay_service
+from swarm.dht.node_server import daemon_with_relay_service
 from swarm.settings_cli import settings_from_args
 
 ROOT = Path(__file__).resolve().parent.parent
