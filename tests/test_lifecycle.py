@@ -281,34 +281,24 @@ def test_ctrl_c_to_the_whole_process_group_stops_peer_and_bootstrap_cleanly(swar
         assert not process.session_alive() and not os.path.exists(socket_file)
 
 
-def test_a_bootstrap_whose_p2pd_was_killed_stops_at_once_naming_it_and_removes_its_socket_files(swarm):
-    """A bootstrap whose p2pd was killed serves nobody; it went on warning that it "could not refresh the swarm
-    view" every 5 s, and once stopped, hivemind's shutdown calls through the p2pd that was gone never returned: the
-    DHT process waited out its parent's 3 s timeout ("did not exit within 3 s") and left the dead daemon's socket
-    files in /tmp. Now it stops by itself with exit code 1 (a service manager restarts it) and a line naming p2pd,
-    and leaves no process and no socket file."""
-    bootstrap, _ = swarm.bootstrap()
-    helpers = _helpers_of(bootstrap.pid)
+@pytest.mark.parametrize("which", ["peer", "bootstrap"])
+def test_a_process_whose_p2pd_is_killed_stops_with_one_line_naming_it(swarm, which):
+    """p2pd killed on its own (the OOM killer picks the largest process it can; an operator's mistake) leaves its
+    node unable to reach anyone: a peer went on "waiting for 1 more peer" for good, a bootstrap on warning that it
+    "could not refresh the swarm view" every 5 s; once stopped, hivemind's shutdown calls through the p2pd that was
+    gone never returned (the DHT process waited out its parent's 3 s timeout, "did not exit within 3 s") and left
+    the dead daemon's socket files in /tmp. Now the DHT process ends when its p2pd does, and the peer or bootstrap
+    stops with exit code 1 (a service manager restarts it) and a line naming p2pd, leaving no process and no socket
+    file."""
+    process, maddr = swarm.bootstrap()
+    if which == "peer":
+        process = swarm.peer(maddr, name="peer")
+        process.wait_for("training round 0", 120)
+    helpers = _helpers_of(process.pid)
     socket_file = _daemon_socket(helpers)
     os.kill(next(pid for pid, entry in helpers.items() if entry.name == "p2pd"), signal.SIGKILL)
-    assert bootstrap.wait(30) == 1, bootstrap.output()[-3000:]
-    errors = [line for line in bootstrap.output().splitlines() if " ERROR " in line]
-    assert errors and all("p2pd" in line for line in errors), bootstrap.output()[-3000:]
-    assert "did not exit" not in bootstrap.output(), bootstrap.output()[-3000:]
-    assert not bootstrap.session_alive() and not os.path.exists(socket_file)
-
-
-def test_a_peer_whose_p2pd_dies_stops_with_one_line_naming_it(swarm):
-    """p2pd killed on its own (the OOM killer picks the largest process it can; an operator's mistake): the peer
-    went on "waiting for 1 more peer" for good, unable to reach anyone. Its DHT process now ends with it, and the
-    peer stops with a line that names p2pd, leaving no process and no socket file."""
-    bootstrap, maddr = swarm.bootstrap()
-    peer = swarm.peer(maddr, name="peer")
-    peer.wait_for("training round 0", 120)
-    helpers = _helpers_of(peer.pid)
-    socket_file = _daemon_socket(helpers)
-    os.kill(next(pid for pid, entry in helpers.items() if entry.name == "p2pd"), signal.SIGKILL)
-    assert peer.wait(60) == 1, peer.output()[-3000:]
-    errors = [line for line in peer.output().splitlines() if " ERROR " in line]
-    assert errors and all("p2pd" in line for line in errors), peer.output()[-3000:]
-    assert not peer.session_alive() and not os.path.exists(socket_file)
+    assert process.wait(60) == 1, process.output()[-3000:]
+    errors = [line for line in process.output().splitlines() if " ERROR " in line]
+    assert errors and all("p2pd" in line for line in errors), process.output()[-3000:]
+    assert "did not exit" not in process.output(), process.output()[-3000:]
+    assert not process.session_alive() and not os.path.exists(socket_file)
