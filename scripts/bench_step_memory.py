@@ -10,6 +10,7 @@ scripts/bench_scale.py's sizes (vocab 8192) on the CPU, AdamW as the recipe buil
     MALLOC_MMAP_THRESHOLD_=65536 python scripts/bench_step_memory.py --size 92m   # resident = live
     THP_MEM_ALLOC_ENABLE=0 python scripts/bench_step_memory.py --size 92m         # no huge pages
     python scripts/bench_step_memory.py --size 92m --fresh-memory                 # what fresh pages cost
+    python scripts/bench_step_memory.py --size 92m --recompute-activations --trim  # malloc_trim after each step
 
 glibc keeps freed memory in its heap (it is resident, and reused by the next step); with every allocation above
 64 KiB mapped on its own (the variable above), what is resident is what is live, at a cost in speed. Like a peer
@@ -22,6 +23,7 @@ takes its buffers afresh pays (a VM's host may take freed memory back, and gives
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import sys
@@ -37,6 +39,12 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 def resident() -> int:
     return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def high_water() -> int:
+    """The most this process has held resident (VmHWM)."""
+    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM"))
+    return int(line.split()[1]) * 1024
 
 
 class Peak:
@@ -70,6 +78,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--recompute-activations", action="store_true")
     parser.add_argument("--fresh-memory", action="store_true", help="time writing fresh memory instead of steps")
+    parser.add_argument("--trim", action="store_true",
+                        help="after every step, hand the heap's free memory back to the kernel (glibc's malloc_trim)")
     args = parser.parse_args()
 
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # (before torch loads, as a peer does)
@@ -91,13 +101,20 @@ def main() -> None:
     rows = {"model": (resident() - base) / n}
     optimizer = make_inner_optimizer(model, inner_for(InnerRecipe(), model))
     batch = torch.randint(0, 8192, (args.batch, args.seq_len + 1), generator=torch.Generator().manual_seed(0))
-    inner_step(model, optimizer, batch, torch.device("cpu"), 1e-4, 1.0)
+    trim = ctypes.CDLL(None).malloc_trim if args.trim else lambda _: None
+
+    def step() -> None:
+        inner_step(model, optimizer, batch, torch.device("cpu"), 1e-4, 1.0)
+        trim(0)
+
+    step()
     rows["after the first step (AdamW's state)"] = (resident() - base) / n
     started = time.monotonic()
     for _ in range(args.steps):
-        inner_step(model, optimizer, batch, torch.device("cpu"), 1e-4, 1.0)
+        step()
     seconds = (time.monotonic() - started) / args.steps
     rows["at rest after the steps"] = (resident() - base) / n
+    rows["the process's peak (VmHWM) over the start, the steps' included"] = (high_water() - base) / n
     resting = resident()
     with Peak() as forward:
         loss = lm_loss(model, batch, torch.device("cpu"))
@@ -109,14 +126,14 @@ def main() -> None:
     print(f"{args.size}: {n / 1e6:.1f}M parameters, batch {args.batch} x {args.seq_len}, {args.threads} thread(s), "
           f"recomputed activations: {args.recompute_activations}, MALLOC_MMAP_THRESHOLD_="
           f"{os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}, THP_MEM_ALLOC_ENABLE="
-          f"{os.environ.get('THP_MEM_ALLOC_ENABLE')}")
+          f"{os.environ.get('THP_MEM_ALLOC_ENABLE')}, malloc_trim after every step: {args.trim}")
     for what, value in rows.items():
         print(f"  {what:<60}{value:>8.1f} bytes a parameter")
     print(f"  {'seconds a step':<60}{seconds:>8.2f}")
     print(json.dumps({"size": args.size, "parameters": n, "batch": args.batch, "seq_len": args.seq_len,
                       "recompute_activations": args.recompute_activations,
                       "mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"), "seconds_a_step": seconds,
-                      "thp": os.environ.get("THP_MEM_ALLOC_ENABLE"),
+                      "thp": os.environ.get("THP_MEM_ALLOC_ENABLE"), "trim": args.trim,
                       "bytes_a_parameter": rows}))
 
 
