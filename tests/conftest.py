@@ -141,7 +141,7 @@ class SwarmProcess(EventReader):
 def kill_all_of_session(process: subprocess.Popen) -> None:
     """SIGKILL every process of a child's session: its own group, and p2pd, which runs in a group of its own
     (swarm/dht/lifeline.py)."""
-    for pid in [process.pid, *(int(member.rsplit("[", 1)[1][:-1]) for member in session_members(process.pid))]:
+    for pid in [process.pid, *session_processes(process.pid)]:
         try:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -296,7 +296,12 @@ LEAK_SECONDS = 10.0  # a main process's helpers must exit this soon after it (th
 
 def session_members(session: int) -> list[str]:
     """The live (not zombie) processes of a session, as "name[pid]", read from /proc."""
-    members = []
+    return [f"{name}[{pid}]" for pid, name in session_processes(session).items()]
+
+
+def session_processes(session: int) -> dict[int, str]:
+    """The live (not zombie) processes of a session, pid -> name, read from /proc."""
+    members = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -306,7 +311,7 @@ def session_members(session: int) -> list[str]:
             continue
         name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
         if int(fields[3]) == session and fields[0] not in "ZX":  # fields: state, ppid, pgrp, session, ...
-            members.append(f"{name}[{entry}]")
+            members[int(entry)] = name
     return members
 
 

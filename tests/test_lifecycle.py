@@ -107,6 +107,11 @@ def _helpers_of(pid: int) -> dict[int, ProcessEntry]:
     return helpers
 
 
+def _daemon_socket(helpers: dict[int, ProcessEntry]) -> str:
+    with open(f"/proc/{next(p for p, e in helpers.items() if e.name == 'p2pd')}/cmdline", "rb") as f:
+        return next(a for a in f.read().decode().split("\0") if a.startswith("-listen=/unix"))[13:]
+
+
 def test_helpers_die_with_a_sigkilled_peer_in_each_phase_and_with_the_bootstrap(swarm):
     bootstrap, maddr = swarm.bootstrap()
     swarm.peer(maddr, name="partner")  # averages with the peer killed mid all-reduce
@@ -185,8 +190,7 @@ def test_without_a_parent_death_signal_the_pid_watch_stops_the_node():
         helpers = _helpers_of(process.pid)
         time.sleep(1.0)
         assert all(_running(pid, entry) for pid, entry in helpers.items()), "the forking thread's end killed none"
-        with open(f"/proc/{next(p for p, e in helpers.items() if e.name == 'p2pd')}/cmdline", "rb") as f:
-            socket = next(a for a in f.read().decode().split("\0") if a.startswith("-listen=/unix"))[13:]
+        socket = _daemon_socket(helpers)
         assert os.path.exists(socket)
         killed = time.monotonic()
         os.kill(process.pid, signal.SIGKILL)
@@ -238,9 +242,7 @@ def test_a_sigkilled_process_leaves_no_socket_file_of_its_node(watch):
     try:
         replica_socket = process.stdout.readline().strip()
         helpers = _helpers_of(process.pid)
-        with open(f"/proc/{next(p for p, e in helpers.items() if e.name == 'p2pd')}/cmdline", "rb") as f:
-            daemon_socket = next(a for a in f.read().decode().split("\0") if a.startswith("-listen=/unix"))[13:]
-        sockets = [replica_socket, daemon_socket]
+        sockets = [replica_socket, _daemon_socket(helpers)]
         assert all(os.path.exists(path) for path in sockets), sockets
         killed = time.monotonic()
         os.kill(process.pid, signal.SIGKILL)
@@ -253,10 +255,6 @@ def test_a_sigkilled_process_leaves_no_socket_file_of_its_node(watch):
                 os.kill(pid, signal.SIGKILL)
         process.wait(10)
 
-
-def _daemon_socket(helpers: dict[int, ProcessEntry]) -> str:
-    with open(f"/proc/{next(p for p, e in helpers.items() if e.name == 'p2pd')}/cmdline", "rb") as f:
-        return next(a for a in f.read().decode().split("\0") if a.startswith("-listen=/unix"))[13:]
 
 
 def test_ctrl_c_to_the_whole_process_group_stops_peer_and_bootstrap_cleanly(swarm):
