@@ -260,9 +260,9 @@ def test_a_sigkilled_process_leaves_no_socket_file_of_its_node(watch):
 def test_ctrl_c_to_the_whole_process_group_stops_peer_and_bootstrap_cleanly(swarm):
     """A terminal's Ctrl-C sends SIGINT to its whole foreground process group. p2pd got it too and stopped at once,
     racing the DHT process's shutdown of the node through it: when p2pd went mid-shutdown (`timeout -s INT` on a
-    bootstrap showed it every time), the shutdown hung until the main process's 3 s timeout ("the DHT process did
-    not exit within 3 s"), and a peer's offline record went nowhere. p2pd runs in a group of its own now, which the
-    terminal's signal does not reach: each stops in order, leaving no process and no socket file."""
+    bootstrap showed it in both tries), the shutdown hung until the main process's 3 s timeout ("the DHT process did
+    not exit within 3 s"), and a peer's offline record could not go out. p2pd runs in a group of its own now, which
+    the terminal's signal does not reach: each stops in order, leaving no process and no socket file."""
     bootstrap, maddr = swarm.bootstrap()
     peer = swarm.peer(maddr, name="peer")
     peer.wait_for("training round 0", 120)

@@ -65,8 +65,8 @@ def children_die_with_this_process(prctl: Optional[Prctl], children: list) -> It
     appended to `children`. p2pd stops cleanly on SIGTERM and removes its socket. Each runs in a process group of its
     own (Linux: where the death signal ends it): a terminal's Ctrl-C, SIGINT to its whole foreground group, stopped
     p2pd at once, before this process could shut the node down through it, which then hung until our parent's
-    timeout (3 s) and a peer's offline record went nowhere. Use it only in a process that exists to run hivemind: it
-    rebinds that function for the whole process."""
+    timeout (3 s), and a peer's offline record could not go out. Use it only in a process that exists to run
+    hivemind: it rebinds that function for the whole process."""
     original = asyncio.subprocess.create_subprocess_exec
     parent_pid = os.getpid()
 
