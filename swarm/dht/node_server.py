@@ -121,24 +121,23 @@ class _NodeServer:
         p2pd that is gone never return (a stop then waited out its parent's timeout, 3 s), and a p2pd that was
         killed leaves its socket files behind, which we remove."""
         self.stopping = True
-        ends = [asyncio.ensure_future(child.wait()) for child in self._daemons()]
-        await asyncio.wait([task, *ends], return_when=asyncio.FIRST_COMPLETED)
-        for end in ends:
-            end.cancel()
+        daemon = self._daemon()
+        exited = asyncio.ensure_future(daemon.wait()) if daemon is not None else None
+        await asyncio.wait([task] + ([exited] if exited is not None else []), return_when=asyncio.FIRST_COMPLETED)
+        if exited is not None:
+            exited.cancel()
         if not task.done():
             self._remove_node_sockets()
 
     async def _watch_daemon(self) -> None:
         """p2pd exiting on its own (killed, out of memory) left this node unable to reach anyone, and its peer
         "waiting for peers" for good: end this process then, which the parent reports (P2PD_GONE)."""
-        daemons = self._daemons()
-        if not daemons:
+        daemon = self._daemon()
+        if daemon is None:
             return
-        await asyncio.wait([asyncio.ensure_future(child.wait()) for child in daemons],
-                           return_when=asyncio.FIRST_COMPLETED)
+        code = await daemon.wait()
         if self.stopping:
             return
-        code = next(child.returncode for child in daemons if child.returncode is not None)
         logger.error("p2pd, the libp2p daemon, exited on its own (exit code %s): this node cannot reach the swarm",
                      code)
         self._remove_node_sockets()
@@ -146,11 +145,10 @@ class _NodeServer:
         logging.shutdown()
         os._exit(P2PD_GONE)
 
-    def _daemons(self) -> list:
-        """The p2pd our node runs (not one that hivemind ran and stopped before it, to check that our identity is
-        not in use elsewhere)."""
-        child = getattr(self.node.p2p, "_child", None)  # (hivemind's P2P keeps its daemon's process there)
-        return [child] if child is not None else [c for c in self.children if c.returncode is None]
+    def _daemon(self) -> Any:
+        """The p2pd process our node runs (hivemind's P2P keeps it; not the one hivemind ran and stopped before
+        it, to check that our identity is not in use elsewhere), or None."""
+        return getattr(self.node.p2p, "_child", None)
 
     def _remove_node_sockets(self) -> None:
         """The socket files of our node's P2P (p2pd's and our client's), which a p2pd that is gone left."""

@@ -109,7 +109,7 @@ class DHTProcess:
             replica = await P2P.replicate(await asyncio.wrap_future(self._call("daemon_maddr")))
             # (its unix socket file: P2P.shutdown removes it; if we die first, the DHT process does, as it ends)
             with contextlib.suppress(AttributeError, KeyError, ValueError, TypeError, DHTProcessError):
-                self._call("remove_when_orphaned", replica._client_listen_maddr["unix"])
+                self._call("remove_when_orphaned", replica._client_listen_maddr.value_for_protocol("unix"))
             self._p2p_replica = replica
         return self._p2p_replica
 
