@@ -10,12 +10,17 @@ the same tokens? Simulates, in one process, with the code a peer runs (swarm/sim
   (c) as (b) with an int8 wire
   (d) as (b) with pipeline.schedule: flush (the first stage's gradients on the weights they are applied to; (b)
       and (c) stream, as peers do by default: each batch's gradient applied one step late)
+  (e) as (b) with pipeline.bottleneck: R (--bottleneck, default 16): R values a token cross the boundary, each way,
+      through a trained encoder and decoder, the stage after it embedding the token ids again (swarm/model/stages.py)
+  (f) as (e) with an int8 wire
+  (g) as (e) without the token ids embedded again after the boundary (all that crosses is the R values)
 
 and prints each one's final validation loss, its gap to (a), and the bytes that crossed the stage boundary per
 training token, then one JSON line. Wall time and pipeline utilisation need real peers on real links: not here.
 
     python scripts/bench_pipeline.py                      # 4 layers, H=50, 6 rounds: several minutes on 2 cores
     python scripts/bench_pipeline.py --rounds 2 --inner-steps 10 --only a,b   # a quick look
+    python scripts/bench_pipeline.py --only f --bottleneck 24                # another bottleneck width
 """
 
 from __future__ import annotations
@@ -54,7 +59,8 @@ def main() -> None:
     parser.add_argument("--codec", default="int8", help="pseudo-gradient codec (recipe averaging.codec)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "swarm-bench-cache"))
-    parser.add_argument("--only", help="comma-separated subset of a,b,c")
+    parser.add_argument("--bottleneck", type=int, default=16, help="(e)-(g): pipeline.bottleneck, values a token")
+    parser.add_argument("--only", help="comma-separated subset of a-g")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.peers % args.stages:
@@ -85,6 +91,8 @@ def main() -> None:
         parser.error(str(exc))
     spread = lambda n: [k * recipe.data.num_shards // n for k in range(n)]  # noqa: E731 - starts as peers spread
     flush = recipe.model_copy(update={"pipeline": recipe.pipeline.model_copy(update={"schedule": "flush"})})
+    narrow = recipe.model_copy(update={"pipeline": recipe.pipeline.model_copy(update={"bottleneck": args.bottleneck})})
+    r = args.bottleneck
     steps = h * m // replicas  # microbatches per first-stage peer per round: the same tokens per round as (a)
     configs = {
         "a": (f"DiLoCo M={m} H={h} whole model", lambda: simulate_diloco(recipe, data, spread(m), rounds, h)),
@@ -94,6 +102,13 @@ def main() -> None:
               lambda: simulate_pipeline(recipe, data, spread(replicas), args.stages, rounds, steps, "int8")),
         "d": (f"{args.stages} stages x {replicas} peers, fp16 wire, schedule flush",
               lambda: simulate_pipeline(flush, data, spread(replicas), args.stages, rounds, steps, "fp16")),
+        "e": (f"{args.stages} stages x {replicas} peers, bottleneck {r}, fp16 wire",
+              lambda: simulate_pipeline(narrow, data, spread(replicas), args.stages, rounds, steps, "fp16")),
+        "f": (f"{args.stages} stages x {replicas} peers, bottleneck {r}, int8 wire",
+              lambda: simulate_pipeline(narrow, data, spread(replicas), args.stages, rounds, steps, "int8")),
+        "g": (f"{args.stages} stages x {replicas} peers, bottleneck {r} without re-embedding, fp16 wire",
+              lambda: simulate_pipeline(narrow, data, spread(replicas), args.stages, rounds, steps, "fp16",
+                                        reembed=False)),
     }
     rows = []
     for key in (args.only.split(",") if args.only else list(configs)):
@@ -110,12 +125,13 @@ def main() -> None:
     by_key = {row["config"]: row for row in rows}
     print(f"\n{args.layers}-layer Llama (hidden {args.hidden}), {total_tokens:,} tokens in {rounds} rounds, "
           f"microbatch {args.batch}x{args.seq_len}, pseudo-gradients {args.codec}")
-    print(f"{'config':<36}{'val loss':>10}{'vs (a)':>9}{'boundary B/token':>18}{'tokens':>12}")
+    print(f"{'config':<60}{'val loss':>10}{'vs (a)':>9}{'vs (b)':>9}{'boundary B/token':>18}{'tokens':>12}")
     for row in rows:
         vs_a = f"{(row['val_loss'] / by_key['a']['val_loss'] - 1) * 100:+.2f}%" if "a" in by_key else "-"
-        row["vs_a"] = vs_a
+        vs_b = f"{(row['val_loss'] / by_key['b']['val_loss'] - 1) * 100:+.2f}%" if "b" in by_key else "-"
+        row["vs_a"], row["vs_b"] = vs_a, vs_b
         per_token = f"{row['boundary_bytes_per_token']:.0f}" if "boundary_bytes_per_token" in row else "-"
-        print(f"{row['name']:<36}{row['val_loss']:>10.4f}{vs_a:>9}{per_token:>18}{row['tokens']:>12,}")
+        print(f"{row['name']:<60}{row['val_loss']:>10.4f}{vs_a:>9}{vs_b:>9}{per_token:>18}{row['tokens']:>12,}")
     print(json.dumps(rows))
 
 

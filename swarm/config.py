@@ -221,6 +221,16 @@ class PipelineRecipe(_Section):
                     "moments, one microbatch's activations, as `swarm-peer doctor` estimates them): about what the "
                     "run's volunteers' GPUs hold")
 
+    bottleneck: int = Field(
+        0, ge=0, le=65536,
+        description="values a token sent between stages, forward and backward, in place of the hidden size's: each "
+                    "stage but the last ends with a trained encoder to this width, each but the first starts with a "
+                    "decoder back and its own embedding of the token ids (swarm/model/stages.py); 0 (default): "
+                    "the hidden states as they are")
+    activations: Literal["fp16", "int8"] = Field(
+        "fp16", description="how the values between stages travel, forward and backward: fp16 (default), or int8 "
+                            "(8-bit with a scale per chunk: half the bytes)")
+
     schedule: Literal["stream", "flush"] = Field(
         "stream", description="how a first-stage peer sends its microbatches: stream (default) keeps them in flight "
                               "across batches, so stages rarely wait for each other, and applies each batch's "
@@ -286,6 +296,13 @@ class Recipe(_Section):
             raise ValueError(f"pipeline.stages {stages} exceeds model.num_layers {self.model.num_layers}")
         if stages != 1 and self.outer.overlap:
             raise ValueError("pipeline.stages other than 1 does not run with outer.overlap yet: set one or the other")
+        bottleneck = self.pipeline.bottleneck
+        if bottleneck and stages == 1:
+            raise ValueError("pipeline.bottleneck narrows what travels between stages, and a run of pipeline.stages 1 "
+                             "has none: cut the model into stages, or leave bottleneck out")
+        if bottleneck and self.model.config_file is None and bottleneck >= self.model.hidden_size:
+            raise ValueError(f"pipeline.bottleneck {bottleneck} is not under model.hidden_size "
+                             f"{self.model.hidden_size}: give a narrower one, or 0 for none")
         return self
 
     @model_validator(mode="after")

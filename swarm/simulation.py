@@ -256,9 +256,23 @@ class PipelineResult(SimulationResult):
     stage_microbatches: list[list[int]] = field(default_factory=list)  # per stage, per replica
 
 
+def _stages_validation_loss(stages: list, batches: list[torch.Tensor], device: str) -> float:
+    """The mean loss of the stages chained (each as it stands) on `batches`, as validation_loss of a whole model."""
+    losses = []
+    with torch.no_grad():
+        for batch in batches:
+            batch = batch.to(device)
+            inputs, x = batch[:, :-1], batch[:, :-1]
+            for stage in stages:
+                x = stage(x, inputs)
+            losses.append(float(torch.nn.functional.cross_entropy(x.reshape(-1, x.shape[-1]).float(),
+                                                                  batch[:, 1:].reshape(-1))))
+    return sum(losses) / len(losses)
+
+
 def simulate_pipeline(recipe: Recipe, data: RunData, shards: list[int], stages: int, rounds: int,
                       inner_steps: int, wire_codec: str = "fp16", codec_name: Optional[str] = None,
-                      seed: int = 0, device: str = "cpu") -> PipelineResult:
+                      seed: int = 0, device: str = "cpu", reembed: bool = True) -> PipelineResult:
     """DiLoCo-SWARM: `stages` stages of the model (swarm.model.stages.even_bounds), each hosted by R = len(shards)
     replicas (R x stages peers). Each first-stage replica reads its data shard; every microbatch goes on to a
     replica of the next stage drawn at random (SWARM's stochastic wiring, equal throughputs), activations and
@@ -269,7 +283,10 @@ def simulate_pipeline(recipe: Recipe, data: RunData, shards: list[int], stages: 
     weights before its step i - 1 (the first two on the round's start). After `inner_steps` microbatches per first-stage
     replica, each stage's replicas average their pseudo-gradients (weighted by the tokens each processed, through
     the recipe's codec with error feedback) and that stage takes its outer step.
-    Validation uses the stages' global params together. `activation_bytes` counts every boundary crossing."""
+    With the recipe's pipeline.bottleneck, each boundary carries that many values a token (swarm/model/stages.py;
+    `reembed` False: the stage after it does not embed the token ids again, for the benchmark's comparison).
+    Validation uses the stages' global params together (no wire codec: the values as computed).
+    `activation_bytes` counts every boundary crossing."""
     from torch.func import functional_call
 
     from swarm.model.stages import WireStats, even_bounds, make_stages, run_pipeline
@@ -279,7 +296,8 @@ def simulate_pipeline(recipe: Recipe, data: RunData, shards: list[int], stages: 
     models = [build_model(recipe.model, data.vocab_size).to(device) for _ in shards]
     inner = inner_for(recipe.inner, models[0])
     bounds = even_bounds(n_blocks(models[0]), stages)
-    hosted = [make_stages(model, bounds) for model in models]  # hosted[r][s]: stage s of replica r's model
+    hosted = [make_stages(model, bounds, recipe.pipeline.bottleneck, recipe.model.seed, reembed)
+              for model in models]  # hosted[r][s]: stage s of replica r's model
     dilocos = [DiLoCo(hosted[0][s], recipe.outer) for s in range(stages)]  # replica 0 holds each stage's globals
     optimizers = [[make_inner_optimizer(hosted[r][s], inner) for s in range(stages)] for r in range(replicas)]
     feedback = [[ErrorFeedback(codec.error_feedback, codec.feedback_decay) for _ in range(stages)]
@@ -309,7 +327,7 @@ def simulate_pipeline(recipe: Recipe, data: RunData, shards: list[int], stages: 
                 if stages > 1 and recipe.pipeline.schedule == "stream":  # forward on the weights before its last step
                     weights = {name: (param if stashed[first] is None else stashed[first][name]).detach().clone()
                                .requires_grad_(True) for name, param in head.named_parameters()}
-                    pipeline[0] = lambda x, head=head, weights=weights: functional_call(head, weights, (x,))
+                    pipeline[0] = lambda x, ids, head=head, weights=weights: functional_call(head, weights, (x, ids))
                 run_pipeline(pipeline, next(batches[first]).to(device), wire, stats)
                 if weights is not None:
                     stashed[first] = {name: param.detach().clone() for name, param in head.named_parameters()}
@@ -342,7 +360,7 @@ def simulate_pipeline(recipe: Recipe, data: RunData, shards: list[int], stages: 
             dilocos[s].outer_step(average, int(total))
         result.stage_microbatches.append([[n // tokens_per_step for n in row] for row in processed])
         result.tokens += sum(processed[0])
-        result.val_losses.append(validation_loss(models[0], data.eval_batches, torch.device(device)))
+        result.val_losses.append(_stages_validation_loss(hosted[0], data.eval_batches, device))
         logger.info("pipeline %d stages x %d replicas, round %d: val loss %.4f", stages, replicas, round_no,
                     result.val_losses[-1])
     result.activation_bytes = stats.forward_bytes + stats.backward_bytes

@@ -46,8 +46,15 @@ def part_params(recipe: Recipe, model=None) -> list[tuple[int, int, bool]]:
     blocks = n_blocks(model)
     if recipe.pipeline.stages == 1:
         return [(sum(p.numel() for p in model.parameters()), blocks, True)]
-    return [(sum(p.numel() for p in Stage(model, a, b).parameters()), b - a, b == blocks)
+    return [(sum(p.numel() for p in Stage(model, a, b, recipe.pipeline.bottleneck).parameters()), b - a, b == blocks)
             for a, b in even_bounds(blocks, recipe.pipeline.stages)]
+
+
+def stage_costs(recipe: Recipe, model, parts: list[tuple[int, int, bool]]) -> list[int]:
+    """Each stage's work a token (of part_params' `parts` of `model`), counted in its parameters but its token
+    embedding's, a lookup of no work: the first stage's, and with a bottleneck every later stage's own."""
+    embedding = model.get_input_embeddings().weight.numel()
+    return [params - (embedding if k == 0 or recipe.pipeline.bottleneck else 0) for k, (params, *_) in enumerate(parts)]
 
 
 def stage_needs(recipe: Recipe, model=None, parts: Optional[list[tuple[int, int, bool]]] = None) -> list[int]:

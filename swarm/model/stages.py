@@ -10,6 +10,14 @@ Qwen2, OLMo, GPT-NeoX/Pythia, ...); families that add learned position embedding
 them again at every stage, and are refused with one line. A model whose head is tied to its input embedding is
 refused too: the first and the last stage would each train their own copy.
 
+With `pipeline.bottleneck: r` a boundary carries r values a token instead of the hidden size's (after ResBM, arXiv
+2604.11947): the stage before it ends with a linear encoder (hidden -> r), the stage after it starts with a linear
+decoder (r -> hidden) and adds its own embedding of the token ids, which travel with every microbatch anyway, so
+the token's identity need not squeeze through the r values (as Protocol Models, arXiv 2506.01260, keep the token
+embeddings out of their subspace). These modules are parameters of their stages like any other: trained end to end
+by the stages' backward passes, averaged by each stage's DiLoCo. The cut model is then not the whole model (its
+stages compute something else than the uncut model would), so it is a choice of the run's owner, in the recipe.
+
 The activations between stages travel through a codec (swarm.compression), forward and backward: `run_pipeline`
 is one training step of a whole pipeline with that wire in the middle, for the benchmark and the tests.
 """
@@ -45,9 +53,13 @@ def even_bounds(n_blocks: int, stages: int) -> list[tuple[int, int]]:
 
 class Stage(torch.nn.Module):
     """Blocks [start, end) of `model` (sharing its parameters), with its embedding if start == 0 and its final norm
-    and head if end == n_blocks. `parameters()` are the stage's own."""
+    and head if end == n_blocks; with a `bottleneck`, the boundary modules of its side of each of its boundaries
+    (an encoder if it is not the last, a decoder and, with `reembed`, a token embedding if it is not the first),
+    initialised from `seed` unless built on the meta device (materialize does it there). `parameters()` are the
+    stage's own."""
 
-    def __init__(self, model: torch.nn.Module, start: int, end: int):
+    def __init__(self, model: torch.nn.Module, start: int, end: int, bottleneck: int = 0, seed: int = 0,
+                 reembed: bool = True):
         super().__init__()
         name = type(model).__name__
         parts = block_map(model)
@@ -87,14 +99,57 @@ class Stage(torch.nn.Module):
         stage_base.config.num_hidden_layers = end - start
         self.body = stage_base
         self.head = head if self.last else None
+        self.bottleneck, self.seed = bottleneck, seed
+        hidden = int(model.config.hidden_size)
+        if bottleneck and not 0 < bottleneck < hidden:
+            raise StageError(f"pipeline.bottleneck {bottleneck} is not under the hidden size {hidden}: give a "
+                             f"narrower one (16 to {hidden // 4} send 8x to 32x fewer values), or 0 for none")
+        on = dict(device=embedding.weight.device)
+        # The boundary modules (swarm/model/stages.py's docstring): ours alone, trained and averaged with the stage.
+        self.encode = torch.nn.Linear(hidden, bottleneck, bias=False, **on) if bottleneck and not self.last else None
+        self.decode = torch.nn.Linear(bottleneck, hidden, bias=False, **on) if bottleneck and not self.first else None
+        self.embed = torch.nn.Embedding(embedding.num_embeddings, hidden, **on) \
+            if bottleneck and reembed and not self.first else None
+        if embedding.weight.device.type != "meta":
+            self.init_boundaries()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids (first stage) or hidden states -> hidden states, or logits (last stage)."""
+    def init_boundaries(self) -> None:
+        """Initialise the boundary modules, the same on every peer: a boundary's encoder (the stage before it) and
+        decoder (the stage after) start as Q^T and Q for one orthonormal Q (hidden x bottleneck) drawn from the
+        boundary's seed, so at first the pair passes on the projection of the residual stream onto Q's columns
+        (the low-rank identity path); the token embedding is drawn as the family draws its own (normal, std
+        initializer_range)."""
+        for module, cut, transpose in ((self.encode, self.end, True), (self.decode, self.start, False)):
+            if module is None:
+                continue
+            generator = torch.Generator().manual_seed(module_seed(self.seed, f"bottleneck@{cut}"))
+            q, _ = torch.linalg.qr(torch.randn(max(module.weight.shape), self.bottleneck, generator=generator))
+            with torch.no_grad():
+                module.weight.copy_(q.T if transpose else q)
+        if self.embed is not None:
+            generator = torch.Generator().manual_seed(module_seed(self.seed, f"embed@{self.start}"))
+            std = float(getattr(self.body.config, "initializer_range", 0.02))
+            with torch.no_grad():
+                self.embed.weight.copy_(torch.randn(self.embed.weight.shape, generator=generator) * std)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (first stage) or what the stage before sent -> what the next stage takes (hidden states, or
+        their bottleneck code), or logits (last stage). `ids`: the microbatch's input token ids (b, t), which a
+        stage after a bottleneck embeds again (and without which it raises StageError)."""
         if self.first:
             hidden = self.body(input_ids=x, use_cache=False).last_hidden_state
         else:
+            if self.decode is not None:
+                x = self.decode(x)
+            if self.embed is not None:
+                if ids is None or ids.shape != x.shape[:2]:
+                    raise StageError(f"stage [{self.start}, {self.end}) embeds the token ids again after the "
+                                     f"bottleneck: give the microbatch's input ids, shape {tuple(x.shape[:2])}")
+                x = x + self.embed(ids)
             hidden = self.body(inputs_embeds=x, use_cache=False).last_hidden_state
-        return self.head(hidden) if self.last else hidden
+        if self.last:
+            return self.head(hidden)
+        return self.encode(hidden) if self.encode is not None else hidden
 
 
 def materialize(model: torch.nn.Module, stage: Stage, seed: int, device: torch.device | str = "cpu") -> None:
@@ -125,6 +180,8 @@ def materialize(model: torch.nn.Module, stage: Stage, seed: int, device: torch.d
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(module_seed(seed, path))
             model._init_weights(module)
+    stage.seed = seed
+    stage.init_boundaries()
     unset = [name for name, tensor in tensors if tensor.is_floating_point() and torch.isnan(tensor).any()]
     if unset:
         raise StageError(f"{type(model).__name__}'s init leaves {unset[0]} unset when a stage is built alone: this "
@@ -132,9 +189,11 @@ def materialize(model: torch.nn.Module, stage: Stage, seed: int, device: torch.d
     stage.to(device)
 
 
-def make_stages(model: torch.nn.Module, bounds: Sequence[tuple[int, int]]) -> list[Stage]:
-    """The stages of `model` for consecutive `bounds` covering all its blocks (see even_bounds)."""
-    stages = [Stage(model, start, end) for start, end in bounds]
+def make_stages(model: torch.nn.Module, bounds: Sequence[tuple[int, int]], bottleneck: int = 0, seed: int = 0,
+                reembed: bool = True) -> list[Stage]:
+    """The stages of `model` for consecutive `bounds` covering all its blocks (see even_bounds), with a
+    `bottleneck` at each boundary (Stage; 0: none) initialised from `seed` (the recipe's model seed)."""
+    stages = [Stage(model, start, end, bottleneck, seed, reembed) for start, end in bounds]
     if stages[0].start != 0 or stages[-1].end != stages[-1].n_blocks or \
             any(a.end != b.start for a, b in zip(stages, stages[1:])):
         raise StageError(f"stage bounds {list(bounds)} do not cover the blocks one after another")
@@ -159,7 +218,7 @@ def run_pipeline(stages: Sequence[Stage], batch: torch.Tensor, codec: Codec, sta
     received: list[torch.Tensor] = []  # what the next stage got: decoded, a leaf that collects its gradient
     x = inputs
     for index, stage in enumerate(stages):
-        out = stage(x)
+        out = stage(x, inputs)
         if index == len(stages) - 1:
             loss = F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), targets.reshape(-1))
             break

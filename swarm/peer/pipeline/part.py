@@ -3,8 +3,8 @@ the default) trains the whole model on the peer's own batches, as always. In a r
 stage (swarm/model/stages.py), chosen with `--stage K` or where the fewest live peers are, and every round-related
 service (announcements, groups, state, replay) runs under that stage's run id, so the peers of a stage are a
 DiLoCo swarm of their own. A first-stage peer reads batches and sends each through the pipeline (a Router to the
-next stage's peers, routing.py); the others serve microbatches from the stage before, which their
-training thread runs (so a microbatch never races an outer step).
+next stage's peers, routing.py); the others serve microbatches from the stage before, which their training thread
+runs (so a microbatch never races an outer step).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from swarm.dht import view
 from swarm.dht.node import SwarmNode
 from swarm.dht.records import ONLINE_STATES, TRAINING_STATES, parse_peer_records, peers_key
 from swarm.model.build import build_model, n_blocks as count_blocks
-from swarm.model.memory import fmt_bytes, part_params, stage_needs
+from swarm.model.memory import fmt_bytes, part_params, stage_costs, stage_needs
 from swarm.model.stages import Stage, even_bounds, materialize
 from swarm.peer.pipeline.microbatches import MicrobatchStream, together
 from swarm.peer.pipeline.placement import memory_limits, stage_to_move_to, upstream_finished, weakest_stage
@@ -75,8 +75,7 @@ class Part:
         limit, capacity = memory_limits(settings)
         parts = part_params(recipe, model)
         needs = stage_needs(recipe, parts=parts)  # (as doctor estimates)
-        embedding = model.get_input_embeddings().weight.numel()  # (a lookup: no work per token)
-        self.costs = [params - (embedding if k == 0 else 0) for k, (params, _, _) in enumerate(parts)]
+        self.costs = stage_costs(recipe, model, parts)
         if self.stages == 1:
             need = needs[0]
             if limit is not None and need > limit:
@@ -105,7 +104,7 @@ class Part:
                                   f"--max-memory allows {fmt_bytes(limit)}: host a stage that fits "
                                   f"({', '.join(map(str, fits))}), or raise --max-memory")
             self.bounds = self.all_bounds[self.index]
-            self.module = Stage(model, *self.bounds)
+            self.module = Stage(model, *self.bounds, recipe.pipeline.bottleneck)
             materialize(model, self.module, recipe.model.seed, device)
             hosted = {id(param) for param in self.module.parameters()}
             for param in model.parameters():  # the other stages' weights, where the model was built whole: freed
@@ -158,12 +157,13 @@ class Part:
         if not self.first:  # one step per batch's worth of rows, however the stage before cut its batches
             self.worker.step_rows = self.recipe.data.batch_size
         self._next_peers: list[tuple[str, float]] = []
+        config, data, pipeline = self.model.config, self.recipe.data, self.recipe.pipeline
         if self.index + 1 < self.stages:
             self.router = Router(self.node, stage_protocol(self.recipe.run_id, *self.all_bounds[self.index + 1]),
-                                 lambda: self._next_peers, duplicate_share=self.recipe.pipeline.duplicate_share)
+                                 lambda: self._next_peers, pipeline.activations,
+                                 duplicate_share=pipeline.duplicate_share)
         if self.first:  # the next stage's peers may ask us to compute activations again (recompute.py)
-            data = self.recipe.data
-            self.recompute = RecomputeServer(self.worker, data.batch_size * data.seq_len, self.model.config.vocab_size,
+            self.recompute = RecomputeServer(self.worker, data.batch_size * data.seq_len, config.vocab_size,
                                              lambda: self._next_live, self.loop.loop, max_seq=data.seq_len)
             self.loop.run(self.node.add_stream_handler(recompute_protocol(self.recipe.run_id, *self.bounds),
                                                        self.recompute.handle), timeout=30)
@@ -171,16 +171,15 @@ class Part:
             # work: k, or the number of stages where that is more (a batch's then travel with the next batch's).
             k = self.settings.microbatches
             self.stream = MicrobatchStream(self.worker, self.router.send(self.loop), parts=k,
-                                           window=max(k, self.stages),
-                                           across=self.recipe.pipeline.schedule == "stream")
+                                           window=max(k, self.stages), across=pipeline.schedule == "stream")
         self.started, self.server = time.monotonic(), None
         self.loop.submit(self._watch())
         if not self.first:
-            config, data = self.model.config, self.recipe.data
             self.work = Handoff(self.loop.loop)
-            self.server = server = StageServer(self.worker, config.hidden_size, data.batch_size * data.seq_len,
-                                               config.vocab_size, self.loop.loop, execute=self.work.hand_over,
-                                               execute_eval=lambda x, targets: self.work.hand_over(x, targets, None))
+            self.server = server = StageServer(
+                self.worker, pipeline.bottleneck or config.hidden_size, data.batch_size * data.seq_len,
+                config.vocab_size, self.loop.loop, execute=self.work.hand_over,
+                execute_eval=lambda x, ids: self.work.hand_over(x, ids, None))
             if self.router is not None:  # a middle stage: it takes more microbatches while those it sent on travel
                 self.relay = Relay(self.worker, self.router.send(self.loop), self.router.send(self.loop, evaluate=True),
                                    self.work.answer, window=2 * max(self.settings.microbatches, 1))
@@ -189,9 +188,10 @@ class Part:
             server.judge_losses, server.max_seq = self.index == 1 and self.stages == 2, data.seq_len
             if self.index == 1:  # the first stage's activations, a share of them computed again by its other peers
                 server.verify = Recheck(self.node, recompute_protocol(self.recipe.run_id, *self.all_bounds[0]),
-                                        lambda: self._first_peers, server.check, self.recipe.pipeline.duplicate_share)
-            self.loop.run(self.node.add_stream_handler(stage_protocol(self.recipe.run_id, *self.bounds),
-                                                       server.handle), timeout=30)
+                                        lambda: self._first_peers, server.check, pipeline.duplicate_share,
+                                        pipeline.activations)
+            self.loop.run(self.node.add_stream_handler(stage_protocol(self.recipe.run_id, *self.bounds), server.handle),
+                          timeout=30)
 
     def follow(self, round_no: Callable[[], int]) -> None:
         """Give our server, router, recompute server and stream our stage's round: our answers and training
@@ -368,15 +368,15 @@ class Part:
         entry = self.work.take(WAIT_SECONDS)
         if entry is None:
             return None, 0, 0
-        x, targets, scale, accept, done = entry
+        x, ids, scale, accept, done = entry
         try:
             if scale is None:  # a validation microbatch: its loss, nothing trained
-                loss = self.worker.evaluate(x, targets, None if self.router is None else
+                loss = self.worker.evaluate(x, ids, None if self.router is None else
                                             self.router.evaluator(self.loop))
                 self.work.answer(done, loss)
                 return None, 0, 0
             # (a microbatch whose sender gave up on it meanwhile is not trained on: it is sent elsewhere)
-            grad, loss = self.worker.step(x, targets, None if self.router is None else
+            grad, loss = self.worker.step(x, ids, None if self.router is None else
                                           unless_dropped(self.router.hop(self.loop), done.done), scale, accept)
         except Exception as e:  # noqa: BLE001 - the stage before learns of it and retries elsewhere
             if isinstance(e, concurrent.futures.CancelledError):  # (our next hop, cancelled by a stop signal)
@@ -384,7 +384,7 @@ class Part:
             self.work.answer(done, error=e)
             return None, 0, 0
         self.work.answer(done, (grad, loss))
-        return loss, targets.numel(), 0
+        return loss, x.shape[0] * x.shape[1], 0
 
     def finish(self, stop: threading.Event, events) -> None:
         """At the end of training: finish the batches in flight (a first stage: a few tries) or drain (a serving

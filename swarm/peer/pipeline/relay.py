@@ -24,7 +24,7 @@ import torch
 from torch.func import functional_call
 
 from swarm.peer.pipeline.microbatches import Send
-from swarm.peer.pipeline.worker import Accept, PipelineError, StageWorker
+from swarm.peer.pipeline.worker import Accept, PipelineError, StageWorker, split_ids
 
 GENERATIONS = 2  # copies of the weights in flight at most
 POLL_SECONDS = 0.002  # with microbatches in flight, how long a look at the stage before's queue waits
@@ -46,7 +46,7 @@ class _Hop:
     generation: Optional[_Generation]  # None: a validation microbatch
     inputs: torch.Tensor  # the activations that came, a leaf whose gradient goes back
     out: torch.Tensor  # our output, with the graph its gradient is backpropagated through
-    targets: torch.Tensor
+    ids: torch.Tensor  # its token ids: targets or whole rows (worker.split_ids), sent on as they came
     accept: Optional[Accept]
     done: object  # the sender's future (Handoff's): done once answered, or once its handler gave up
     future: concurrent.futures.Future = field(default=None)
@@ -55,7 +55,7 @@ class _Hop:
 class Relay:
     """Runs `worker`'s stage (a middle one) with up to `window` microbatches in flight, sent on with `send` (training
     ones) and `send_eval` (validation ones, which go through with the live weights and train nothing); what `take`
-    returns are Handoff entries (activations, targets, scale or None for validation, accept, future), and `answer`
+    returns are Handoff entries (activations, token ids, scale or None for validation, accept, future), and `answer`
     answers them."""
 
     def __init__(self, worker: StageWorker, send: Send, send_eval: Send, answer: Answer, window: int):
@@ -114,10 +114,11 @@ class Relay:
         return generation.rows >= (self.worker.step_rows or 1)
 
     def _take(self, entry: tuple) -> None:
-        x, targets, scale, accept, done = entry
+        x, ids, scale, accept, done = entry
+        input_ids = split_ids(ids, x.shape[1])[0]
         if scale is None:  # a validation microbatch: the pipeline's loss with the live weights, nothing trained
-            out = self.worker.output(x)
-            self.flight.append(_Hop(None, x, out, targets, None, done, self.send_eval(out, targets, 1.0)))
+            out = self.worker.output(x, input_ids)
+            self.flight.append(_Hop(None, x, out, ids, None, done, self.send_eval(out, ids, 1.0)))
             return
         if not self.generations or self._full(self.generations[-1]):
             self.generations.append(_Generation(self.worker.stash()))
@@ -125,12 +126,13 @@ class Relay:
         with self.worker.lock:
             started = time.perf_counter()
             inputs = x.to(self.worker.device).detach().requires_grad_(True)
-            out = functional_call(self.worker.stage, generation.weights, (inputs,))
+            on_device = None if input_ids is None else input_ids.to(self.worker.device, torch.long)
+            out = functional_call(self.worker.stage, generation.weights, (inputs, on_device))
             self.worker.computed(started)
         generation.rows += x.shape[0]
         generation.out += 1
-        hop = _Hop(generation, inputs, out, targets, accept, done)
-        hop.future = self.send(out.detach(), targets, scale)
+        hop = _Hop(generation, inputs, out, ids, accept, done)
+        hop.future = self.send(out.detach(), ids, scale)
         self.flight.append(hop)
 
     def _finish(self, timeout: float) -> list[tuple[float, int]]:
@@ -158,7 +160,7 @@ class Relay:
             except Exception as e:  # noqa: BLE001 - its sender learns of it, and retries elsewhere
                 answers.append((hop.done, None, _stopping(e)))
             else:
-                finished.append((loss, hop.targets.numel()))
+                finished.append((loss, hop.inputs.shape[0] * hop.inputs.shape[1]))
                 answers.append((hop.done, (hop.inputs.grad.detach().cpu(), loss), None))
         # (the newest generation stays open for more rows while nothing else is in flight)
         while self.generations and self.generations[0].out == 0 and (
@@ -182,7 +184,7 @@ class Relay:
             hop.generation.trained += 1
             if not self.worker.frozen:
                 self.worker.microbatches += 1
-                self.worker.tokens += hop.targets.numel()
+                self.worker.tokens += hop.inputs.shape[0] * hop.inputs.shape[1]
             self.worker.computed(started)
         return loss
 

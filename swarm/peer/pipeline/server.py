@@ -148,13 +148,14 @@ class StageServer:
                     self.refused["activations"] += 1
                     await send_frame(writer, msgpack.packb({"error": problem}))
                     return
+                ids = targets if rows is None else rows  # (passed on as they came: worker.split_ids)
                 if evaluate:
-                    loss = await self.execute_eval(x.reshape(b, t, h), targets.reshape(b, t))
+                    loss = await self.execute_eval(x.reshape(b, t, h), ids)
                     loss = float(loss) / (LIE_SCALE if self.lie == "low-loss" else 1.0)
                     await send_frame(writer, msgpack.packb({"loss": float(loss)}))
                     return
                 round_before = self.round() if self.round is not None else None
-                grad, loss = await self.execute(x.reshape(b, t, h), targets.reshape(b, t), scale,
+                grad, loss = await self.execute(x.reshape(b, t, h), ids, scale,
                                                 self._loss_check(remote) if self.judge_losses else None)
                 round_no = self.round() if self.round is not None else None
                 grad = _lie_about(grad, self.lie)
@@ -217,6 +218,9 @@ class StageServer:
         if self.verify is not None and not whole:
             return None, None, ("the stage after the first takes the whole rows of token ids (inputs and targets), "
                                 "so that other first-stage peers can compute the activations again: update swarm")
+        if self.worker.stage.embed is not None and not whole:
+            return None, None, ("a stage after a bottleneck takes the whole rows of token ids (inputs and targets): "
+                                "it embeds the input ids again; update swarm")
         ids = token_ids(ids, self.vocab_size)
         if ids is None:
             return None, None, "activations or targets malformed"
@@ -248,9 +252,9 @@ class StageServer:
     def _check(self, shape: object, codec: object) -> Optional[str]:
         if not isinstance(shape, list) or len(shape) != 3 or \
                 not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape):
-            return "shape is not (batch, tokens, hidden)"
+            return "shape is not (batch, tokens, width)"
         if shape[2] != self.hidden:
-            return f"hidden size {shape[2]}, not {self.hidden}"
+            return f"{shape[2]} values a token, not the {self.hidden} this stage takes"
         too_large = size_problem(shape[0], shape[1], self.max_tokens, self.max_seq)
         if too_large is not None:
             return too_large
@@ -258,15 +262,15 @@ class StageServer:
             return f"codec {shown(codec)} is not one for activations (none, fp16, bf16, int8)"
         return None
 
-    async def _eval_in_executor(self, x: torch.Tensor, targets: torch.Tensor) -> float:
+    async def _eval_in_executor(self, x: torch.Tensor, ids: torch.Tensor) -> float:
         downstream = None if self.downstream is None else self.downstream.evaluator(self.loop)
-        return await self._in_thread(lambda dropped: self.worker.evaluate(x, targets, downstream))
+        return await self._in_thread(lambda dropped: self.worker.evaluate(x, ids, downstream))
 
-    async def _in_executor(self, x: torch.Tensor, targets: torch.Tensor, scale: float,
+    async def _in_executor(self, x: torch.Tensor, ids: torch.Tensor, scale: float,
                            accept: Optional[Accept] = None) -> tuple[torch.Tensor, float]:
         hop = None if self.downstream is None else self.downstream.hop(self.loop)
         return await self._in_thread(lambda dropped: self.worker.step(
-            x, targets, None if hop is None else unless_dropped(hop, dropped), scale, accept))
+            x, ids, None if hop is None else unless_dropped(hop, dropped), scale, accept))
 
     async def _in_thread(self, run: Callable[[Callable[[], bool]], object]):
         """`run(dropped)` in the server's one thread (microbatches wait their turn here, not on the worker's lock),
@@ -300,10 +304,10 @@ def unless_dropped(downstream: Downstream, dropped: Callable[[], bool]) -> Downs
     """`downstream` (a middle stage's next hop), raising PipelineError instead once `dropped()` (the microbatch's
     handler gave up on it), before the hop and after it: StageWorker.step then applies nothing (it raises what its
     downstream raises, before the backward), so a microbatch its sender retried elsewhere is not trained twice."""
-    def hop(out: torch.Tensor, targets: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, float]:
+    def hop(out: torch.Tensor, ids: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, float]:
         if dropped():
             raise PipelineError(DROPPED)
-        answer = downstream(out, targets, scale)
+        answer = downstream(out, ids, scale)
         if dropped():
             raise PipelineError(DROPPED)
         return answer
@@ -326,7 +330,7 @@ async def _skip(reader: asyncio.StreamReader, limit: int, seconds: float) -> Non
 
 class Handoff:
     """Microbatches a serving stage's handler (on `loop`) hands to the training thread, which also takes its outer
-    steps: `queue` holds (activations, targets, scale, accept, the future of the answer); scale None is a validation
+    steps: `queue` holds (activations, token ids, scale, accept, the future of the answer); scale None is a validation
     microbatch. At most `max_waiting` wait: one more is refused at once ("busy"). One whose handler gives up on it
     (its timeout, a cancel) leaves the queue then, and `queue.get` never returns one whose future is done; a hop the
     training thread runs for it is best wrapped in `unless_dropped(hop, done.done)`, so that once it is given up
@@ -338,14 +342,14 @@ class Handoff:
         self.queue = _Waiting(max_waiting)
         self.closed = False  # (set on the loop)
 
-    async def hand_over(self, x: torch.Tensor, targets: torch.Tensor, scale: Optional[float],
+    async def hand_over(self, x: torch.Tensor, ids: torch.Tensor, scale: Optional[float],
                         accept: Optional[Accept] = None):
         """A served microbatch, run by the training thread (part.py); a validation one (forward only, its loss) with
         `scale` None. Raises PipelineError at once if `max_waiting` wait already, or the peer is stopping."""
         if self.closed:
             raise PipelineError("the stage peer is stopping")
         done = self.loop.create_future()
-        entry = (x, targets, scale, accept, done)
+        entry = (x, ids, scale, accept, done)
         try:
             self.queue.put_nowait(entry)
         except queue.Full:
@@ -385,8 +389,8 @@ class Handoff:
 
 
 class _Waiting(queue.Queue):
-    """Handoff's queue of (activations, targets, scale, accept, future): `get` passes over entries whose future is done
-    (their handler gave up on them: nobody waits for the answer, and their sender retried elsewhere), and `discard`
+    """Handoff's queue of (activations, token ids, scale, accept, future): `get` passes over entries whose future is
+    done (their handler gave up on them: nobody waits for the answer, and their sender retried elsewhere), and `discard`
     takes one out before its turn. (A future is settled on the loop only; the training thread reads done(),
     one flag.)"""
 

@@ -48,13 +48,23 @@ class RetryLog:
             self.since = None
 
 
-# (activations, targets, the microbatch's share of its batch) -> (their gradient, the microbatch's loss)
+# (activations, token ids (split_ids), the microbatch's share of its batch) -> (their gradient, the microbatch's loss)
 Downstream = Callable[[torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, float]]
 # A microbatch's loss, before anything is applied -> None, or raises PipelineError to refuse the microbatch
 Accept = Callable[[float], None]
-# (activations, targets, share, accept) -> (their gradient, the microbatch's loss)
+# (activations, token ids, share, accept) -> (their gradient, the microbatch's loss)
 Execute = Callable[[torch.Tensor, torch.Tensor, float, Optional[Accept]], Awaitable[tuple[torch.Tensor, float]]]
-Evaluate = Callable[[torch.Tensor, torch.Tensor], float]  # (activations, targets) -> the rest of the pipeline's loss
+Evaluate = Callable[[torch.Tensor, torch.Tensor], float]  # (activations, token ids) -> the rest of the pipeline's loss
+
+
+def split_ids(ids: torch.Tensor, tokens: int) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    """(the input ids, or None; the targets) of a microbatch of rows of `tokens` tokens, from the token ids that
+    travel with it: its targets (rows of `tokens`), or its whole rows (of `tokens` + 1: the inputs are the first
+    `tokens`, the targets the last), which a first stage sends and a stage after a bottleneck needs (it embeds the
+    input ids again, swarm/model/stages.py)."""
+    if ids.shape[-1] == tokens + 1:
+        return ids[..., :-1], ids[..., 1:]
+    return None, ids
 
 
 class StageWorker:
@@ -77,18 +87,20 @@ class StageWorker:
         # CPU, so it goes there first, and what goes back on the wire comes back to the CPU.
         self.device = next(stage.parameters()).device
 
-    def step(self, x: torch.Tensor, targets: torch.Tensor, downstream: Optional[Downstream],
+    def step(self, x: torch.Tensor, ids: torch.Tensor, downstream: Optional[Downstream],
              scale: float = 1.0, accept: Optional[Accept] = None) -> tuple[Optional[torch.Tensor], float]:
-        """Run a microbatch: `x` token ids (first stage) or the previous stage's activations, `targets` the next
-        tokens, `scale` its share of its batch (its loss counts that much). The last stage takes the loss; the
-        others pass their output to `downstream`, which returns its gradient and the loss. Returns (the gradient
-        of `x`, None on the first stage; the loss). Raises what `downstream` raises, with nothing applied, and so
-        does `accept` (given the loss before anything is applied: StageServer's check of the stage before)."""
+        """Run a microbatch: `x` token ids (first stage) or the previous stage's activations, `ids` its targets or
+        whole rows (split_ids; passed on as they came), `scale` its share of its batch (its loss counts that much).
+        The last stage takes the loss; the others pass their output to `downstream`, which returns its gradient and
+        the loss. Returns (the gradient of `x`, None on the first stage; the loss). Raises what `downstream` raises,
+        with nothing applied, and so does `accept` (given the loss before anything is applied: StageServer's check
+        of the stage before)."""
         with self.lock:
             started = time.perf_counter()
             x = x.to(self.device)
             inputs = x if self.stage.first else x.detach().requires_grad_(True)
-            out = self.stage(inputs)
+            input_ids, targets = split_ids(ids, x.shape[1])
+            out = self.stage(inputs, self._on_device(input_ids))
             if self.stage.last:
                 loss_tensor = F.cross_entropy(out.reshape(-1, out.shape[-1]).float(),
                                               targets.to(self.device).reshape(-1))
@@ -98,7 +110,7 @@ class StageWorker:
                 (loss_tensor * scale).backward()
             else:
                 self.computed(started)
-                grad, loss = downstream(out.detach(), targets, scale)
+                grad, loss = downstream(out.detach(), ids, scale)
                 if accept is not None:
                     accept(loss)
                 started = time.perf_counter()
@@ -114,23 +126,28 @@ class StageWorker:
             self.computed(started)
             return (None if self.stage.first else inputs.grad.detach().cpu()), loss
 
-    def evaluate(self, x: torch.Tensor, targets: torch.Tensor, downstream: Optional[Evaluate]) -> float:
+    def evaluate(self, x: torch.Tensor, ids: torch.Tensor, downstream: Optional[Evaluate]) -> float:
         """A microbatch's loss through this stage and the rest of the pipeline (`downstream`: the next hop's loss),
         with no gradient and no step: the validation loss of the pipeline as its stages' params stand."""
-        out = self.output(x)
+        input_ids, targets = split_ids(ids, x.shape[1])
+        out = self.output(x, input_ids)
         if self.stage.last:
             return float(F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), targets.to(self.device).reshape(-1)))
-        return downstream(out, targets)
+        return downstream(out, ids)
 
-    def output(self, x: torch.Tensor) -> torch.Tensor:
-        """The stage's output for `x` in eval mode, with no gradient (a validation microbatch's)."""
+    def output(self, x: torch.Tensor, input_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The stage's output for `x` in eval mode, with no gradient (a validation microbatch's; `input_ids`: its
+        input token ids, for a stage after a bottleneck)."""
         with self.lock, torch.no_grad():
             was_training = self.stage.training
             self.stage.eval()
             try:
-                return self.stage(x.to(self.device))
+                return self.stage(x.to(self.device), self._on_device(input_ids))
             finally:
                 self.stage.train(was_training)
+
+    def _on_device(self, ids: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if ids is None else ids.to(self.device, torch.long)
 
     def computed(self, started: float) -> None:
         """Count the time since `started` (time.perf_counter) as computing."""
