@@ -125,13 +125,13 @@ def main() -> None:
     by_key = {row["config"]: row for row in rows}
     print(f"\n{args.layers}-layer Llama (hidden {args.hidden}), {total_tokens:,} tokens in {rounds} rounds, "
           f"microbatch {args.batch}x{args.seq_len}, pseudo-gradients {args.codec}")
-    print(f"{'config':<60}{'val loss':>10}{'vs (a)':>9}{'vs (b)':>9}{'boundary B/token':>18}{'tokens':>12}")
+    print(f"{'config':<66}{'val loss':>10}{'vs (a)':>9}{'vs (b)':>9}{'boundary B/token':>18}{'tokens':>12}")
     for row in rows:
         vs_a = f"{(row['val_loss'] / by_key['a']['val_loss'] - 1) * 100:+.2f}%" if "a" in by_key else "-"
         vs_b = f"{(row['val_loss'] / by_key['b']['val_loss'] - 1) * 100:+.2f}%" if "b" in by_key else "-"
         row["vs_a"], row["vs_b"] = vs_a, vs_b
         per_token = f"{row['boundary_bytes_per_token']:.0f}" if "boundary_bytes_per_token" in row else "-"
-        print(f"{row['name']:<60}{row['val_loss']:>10.4f}{vs_a:>9}{vs_b:>9}{per_token:>18}{row['tokens']:>12,}")
+        print(f"{row['name']:<66}{row['val_loss']:>10.4f}{vs_a:>9}{vs_b:>9}{per_token:>18}{row['tokens']:>12,}")
     print(json.dumps(rows))
 
 

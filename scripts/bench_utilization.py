@@ -12,6 +12,7 @@ other's progress through announcements, so a round ends a little after the swarm
     python scripts/bench_utilization.py --stages 2 --peers 2 --microbatches 2 --netns --mbit 100
         # a pipeline: peer i hosts stage i mod 2; each reports the share of wall time its stage computed (not
         # waiting for the other stage) and the activation and gradient bytes per token on its hops
+        # (--bottleneck 16 --activations int8: narrow boundaries, docs/pipelines.md)
 
 All peers share this machine's cores (4 peers on 2 cores: each inner step takes about twice as long as alone).
 Without --netns the links are loopback.
@@ -51,7 +52,8 @@ def recipe(args: argparse.Namespace, overlap: bool) -> dict:
         "data": {"vocab_size": 512, "seq_len": args.seq_len, "batch_size": args.batch},
         "inner": {"lr": 0.003, "warmup_tokens": 4 * tokens_per_step},
         "outer": {"overlap": overlap},
-        **({"pipeline": {"stages": args.stages}} if args.stages > 1 else {}),
+        **({"pipeline": {"stages": args.stages, "bottleneck": args.bottleneck, "activations": args.activations}}
+           if args.stages > 1 else {}),
         "averaging": {"codec": "none", "min_group_size": min(2, args.peers // args.stages),  # (a lone stage peer)
                       "target_group_size": args.peers,
                       "matchmaking_timeout": 10, "allreduce_timeout": 60},
@@ -147,6 +149,7 @@ def _run(args: argparse.Namespace, overlap: bool, workdir: Path, spaces) -> dict
         target = recipe(args, overlap)["tokens_per_round"]
         return {"overlap": overlap, "peers": args.peers, "rounds": args.rounds, "mbit": args.mbit or "",
                 "stages": args.stages, "microbatches": args.microbatches if args.stages > 1 else None,
+                "bottleneck": args.bottleneck, "activations": args.activations,
                 "wire_bytes_per_token": wire, "busy_of_span": spans,
                 "allreduce_seconds": _mean(ALLREDUCE_SECONDS, peers),
                 "matchmaking_seconds": _mean(MATCHMAKING, peers), "utilization": values,
@@ -175,6 +178,8 @@ def main() -> None:
     parser.add_argument("--modes", default="plain,overlap", help="comma-separated: plain, overlap")
     parser.add_argument("--stages", type=int, default=1, help="cut the model into this many pipeline stages")
     parser.add_argument("--microbatches", type=int, default=2, help="with --stages: each batch as K in flight")
+    parser.add_argument("--bottleneck", type=int, default=0, help="with --stages: pipeline.bottleneck, values a token")
+    parser.add_argument("--activations", default="fp16", help="with --stages: pipeline.activations, fp16 or int8")
     parser.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "swarm-bench-cache"))
     parser.add_argument("--timeout", type=float, default=600.0, help="per mode")
     parser.add_argument("--log-dir", help="write every process's output there")

@@ -356,7 +356,7 @@ class Recipe(_Section):
         if fields["pipeline"]["stages"] != "auto":  # stage_memory only says how many stages auto makes
             del fields["pipeline"]["stage_memory"]
         # (runs of stages before these fields keep their digest)
-        for name in ("schedule", "rebalance_seconds", "settle_seconds", "duplicate_share"):
+        for name in ("schedule", "rebalance_seconds", "settle_seconds", "duplicate_share", "bottleneck", "activations"):
             if fields["pipeline"][name] == PipelineRecipe.model_fields[name].default:
                 del fields["pipeline"][name]
         if fields["pipeline"]["stages"] == 1:  # and for whole-model runs

@@ -203,6 +203,26 @@ def test_pipeline_schedule_stream_keeps_the_digest_and_flush_is_its_own_run():
         parse_recipe({"pipeline": {"stages": 2, "schedule": "1f1b"}})
 
 
+def test_a_bottleneck_and_an_activation_codec_are_their_own_run_and_bad_values_are_named():
+    """pipeline.bottleneck and pipeline.activations (swarm/model/stages.py) keep a run's digest at their defaults
+    (0, fp16) and make another run otherwise; a bottleneck in a whole-model run, or as wide as the hidden states,
+    is refused with one line."""
+    staged = Recipe.model_validate({"pipeline": {"stages": 2}})
+    assert (staged.pipeline.bottleneck, staged.pipeline.activations) == (0, "fp16")
+    assert "bottleneck" not in staged.canonical_json() and "activations" not in staged.canonical_json()
+    narrow = Recipe.model_validate({"pipeline": {"stages": 2, "bottleneck": 16, "activations": "int8"}})
+    assert narrow.differing_fields(staged) == ["pipeline.activations", "pipeline.bottleneck"]
+    assert recipe_from_json(narrow.canonical_json()) == narrow
+    with pytest.raises(ValueError, match="pipeline.bottleneck narrows what travels between stages, and a run of "
+                                         "pipeline.stages 1 has none"):
+        Recipe.model_validate({"pipeline": {"bottleneck": 16}})
+    with pytest.raises(ValueError, match="pipeline.bottleneck 256 is not under model.hidden_size 256"):
+        Recipe.model_validate({"pipeline": {"stages": 2, "bottleneck": 256}})
+    for bad in ({"bottleneck": -1}, {"bottleneck": 2.5}, {"activations": "int4"}):
+        with pytest.raises(RecipeError, match=r"field 'pipeline\.(bottleneck|activations)'"):
+            parse_recipe({"pipeline": {"stages": 2, **bad}})
+
+
 def test_rebalancing_waits_keep_the_digest_at_their_defaults_and_are_checked():
     staged = Recipe.model_validate({"pipeline": {"stages": 2}})
     assert (staged.pipeline.rebalance_seconds, staged.pipeline.settle_seconds) == (15.0, 30.0)

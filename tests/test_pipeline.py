@@ -98,6 +98,44 @@ def test_a_hop_over_the_network_computes_what_one_process_computes(pipeline):
     assert router.meter.sent == 3 * (activations + 2 * 8 * 4) and router.meter.received == 3 * activations
 
 
+def test_a_hop_through_a_bottleneck_carries_its_width_and_the_whole_rows_and_computes_what_one_process_does(
+        p2p_network):
+    """With pipeline.bottleneck R the first stage sends R values a token and the microbatch's whole rows of token
+    ids (the stage after it embeds the inputs again), and a served stage learns what one process's stages learn. A
+    sender that sends the targets alone, or the hidden size's values, is refused with its reason."""
+    loop, node = p2p_network
+    r, first, peer = 8, node(), node()
+    server = StageServer(_worker(make_stages(_model(), BOUNDS, bottleneck=r)[1]), r, max_tokens=64, vocab_size=VOCAB,
+                         loop=loop.loop)
+    loop.run(peer.add_stream_handler(stage_protocol(RUN, *BOUNDS[1]), server.handle), timeout=30)
+    router = Router(first, stage_protocol(RUN, *BOUNDS[1]), lambda: [(peer.peer_id, 1000.0)], codec="none",
+                    timeout=20)
+    worker = _worker(make_stages(_model(), BOUNDS, bottleneck=r)[0])
+    stages = make_stages(_model(), BOUNDS, bottleneck=r)
+    optimizers = [torch.optim.AdamW(s.parameters(), lr=1e-3) for s in stages]
+    for seed in range(3):
+        batch = _batch(seed)
+        expected = run_pipeline(stages, batch, get_codec("none"), WireStats())
+        for stage, optimizer in zip(stages, optimizers):
+            torch.nn.utils.clip_grad_norm_(stage.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+        _, loss = worker.step(batch[:, :-1], batch, router.hop(loop.loop))  # (the whole rows, as a first stage sends)
+        assert abs(loss - float(expected)) < 1e-5
+    for ours, theirs in zip(server.worker.stage.parameters(), stages[1].parameters()):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert server.worker.stage.embed.weight.grad is None and not torch.equal(
+        server.worker.stage.embed.weight, make_stages(_model(), BOUNDS, bottleneck=r)[1].embed.weight), "trained"
+    activations = len(get_codec("none").encode(torch.zeros(2 * 8 * r)))
+    assert router.meter.sent == 3 * (activations + 2 * 9 * 4) and router.meter.received == 3 * activations
+    with pytest.raises(PipelineError, match="a stage after a bottleneck takes the whole rows of token ids"):
+        worker.step(batch[:, :-1], batch[:, 1:], router.hop(loop.loop))
+    wide = make_stages(_model(), BOUNDS)[0]  # (a router of its own: ours leaves the peer that refused out a while)
+    router = Router(first, stage_protocol(RUN, *BOUNDS[1]), lambda: [(peer.peer_id, 1000.0)], codec="none")
+    with pytest.raises(PipelineError, match=f"32 values a token, not the {r} this stage takes"):
+        _worker(wide).step(batch[:, :-1], batch, router.hop(loop.loop))
+
+
 def test_a_validation_microbatch_gets_the_pipelines_loss_and_changes_nothing(pipeline):
     """A first stage's validation loss goes through the pipeline forward only: the loss one process computes of
     the whole model, no gradient back, no step anywhere, no microbatch counted as trained."""

@@ -181,3 +181,40 @@ def test_max_memory_decides_which_stages_a_peer_may_host():
     assert check.details["needs"] == part(recipe, stage=0).needs
     assert not check_max_memory(recipe, 4).ok and check_max_memory(recipe, 4).fatal
     assert not check_max_memory(whole, 6).ok and check_max_memory(whole, 11).ok
+
+
+def test_a_bottleneck_sends_its_width_a_token_starts_as_a_projection_and_trains_end_to_end():
+    """pipeline.bottleneck R: a boundary carries R values a token each way (the wire counts R, not the hidden size);
+    its encoder and decoder start as Q^T and Q for one orthonormal Q, the same on two peers that built the two
+    stages alone, so the pair first passes on a projection of the hidden states; the stage after it embeds the
+    token ids again and refuses a microbatch without them; every boundary parameter gets a gradient."""
+    config, r = CUTTABLE["llama"], 8
+    built = []
+    for start, end in even_bounds(4, 2):
+        model = _meta(config)
+        stage = Stage(model, start, end, bottleneck=r)
+        materialize(model, stage, seed=7)
+        built.append(stage)
+    first, last = built
+    assert first.decode is None and first.embed is None and last.encode is None and last.head is not None
+    assert first.encode.weight.shape == (r, 32) and torch.equal(first.encode.weight, last.decode.weight.T)
+    hidden = torch.randn(5, 32)
+    with torch.no_grad():
+        projected = last.decode(first.encode(hidden))
+        torch.testing.assert_close(last.decode(first.encode(projected)), projected)  # a projection: idempotent
+    assert 0.1 < float(projected.norm() / hidden.norm()) < 0.9
+    whole = make_stages(_model(config), even_bounds(4, 2), bottleneck=r, seed=7)
+    assert torch.equal(whole[0].encode.weight, first.encode.weight), "built alone or whole, the same boundary"
+    batch = torch.randint(0, VOCAB, (4, 17), generator=torch.Generator().manual_seed(3))
+    stats = WireStats()
+    loss = run_pipeline(built, batch, get_codec("fp16"), stats)
+    values = 4 * 16 * r
+    assert values * 2 <= stats.forward_bytes < values * 2 + 64 and stats.backward_bytes == stats.forward_bytes
+    assert 0.5 * torch.log(torch.tensor(VOCAB)) < loss < 2 * torch.log(torch.tensor(VOCAB))
+    for module in (first.encode, last.decode, last.embed):
+        assert module.weight.grad is not None and float(module.weight.grad.norm()) > 0
+    with pytest.raises(StageError, match=r"stage \[2, 4\) embeds the token ids again after the bottleneck: give the "
+                                         r"microbatch's input ids, shape \(4, 16\)"):
+        last(torch.zeros(4, 16, r))
+    with pytest.raises(StageError, match="pipeline.bottleneck 32 is not under the hidden size 32"):
+        Stage(_model(config), 0, 2, bottleneck=32)
