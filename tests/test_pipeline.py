@@ -484,7 +484,8 @@ def test_malformed_and_oversized_microbatches_are_refused_and_the_server_goes_on
 
     fp = get_codec("none")
     cases = [
-        ({"shape": [2, 8, HIDDEN + 1], "codec": "none"}, [], "hidden size"),
+        ({"shape": [2, 8, HIDDEN + 1], "codec": "none"}, [],
+         f"{HIDDEN + 1} values a token, not the {HIDDEN} this stage takes"),
         ({"shape": [16, 8, HIDDEN], "codec": "none"}, [], "over the 64"),
         ({"shape": [2, 8, HIDDEN], "codec": "topk"}, [], "codec"),
         ({"shape": "x"}, [], "shape"),
