@@ -48,7 +48,7 @@ def record(peer_id: str, **fields) -> PeerRecord:
     return PeerRecord(peer_id=peer_id, **{**base, **fields})
 
 
-def test_peer_metrics_account_compression_checkpoints_blocks_and_memory():
+def test_peer_metrics_account_compression_checkpoints_blocks_memory_and_pipeline_hops():
     metrics = PeerMetrics()
     before = samples(metrics.registry)
     assert math.isnan(before[("swarm_train_loss", ())]) and math.isnan(before[("swarm_val_loss", ())])
@@ -74,6 +74,13 @@ def test_peer_metrics_account_compression_checkpoints_blocks_and_memory():
     assert (after[("swarm_hosted_blocks", ())], after[("swarm_hosted_block_start", ())],
             after[("swarm_hosted_block_end", ())]) == (4, 2, 6)
     assert after[("swarm_checkpoint_round", ())] == 7 and 0 <= after[("swarm_checkpoint_age_seconds", ())] < 60
+    assert not any(name == "swarm_pipeline_bytes" for name, _ in after), "a whole-model peer has no hops"
+    wire = [1000, 3000]
+    metrics.watch_pipeline(lambda: tuple(wire))
+    wire[0] += 500  # (read on every scrape)
+    got = samples(metrics.registry)
+    assert got[("swarm_pipeline_bytes", (("direction", "sent"),))] == 1500
+    assert got[("swarm_pipeline_bytes", (("direction", "received"),))] == 3000
 
 
 def test_swarm_gauges_cover_every_block_and_drop_stale_ones():

@@ -9,6 +9,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector, start_http_server
@@ -120,6 +121,10 @@ class PeerMetrics:
         self.streams_opened = Gauge("swarm_streams_opened", "Streams this peer opened since it started, by "
                                     "transport: direct (TLS between the peers) or libp2p (through the daemons: the "
                                     "other peer cannot be reached directly)", ["transport"], registry=r)
+        self.pipeline_bytes = Gauge("swarm_pipeline_bytes", "Activation and gradient bytes on this stage peer's hops "
+                                    "(to the next stage and from the one before, token ids included) since it "
+                                    "started, by direction: sent or received; over swarm_tokens_total, bytes a "
+                                    "token", ["direction"], registry=r)
         self.memory_used.set_function(process_resident_bytes)
         self.memory_total.set(system_memory_bytes())
         self.last_group_size: Optional[int] = None  # for the progress line
@@ -144,6 +149,11 @@ class PeerMetrics:
         """Read the streams opened by transport from `opened` ({"direct": n, "fallback": m}) on every scrape."""
         for transport, key in (("direct", "direct"), ("libp2p", "fallback")):
             self.streams_opened.labels(transport=transport).set_function(lambda key=key: float(opened[key]))
+
+    def watch_pipeline(self, wire: Callable[[], tuple[int, int]]) -> None:
+        """Read a stage peer's hop bytes, (sent, received), from `wire` on every scrape."""
+        for index, direction in enumerate(("sent", "received")):
+            self.pipeline_bytes.labels(direction=direction).set_function(lambda index=index: float(wire()[index]))
 
     def set_blocks(self, block_start: int, block_end: int) -> None:
         self.hosted_blocks.set(block_end - block_start)

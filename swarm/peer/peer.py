@@ -158,7 +158,7 @@ class Peer:
             if self.part.whole else 0.0  # a stage's pace is the pipeline's: announced once measured
         self.inner_steps, self.last_group_size = 0, 1
         self.loop.submit(self.announcer.run())
-        self.part.start()
+        self.part.start(self.metrics)
         self.part.drill(self.faults.stage_lie())  # (a drill: a stage peer that lies in its answers or activations)
         self.part.follow(lambda: self.diloco.round)  # (microbatches and answers say it: see Part.follow)
         port = self.metrics.serve(s.metrics.port, s.metrics.host)

@@ -30,7 +30,7 @@ from swarm.model.build import build_model, n_blocks as count_blocks
 from swarm.model.memory import fmt_bytes, part_params, stage_costs, stage_needs
 from swarm.model.stages import Stage, even_bounds, materialize
 from swarm.peer.pipeline.microbatches import MicrobatchStream, together
-from swarm.peer.pipeline.placement import memory_limits, stage_to_move_to, upstream_finished, weakest_stage
+from swarm.peer.pipeline.placement import memory_limits, move_decision, upstream_finished, weakest_stage
 from swarm.peer.pipeline.recompute import RecomputeServer, Recheck, recompute_protocol
 from swarm.peer.pipeline.relay import Relay
 from swarm.peer.pipeline.routing import Router, stage_protocol
@@ -149,10 +149,13 @@ class Part:
         logger.info("pipeline: live peers per stage we can hold %s", counts)
         return weakest_stage(counts, peer_id_hash(node.peer_id))
 
-    def start(self) -> None:
-        """Serve our stage to the one before (unless first), and follow the next stage's peers (unless last)."""
+    def start(self, metrics=None) -> None:
+        """Serve our stage to the one before (unless first), and follow the next stage's peers (unless last);
+        `metrics` (PeerMetrics) then reads our hops' bytes on every scrape."""
         if self.whole:
             return
+        if metrics is not None:
+            metrics.watch_pipeline(self.wire_bytes)
         self.worker = StageWorker(self.module, None, lambda: 0.0, 0.0)  # optimizer, lr and clip: set each step
         if not self.first:  # one step per batch's worth of rows, however the stage before cut its batches
             self.worker.step_rows = self.recipe.data.batch_size
@@ -261,32 +264,15 @@ class Part:
         return not self.whole and not self.first and upstream_finished(self._upstream_rounds, round_no)
 
     def _weaker(self, hosts: list[list]) -> tuple[Optional[int], str, float]:
-        """The stage we should move to (placement.stage_to_move_to: a stage with two fewer live peers than ours,
-        or the pipelines' throughput bottleneck), why (for the log), and how long it must stay so first. Only an
+        """The stage we should move to, why, and how long it must stay so first (placement.move_decision); only an
         unpinned peer moves, for throughput only once it has hosted its stage for the recipe's
         pipeline.settle_seconds (its capacity, and the others', measured: a peer that just moved does not move on at
-        once), and its stage's peers take turns: pipeline.rebalance_seconds for the first in the order of their id's
-        hash, one more period for each after it, so that one moves and the others see the stages change."""
+        once)."""
         if self.pinned or self.settings.network.client_mode:
             return None, "", 0.0
-        me = self.node.peer_id
-        ours = [p for p in hosts[self.index] if p.peer_id != me]
-        counts = [len(stage) for stage in hosts]
-        counts[self.index] = len(ours) + 1
-        capacities = [view.stage_capacity(stage) for stage in hosts]
-        others_capacity, mine = (view.stage_capacity(ours) if ours else 0.0), self.capacity()  # (ours read live)
-        capacities[self.index] = None if others_capacity is None or mine <= 0 else others_capacity + mine
         settled = time.monotonic() - self.started >= self.recipe.pipeline.settle_seconds
-        target, why = stage_to_move_to(counts, capacities if settled else [None] * self.stages, self.index,
-                                       mine, self.costs, self.fits)
-        if target is None:
-            return None, "", 0.0
-        why = f"stage {target} has {counts[target]} live peers and ours {counts[self.index]}" if why == "peers" else \
-            f"the pipelines run at the pace of stage {min(range(self.stages), key=lambda k: capacities[k])}, which " \
-            f"computes {min(capacities):.0f} tokens/s (stage {target}: {capacities[target]:.0f}, ours " \
-            f"{capacities[self.index]:.0f})"
-        turn = sorted([peer_id_hash(p.peer_id) for p in ours] + [peer_id_hash(me)]).index(peer_id_hash(me))
-        return target, why, self.recipe.pipeline.rebalance_seconds * (1 + turn)
+        return move_decision(hosts, self.index, self.node.peer_id, self.capacity(), self.costs, self.fits, settled,
+                             self.recipe.pipeline.rebalance_seconds)
 
     def validation_loss(self, batches: list[torch.Tensor], device: torch.device) -> Optional[float]:
         """The validation loss of the pipeline as its stages' params stand (the global params of ours, each other
@@ -406,8 +392,7 @@ class Part:
                                               self.stream.refreshed) if self.stream else (0, 0, 0, 0)
         retries = self.router.retries if self.router is not None else 0
         wall = time.monotonic() - self.started
-        meters = [part.meter for part in (self.router, self.server) if part is not None]
-        wire = sum(m.sent + m.received for m in meters)  # (both directions of our hops in and out)
+        wire = sum(self.wire_bytes())  # (both directions of our hops in and out)
         # (the span from its first microbatch to its last leaves out start-up and the wait for other stages' peers,
         # not its rounds' averaging)
         span = self.worker.last_at - self.worker.first_at if self.worker.first_at is not None else 0.0
@@ -422,6 +407,11 @@ class Part:
         events.emit("pipeline", stage=self.index, microbatches=self.worker.microbatches, taken=taken,
                     trained=trained, pending=pending, retries=retries, refreshed=refreshed,
                     busy=self.worker.busy, wall=wall, span=span, wire_bytes=wire, tokens=self.worker.tokens)
+
+    def wire_bytes(self) -> tuple[int, int]:
+        """(bytes sent, bytes received) on our hops: to the next stage's peers and from the stage before's."""
+        meters = [part.meter for part in (self.router, self.server) if part is not None]
+        return sum(m.sent for m in meters), sum(m.received for m in meters)
 
     def drain(self, stop: threading.Event) -> None:
         """After our last round (--until-round, --max-rounds), keep answering the stage before, our params frozen,

@@ -1,8 +1,8 @@
 """Where a stage peer goes, as pure functions of what it reads of the stages (Petals' `block_selection.py` is the
 model): the stage a joining peer hosts (`weakest_stage`) and the stage an unpinned peer moves to when the stages
-are out of balance (`stage_to_move_to`). Every peer with the same readings computes the same answer. What a peer
-can hold comes from its settings and device (`memory_limits`); whether the stage before finished a round, from the
-rounds its peers announce (`upstream_finished`).
+are out of balance (`stage_to_move_to`; `move_decision` adds when, and why). Every peer with the same readings
+computes the same answer. What a peer can hold comes from its settings and device (`memory_limits`); whether the
+stage before finished a round, from the rounds its peers announce (`upstream_finished`).
 """
 
 from __future__ import annotations
@@ -11,6 +11,9 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
+from swarm.dht import view
+from swarm.dht.records import PeerRecord
+from swarm.peer.stream import peer_id_hash
 from swarm.settings import PeerSettings
 
 
@@ -66,6 +69,32 @@ def stage_to_move_to(counts: Sequence[int], capacities: Sequence[Optional[float]
         if min(after) > best_pace:
             best, best_pace = k, min(after)
     return best, "throughput" if best is not None else ""
+
+
+def move_decision(hosts: Sequence[Sequence[PeerRecord]], mine: int, me: str, my_capacity: float,
+                  costs: Sequence[float], fits: Sequence[int], settled: bool,
+                  rebalance_seconds: float) -> tuple[Optional[int], str, float]:
+    """The stage peer `me` of stage `mine` should move to (stage_to_move_to: a stage with two fewer live peers than
+    ours, or, once `settled`, the pipelines' throughput bottleneck), why (for the log), and how long it must stay so
+    before it moves: its stage's peers take turns, `rebalance_seconds` for the first in the order of their ids'
+    hash, one more period for each after it, so that one moves and the others see the stages change. `hosts`: each
+    stage's live peers as announced; `my_capacity`: ours, read live."""
+    ours = [p for p in hosts[mine] if p.peer_id != me]
+    counts = [len(stage) for stage in hosts]
+    counts[mine] = len(ours) + 1
+    capacities = [view.stage_capacity(stage) for stage in hosts]
+    others = view.stage_capacity(ours) if ours else 0.0
+    capacities[mine] = None if others is None or my_capacity <= 0 else others + my_capacity
+    target, why = stage_to_move_to(counts, capacities if settled else [None] * len(hosts), mine, my_capacity, costs,
+                                   fits)
+    if target is None:
+        return None, "", 0.0
+    why = f"stage {target} has {counts[target]} live peers and ours {counts[mine]}" if why == "peers" else \
+        f"the pipelines run at the pace of stage {min(range(len(hosts)), key=lambda k: capacities[k])}, which " \
+        f"computes {min(capacities):.0f} tokens/s (stage {target}: {capacities[target]:.0f}, ours " \
+        f"{capacities[mine]:.0f})"
+    turn = sorted([peer_id_hash(p.peer_id) for p in ours] + [peer_id_hash(me)]).index(peer_id_hash(me))
+    return target, why, rebalance_seconds * (1 + turn)
 
 
 def upstream_finished(announced: list[int], round_no: int) -> bool:
