@@ -92,8 +92,9 @@ async def call_stage(node: SwarmNode, peer: str, protocol: str, x: torch.Tensor,
     validation microbatch, forward only), the microbatch's loss, and the round of its stage it says it computed them
     in (None: it does not say).
     Raises on any failure (the caller retries elsewhere)."""
-    codec = get_codec(codec_name)
-    payload = codec.encode(x.detach().float().reshape(-1).cpu())
+    # (the codecs' math runs on a worker thread, not the event loop that carries every peer's streams and the
+    # heartbeat, and on the device `x` is on: only the encoded bytes come to the CPU)
+    payload = await asyncio.to_thread(get_codec(codec_name).encode, x.detach().float().reshape(-1))
     ids = targets.to("cpu", torch.int32).numpy().tobytes()
     async with asyncio.timeout(timeout):
         reader, writer = await node.open_stream(peer, protocol)
@@ -119,7 +120,7 @@ async def call_stage(node: SwarmNode, peer: str, protocol: str, x: torch.Tensor,
                 return None, loss, round_no
             back = await recv_frame(reader, payload_bound(x.numel()))
             meter.received += len(back)
-            grad = decode(back)
+            grad = await asyncio.to_thread(decode, back)
             if grad.numel() != x.numel():
                 raise PipelineError(f"stage peer {peer[-8:]} answered a gradient of {grad.numel()} values, not "
                                     f"{x.numel()}")

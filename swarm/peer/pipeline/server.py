@@ -129,12 +129,9 @@ class StageServer:
                 payload = await recv_frame(reader, payload_bound(b * t * h))
                 ids = await recv_frame(reader, 4 * b * (t + 1))  # (the targets, or the whole rows: see _rows)
                 self.meter.received += len(payload) + len(ids)
-                try:
-                    x = decode(payload)
-                except ValueError:  # CodecError: not a payload of any codec
-                    x = torch.zeros(0)
+                x = await asyncio.to_thread(_decoded, payload)  # (off the event loop, as the encoding below)
                 rows, targets, problem = self._rows(ids, b, t)
-                if problem is None and (x.numel() != b * t * h or not torch.isfinite(x).all()):
+                if problem is None and x.numel() != b * t * h:
                     problem = "activations or targets malformed"
                 if problem is not None:
                     self.refused["malformed"] += 1
@@ -160,7 +157,7 @@ class StageServer:
                 round_no = self.round() if self.round is not None else None
                 grad = _lie_about(grad, self.lie)
                 loss = float(loss) / (LIE_SCALE if self.lie == "low-loss" else 1.0)
-                back = get_codec(codec).encode(grad.float().reshape(-1))
+                back = await asyncio.to_thread(get_codec(codec).encode, grad.float().reshape(-1))
                 await send_frame(writer, msgpack.packb({"loss": float(loss), **(
                     {"round": round_no} if round_no is not None and round_no == round_before else {})}))
                 await send_frame(writer, back)
@@ -298,6 +295,16 @@ def _lie_about(grad: torch.Tensor, lie: Optional[str]) -> torch.Tensor:
         noise = torch.randn(grad.shape, dtype=torch.float32)
         return noise * (grad.float().norm() / noise.norm().clamp_min(1e-30))
     return grad
+
+
+def _decoded(payload: bytes) -> torch.Tensor:
+    """The values a codec's `payload` holds, or none (refused as malformed) if it is not a payload of any codec or
+    holds a value that is not finite."""
+    try:
+        x = decode(payload)
+    except ValueError:  # CodecError
+        return torch.zeros(0)
+    return x if torch.isfinite(x).all() else torch.zeros(0)
 
 
 def unless_dropped(downstream: Downstream, dropped: Callable[[], bool]) -> Downstream:
