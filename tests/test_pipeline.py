@@ -75,21 +75,29 @@ def _run(loop: LoopThread, worker: StageWorker, router: Router, batch: torch.Ten
     return loss
 
 
-def test_a_hop_over_the_network_computes_what_one_process_computes(pipeline):
-    loop, worker, router, servers, alive = pipeline
-    served = sorted(servers)[1]
-    alive.discard(sorted(servers)[0])  # one last-stage peer, like the one process's single copy of the stage
-    local = _model()
-    stages = make_stages(local, BOUNDS)
+def _one_process(bottleneck: int = 0):
+    """The two stages in one process, and a training step of them on a batch (its loss), as the peers take it."""
+    stages = make_stages(_model(), BOUNDS, bottleneck=bottleneck)
     optimizers = [torch.optim.AdamW(s.parameters(), lr=1e-3) for s in stages]
-    for seed in range(3):
-        batch = _batch(seed)
-        expected = run_pipeline(stages, batch, get_codec("none"), WireStats())
+
+    def step(batch: torch.Tensor) -> float:
+        loss = run_pipeline(stages, batch, get_codec("none"), WireStats())
         for stage, optimizer in zip(stages, optimizers):
             torch.nn.utils.clip_grad_norm_(stage.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad()
-        assert abs(_run(loop, worker, router, batch) - float(expected)) < 1e-5
+        return float(loss)
+    return stages, step
+
+
+def test_a_hop_over_the_network_computes_what_one_process_computes(pipeline):
+    loop, worker, router, servers, alive = pipeline
+    served = sorted(servers)[1]
+    alive.discard(sorted(servers)[0])  # one last-stage peer, like the one process's single copy of the stage
+    stages, step = _one_process()
+    for seed in range(3):
+        batch = _batch(seed)
+        assert abs(_run(loop, worker, router, batch) - step(batch)) < 1e-5
     for ours, theirs in zip(worker.stage.parameters(), stages[0].parameters()):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
     for ours, theirs in zip(servers[served][1].worker.stage.parameters(), stages[1].parameters()):
@@ -111,17 +119,11 @@ def test_a_hop_through_a_bottleneck_carries_its_width_and_the_whole_rows_and_com
     router = Router(first, stage_protocol(RUN, *BOUNDS[1]), lambda: [(peer.peer_id, 1000.0)], codec="none",
                     timeout=20)
     worker = _worker(make_stages(_model(), BOUNDS, bottleneck=r)[0])
-    stages = make_stages(_model(), BOUNDS, bottleneck=r)
-    optimizers = [torch.optim.AdamW(s.parameters(), lr=1e-3) for s in stages]
+    stages, step = _one_process(bottleneck=r)
     for seed in range(3):
         batch = _batch(seed)
-        expected = run_pipeline(stages, batch, get_codec("none"), WireStats())
-        for stage, optimizer in zip(stages, optimizers):
-            torch.nn.utils.clip_grad_norm_(stage.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad()
         _, loss = worker.step(batch[:, :-1], batch, router.hop(loop.loop))  # (the whole rows, as a first stage sends)
-        assert abs(loss - float(expected)) < 1e-5
+        assert abs(loss - step(batch)) < 1e-5
     for ours, theirs in zip(server.worker.stage.parameters(), stages[1].parameters()):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
     assert server.worker.stage.embed.weight.grad is None and not torch.equal(
