@@ -221,15 +221,11 @@ class PipelineRecipe(_Section):
                     "moments, one microbatch's activations, as `swarm-peer doctor` estimates them): about what the "
                     "run's volunteers' GPUs hold")
 
-    bottleneck: int = Field(
-        0, ge=0, le=65536,
-        description="values a token sent between stages, forward and backward, in place of the hidden size's: each "
-                    "stage but the last ends with a trained encoder to this width, each but the first starts with a "
-                    "decoder back and its own embedding of the token ids (swarm/model/stages.py); 0 (default): "
-                    "the hidden states as they are")
-    activations: Literal["fp16", "int8"] = Field(
-        "fp16", description="how the values between stages travel, forward and backward: fp16 (default), or int8 "
-                            "(8-bit with a scale per chunk: half the bytes)")
+    bottleneck: int = Field(0, ge=0, le=65536, description="values a token sent between stages each way instead of the "
+                            "hidden size's: trained encoders and decoders, and an embedding of the token ids after "
+                            "each boundary (swarm/model/stages.py); 0 (default): the hidden states as they are")
+    activations: Literal["fp16", "int8"] = Field("fp16", description="how the values between stages travel: fp16 "
+                                                 "(default), or int8 (8-bit with a scale per chunk: half the bytes)")
 
     schedule: Literal["stream", "flush"] = Field(
         "stream", description="how a first-stage peer sends its microbatches: stream (default) keeps them in flight "
