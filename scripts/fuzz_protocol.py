@@ -981,9 +981,10 @@ class _OneLayer(torch.nn.Module):
     def __init__(self, first: bool):
         super().__init__()
         self.first, self.last = first, not first
+        self.embed = None  # (no bottleneck before it: swarm.model.stages.Stage)
         self.layer = torch.nn.Embedding(PIPE_VOCAB, PIPE_HIDDEN) if first else torch.nn.Linear(PIPE_HIDDEN, PIPE_VOCAB)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         return self.layer(x)
 
 

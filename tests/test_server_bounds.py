@@ -10,6 +10,7 @@ import asyncio
 import hashlib
 import threading
 import time
+from typing import Optional
 
 import msgpack
 import numpy as np
@@ -83,13 +84,13 @@ async def _until(condition, timeout: float = 5.0) -> None:
 class _Middle(torch.nn.Module):
     """A middle stage of one linear layer (StageWorker needs `first`, `last` and a module)."""
 
-    first, last = False, False
+    first, last, embed = False, False, None  # (embed: no bottleneck before it, swarm.model.stages.Stage)
 
     def __init__(self):
         super().__init__()
         self.linear = torch.nn.Linear(HIDDEN, HIDDEN)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         return self.linear(x)
 
 
