@@ -262,7 +262,7 @@ def _stages_validation_loss(stages: list, batches: list[torch.Tensor], device: s
     with torch.no_grad():
         for batch in batches:
             batch = batch.to(device)
-            inputs, x = batch[:, :-1], batch[:, :-1]
+            x = inputs = batch[:, :-1]
             for stage in stages:
                 x = stage(x, inputs)
             losses.append(float(torch.nn.functional.cross_entropy(x.reshape(-1, x.shape[-1]).float(),

@@ -103,7 +103,7 @@ class Stage(torch.nn.Module):
         hidden = int(model.config.hidden_size)
         if bottleneck and not 0 < bottleneck < hidden:
             raise StageError(f"pipeline.bottleneck {bottleneck} is not under the hidden size {hidden}: give a "
-                             f"narrower one (16 to {hidden // 4} send 8x to 32x fewer values), or 0 for none")
+                             f"narrower one (a quarter of it, {hidden // 4}, sends 4x fewer values), or 0 for none")
         on = dict(device=embedding.weight.device)
         # The boundary modules (swarm/model/stages.py's docstring): ours alone, trained and averaged with the stage.
         self.encode = torch.nn.Linear(hidden, bottleneck, bias=False, **on) if bottleneck and not self.last else None

@@ -126,8 +126,7 @@ class Relay:
         with self.worker.lock:
             started = time.perf_counter()
             inputs = x.to(self.worker.device).detach().requires_grad_(True)
-            on_device = None if input_ids is None else input_ids.to(self.worker.device, torch.long)
-            out = functional_call(self.worker.stage, generation.weights, (inputs, on_device))
+            out = functional_call(self.worker.stage, generation.weights, (inputs, self.worker.on_device(input_ids)))
             self.worker.computed(started)
         generation.rows += x.shape[0]
         generation.out += 1

@@ -100,7 +100,7 @@ class StageWorker:
             x = x.to(self.device)
             inputs = x if self.stage.first else x.detach().requires_grad_(True)
             input_ids, targets = split_ids(ids, x.shape[1])
-            out = self.stage(inputs, self._on_device(input_ids))
+            out = self.stage(inputs, self.on_device(input_ids))
             if self.stage.last:
                 loss_tensor = F.cross_entropy(out.reshape(-1, out.shape[-1]).float(),
                                               targets.to(self.device).reshape(-1))
@@ -142,11 +142,12 @@ class StageWorker:
             was_training = self.stage.training
             self.stage.eval()
             try:
-                return self.stage(x.to(self.device), self._on_device(input_ids))
+                return self.stage(x.to(self.device), self.on_device(input_ids))
             finally:
                 self.stage.train(was_training)
 
-    def _on_device(self, ids: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    def on_device(self, ids: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Token ids (or None) where the stage computes, as the embedding takes them."""
         return None if ids is None else ids.to(self.device, torch.long)
 
     def computed(self, started: float) -> None:
