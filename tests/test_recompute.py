@@ -157,6 +157,7 @@ def test_noise_from_a_first_stage_peer_is_outvoted_on_its_first_microbatch_and_a
           f"{[r.served for r in swarm.recomputes]}")
 
 
+@pytest.mark.slow  # about 13 s on the 2-core machines, with its setup: out of the quick subset
 def test_a_peer_lying_in_what_it_computes_again_is_outvoted_and_the_honest_sender_is_taken(shared):
     """Peer 2 computes again honestly nothing: it answers noise of the true activations' norm. Whenever it is asked,
     the third peer agrees with the sender, so peer 2 is left out and the sender's microbatch is taken; it is asked no

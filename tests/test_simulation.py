@@ -94,6 +94,7 @@ def test_simulated_overlap_keeps_local_progress_on_the_new_global_params(cache_d
     assert runs[2].val_losses[-1] < runs[2].val_losses[0]
 
 
+@pytest.mark.slow  # about 13 s on the 2-core machines: out of the quick subset
 def test_simulated_groups_are_diloco_when_one_group_holds_everyone_and_mix_otherwise(cache_dir):
     """The benchmark's config g: workers split into groups as peers split themselves. A group as large as the
     swarm is plain DiLoCo; groups of 2 out of 4 leave round 0 with two lineages, which round 1 merges (every
