@@ -99,7 +99,7 @@ class Stage(torch.nn.Module):
         stage_base.config.num_hidden_layers = end - start
         self.body = stage_base
         self.head = head if self.last else None
-        self.bottleneck, self.seed = bottleneck, seed
+        self.bottleneck = bottleneck
         hidden = int(model.config.hidden_size)
         if bottleneck and not 0 < bottleneck < hidden:
             raise StageError(f"pipeline.bottleneck {bottleneck} is not under the hidden size {hidden}: give a "
@@ -111,10 +111,10 @@ class Stage(torch.nn.Module):
         self.embed = torch.nn.Embedding(embedding.num_embeddings, hidden, **on) \
             if bottleneck and reembed and not self.first else None
         if embedding.weight.device.type != "meta":
-            self.init_boundaries()
+            self.init_boundaries(seed)
 
-    def init_boundaries(self) -> None:
-        """Initialise the boundary modules, the same on every peer: a boundary's encoder (the stage before it) and
+    def init_boundaries(self, seed: int) -> None:
+        """Initialise the boundary modules from the recipe's `seed`, the same on every peer: a boundary's encoder (the stage before it) and
         decoder (the stage after) start as Q^T and Q for one orthonormal Q (hidden x bottleneck) drawn from the
         boundary's seed, so at first the pair passes on the projection of the residual stream onto Q's columns
         (the low-rank identity path); the token embedding is drawn as the family draws its own (normal, std
@@ -122,12 +122,12 @@ class Stage(torch.nn.Module):
         for module, cut, transpose in ((self.encode, self.end, True), (self.decode, self.start, False)):
             if module is None:
                 continue
-            generator = torch.Generator().manual_seed(module_seed(self.seed, f"bottleneck@{cut}"))
+            generator = torch.Generator().manual_seed(module_seed(seed, f"bottleneck@{cut}"))
             q, _ = torch.linalg.qr(torch.randn(max(module.weight.shape), self.bottleneck, generator=generator))
             with torch.no_grad():
                 module.weight.copy_(q.T if transpose else q)
         if self.embed is not None:
-            generator = torch.Generator().manual_seed(module_seed(self.seed, f"embed@{self.start}"))
+            generator = torch.Generator().manual_seed(module_seed(seed, f"embed@{self.start}"))
             std = float(getattr(self.body.config, "initializer_range", 0.02))
             with torch.no_grad():
                 self.embed.weight.copy_(torch.randn(self.embed.weight.shape, generator=generator) * std)
@@ -180,8 +180,7 @@ def materialize(model: torch.nn.Module, stage: Stage, seed: int, device: torch.d
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(module_seed(seed, path))
             model._init_weights(module)
-    stage.seed = seed
-    stage.init_boundaries()
+    stage.init_boundaries(seed)
     unset = [name for name, tensor in tensors if tensor.is_floating_point() and torch.isnan(tensor).any()]
     if unset:
         raise StageError(f"{type(model).__name__}'s init leaves {unset[0]} unset when a stage is built alone: this "

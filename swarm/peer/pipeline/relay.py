@@ -51,6 +51,10 @@ class _Hop:
     done: object  # the sender's future (Handoff's): done once answered, or once its handler gave up
     future: concurrent.futures.Future = field(default=None)
 
+    @property
+    def tokens(self) -> int:
+        return self.inputs.shape[0] * self.inputs.shape[1]
+
 
 class Relay:
     """Runs `worker`'s stage (a middle one) with up to `window` microbatches in flight, sent on with `send` (training
@@ -159,7 +163,7 @@ class Relay:
             except Exception as e:  # noqa: BLE001 - its sender learns of it, and retries elsewhere
                 answers.append((hop.done, None, _stopping(e)))
             else:
-                finished.append((loss, hop.inputs.shape[0] * hop.inputs.shape[1]))
+                finished.append((loss, hop.tokens))
                 answers.append((hop.done, (hop.inputs.grad.detach().cpu(), loss), None))
         # (the newest generation stays open for more rows while nothing else is in flight)
         while self.generations and self.generations[0].out == 0 and (
@@ -183,7 +187,7 @@ class Relay:
             hop.generation.trained += 1
             if not self.worker.frozen:
                 self.worker.microbatches += 1
-                self.worker.tokens += hop.inputs.shape[0] * hop.inputs.shape[1]
+                self.worker.tokens += hop.tokens
             self.worker.computed(started)
         return loss
 
