@@ -226,6 +226,10 @@ class PipelineRecipe(_Section):
                             "each boundary (swarm/model/stages.py); 0 (default): the hidden states as they are")
     activations: Literal["fp16", "int8"] = Field("fp16", description="how the values between stages travel: fp16 "
                                                  "(default), or int8 (8-bit with a scale per chunk: half the bytes)")
+    keep_every: int = Field(
+        5, ge=0, le=1_000_000, description="each stage's peers keep a backup of the next stage's state (the last "
+        "stage's, of the first's), taken at every round of that stage that is a multiple of this, and serve it to a "
+        "peer that joins the stage once all its hosts are gone (swarm/peer/pipeline/keeper.py); 0: no backups")
 
     schedule: Literal["stream", "flush"] = Field(
         "stream", description="how a first-stage peer sends its microbatches: stream (default) keeps them in flight "
@@ -337,24 +341,17 @@ class Recipe(_Section):
 
     def canonical_json(self) -> str:
         fields = self.model_dump(mode="json")
-        if fields["admission"] == "open":  # left out: open runs keep the digest (and JSON) of older versions
-            del fields["admission"]
-        if fields["averaging"]["verify_reducers"]:  # (likewise: recipes without the field keep their digest)
-            del fields["averaging"]["verify_reducers"]
-        if not fields["averaging"]["checked_groups"]:  # (and without this one)
-            del fields["averaging"]["checked_groups"]
-        if fields["outer"]["fragments"] == 1:  # (runs from before Streaming DiLoCo keep their digest)
-            del fields["outer"]["fragments"]
-        if fields["data"]["text_field"] == "text":  # the same, for recipes that read no other field
-            del fields["data"]["text_field"]
-        if fields["inner"]["optimizer"] == "adamw":  # (runs from before the option keep their digest)
-            del fields["inner"]["optimizer"]
         if fields["pipeline"]["stages"] != "auto":  # stage_memory only says how many stages auto makes
             del fields["pipeline"]["stage_memory"]
-        # (runs of stages before these fields keep their digest)
-        for name in ("schedule", "rebalance_seconds", "settle_seconds", "duplicate_share", "bottleneck", "activations"):
-            if fields["pipeline"][name] == PipelineRecipe.model_fields[name].default:
-                del fields["pipeline"][name]
+        # Left out at their defaults, so that runs from before each of these fields keep their digest (and JSON).
+        for section, names in (("", ("admission",)), ("averaging", ("verify_reducers", "checked_groups")),
+                               ("outer", ("fragments",)), ("data", ("text_field",)), ("inner", ("optimizer",)),
+                               ("pipeline", ("schedule", "rebalance_seconds", "settle_seconds", "duplicate_share",
+                                             "bottleneck", "activations", "keep_every"))):
+            values, model = (fields[section], type(getattr(self, section))) if section else (fields, type(self))
+            for name in names:
+                if values[name] == model.model_fields[name].default:
+                    del values[name]
         if fields["pipeline"]["stages"] == 1:  # and for whole-model runs
             del fields["pipeline"]
         return json.dumps(fields, sort_keys=True, separators=(",", ":"))

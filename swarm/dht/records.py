@@ -98,6 +98,10 @@ class PeerRecord:
     # fetched from other peers.
     data_files: Optional[int] = None
     data_fetched: Optional[int] = None
+    # A stage peer's backup of the next stage's state (swarm/peer/pipeline/keeper.py): its round and state digest;
+    # None and "" while it keeps none.
+    kept_round: Optional[int] = None
+    kept_digest: str = ""
     client: bool = False  # --client-mode: accepts no inbound streams, so it serves no state to joiners
     updated: float = 0.0
 
@@ -135,14 +139,14 @@ class PeerRecord:
         return record
 
     def _check(self, n_blocks: Optional[int]) -> None:
-        for name in ("state", "version", "run_id", "digest", "device", "device_name"):
+        for name in ("state", "version", "run_id", "digest", "device", "device_name", "kept_digest"):
             _string(getattr(self, name), name)
         if self.state not in PEER_STATES:
             raise InvalidRecord(f"state {shown(self.state)} is not one of {PEER_STATES}")
         for name in ("round", "tokens_in_round", "block_start", "block_end", "attempt"):
             _integer(getattr(self, name), name, 1 << 62)
         _integer(self.device_memory, "device_memory", MAX_MEMORY)
-        for name in ("in_flight_tokens", "data_shard", "data_start", "data_files", "data_fetched"):
+        for name in ("in_flight_tokens", "data_shard", "data_start", "data_files", "data_fetched", "kept_round"):
             if getattr(self, name) is not None:
                 _integer(getattr(self, name), name, 1 << 62)
         if not self.block_start < self.block_end or (n_blocks is not None and self.block_end > n_blocks):

@@ -73,6 +73,14 @@ class DiLoCo:
         self._parts: list[Optional[bytes]] = []  # each fragment's digest, where hashed (see state_digest)
         self._rehash()
 
+    @classmethod
+    def state_only(cls, module: torch.nn.Module, outer: OuterRecipe) -> "DiLoCo":
+        """Global params (a copy of `module`'s, which the caller may then drop) and outer momentum alone, with no
+        model to train and no replay log: the backup of a pipeline stage that a peer keeps (pipeline/keeper.py)."""
+        diloco = cls(module, outer, log_bytes=0)
+        diloco.model, diloco.local_params = None, []
+        return diloco
+
     def fragment(self, round_no: Optional[int] = None) -> int:
         """The fragment round `round_no` (by default the current one) averages."""
         return (self.round if round_no is None else round_no) % len(self.fragments)

@@ -152,7 +152,7 @@ class Peer:
             client_mode=s.network.client_mode, flat_state=self.diloco.flat_state, stopping=self.stop.event)
         self.catch_up = CatchUp(loop=self.loop, node=self.node, run_id=r.run_id, diloco=self.diloco,
                                 rounds=self.rounds, announcer=self.announcer, metrics=self.metrics,
-                                events=self.events, on_synced=self._drop_local_progress)
+                                events=self.events, on_synced=self._drop_local_progress, kept=self.part.kept)
         self.loss, self.val_loss, self.validation = None, None, ValidationBudget()  # (the last measured losses)
         self.tokens_per_s = measure_tokens_per_s(self.model, r.data.batch_size, r.data.seq_len, self.device) \
             if self.part.whole else 0.0  # a stage's pace is the pipeline's: announced once measured
@@ -212,7 +212,8 @@ class Peer:
             bandwidth_up=self.link.up, bandwidth_down=self.link.down,
             loss=self.loss, val_loss=self.val_loss, attempt=snap.attempt, updated=self.node.now(),
             in_flight_tokens=snap.in_flight_tokens, data_shard=self.stream.reading(), data_start=self.stream.start,
-            client=self.settings.network.client_mode, **(self.shared.record_fields() if self.shared else {}))
+            client=self.settings.network.client_mode, **(self.shared.record_fields() if self.shared else {}),
+            **(self.part.keeper.fields() if self.part.keeper else {}))
 
     def _on_bad_peer(self, peer_id: str, reason: str) -> None:
         self.metrics.bad_peers.labels(reason=reason).inc()
@@ -436,15 +437,14 @@ class Peer:
                 logger.debug("could not announce offline", exc_info=True)
         if self.checkpoints is not None:
             self.checkpoints.close()  # (the newest state we have is written before we go)
+        opened = self.node.direct.opened if self.node is not None and self.node.direct is not None else {}
+        if opened:
+            logger.info("streams opened: %d direct, %d through libp2p", opened["direct"], opened["fallback"])
         if self.node is not None:
-            if self.node.direct is not None:
-                logger.info("streams opened: %d direct, %d through libp2p", self.node.direct.opened["direct"],
-                            self.node.direct.opened["fallback"])
             self.node.shutdown()
         if self.loop is not None:
             self.loop.close()
         self.metrics.close()
         logger.info("stopped")
-        opened = self.node.direct.opened if self.node is not None and self.node.direct is not None else {}
         self.events.emit("stopped", streams_direct=opened.get("direct", 0), streams_fallback=opened.get("fallback", 0))
         self.events.close()

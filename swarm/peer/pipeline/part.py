@@ -29,6 +29,7 @@ from swarm.dht.records import ONLINE_STATES, TRAINING_STATES, parse_peer_records
 from swarm.model.build import build_model, n_blocks as count_blocks
 from swarm.model.memory import fmt_bytes, part_params, stage_costs, stage_needs
 from swarm.model.stages import Stage, even_bounds, materialize
+from swarm.peer.pipeline.keeper import Keeper, backup_reference
 from swarm.peer.pipeline.microbatches import MicrobatchStream, together
 from swarm.peer.pipeline.placement import memory_limits, move_decision, upstream_finished, weakest_stage
 from swarm.peer.pipeline.recompute import RecomputeServer, Recheck, recompute_protocol
@@ -72,6 +73,7 @@ class Part:
         self.recompute: Optional[RecomputeServer] = None  # a first stage's: our activations for the next stage's check
         self._first_peers: list[tuple[str, bool, int]] = []  # (the stage after the first: the first stage's peers)
         self._next_live: set[str] = set()  # the next stage's live peers, averaging or not (who may ask us to recompute)
+        self.keeper: Optional[Keeper] = None  # our backup of the next stage's state (keeper.py), where we keep one
         limit, capacity = memory_limits(settings)
         parts = part_params(recipe, model)
         needs = stage_needs(recipe, parts=parts)  # (as doctor estimates)
@@ -123,11 +125,13 @@ class Part:
     def build(cls, recipe: Recipe, settings: PeerSettings, model_recipe: ModelRecipe, vocab_size: int,
               node: SwarmNode, loop: LoopThread, device: torch.device, prefer: Optional[int] = None) -> "Part":
         """The model as this peer needs it and the part of it we train: the whole model on `device`, or in a run of
-        stages the model on the meta device with our stage alone allocated on `device`."""
-        staged = recipe.pipeline.stages > 1
+        stages the model on the meta device with our stage alone allocated on `device` (and the kept one, keeper.py)."""
+        staged, meta = recipe.pipeline.stages > 1, lambda: build_model(model_recipe, vocab_size, meta=True)
         model = build_model(model_recipe, vocab_size, meta=staged, recompute=settings.recompute_activations)
-        return cls(recipe, settings, model if staged else model.to(device), node, loop, count_blocks(model), prefer,
+        part = cls(recipe, settings, model if staged else model.to(device), node, loop, count_blocks(model), prefer,
                    device)
+        part.keeper = Keeper.build(node, settings, part, meta, device)
+        return part
 
     @property
     def whole(self) -> bool:
@@ -177,6 +181,8 @@ class Part:
                                            window=max(k, self.stages), across=pipeline.schedule == "stream")
         self.started, self.server = time.monotonic(), None
         self.loop.submit(self._watch())
+        if self.keeper is not None:
+            self.loop.run(self.keeper.start(), timeout=30)
         if not self.first:
             self.work = Handoff(self.loop.loop)
             self.server = server = StageServer(
@@ -294,6 +300,11 @@ class Part:
             logger.info("pipeline: no validation loss this round (%s)", str(e).splitlines()[0] if str(e) else e)
             return None
         return sum(losses) / max(len(losses), 1)
+
+    def kept(self) -> view.Reference:
+        """Our stage's state that its keepers vouch for now (keeper.py); none for a whole model."""
+        return self.loop.run(backup_reference(self.node, self.recipe, self.index), 30) if not self.whole else \
+            view.Reference(0, "", [])
 
     def slow_down(self, factor: float) -> None:
         """Compute `factor` times slower from now on (a fault drill: a weaker device); a whole model ignores it."""

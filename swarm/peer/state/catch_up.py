@@ -9,6 +9,7 @@ import concurrent.futures
 import logging
 from typing import Callable, Optional
 
+from swarm.dht.view import Reference
 from swarm.peer.state.sync import StateSyncError, sync_deadline, sync_state
 
 logger = logging.getLogger("swarm.peer")
@@ -20,17 +21,26 @@ class CatchUp:
     owed the old state (error feedback, inner optimizer)."""
 
     def __init__(self, *, loop, node, run_id: str, diloco, rounds, announcer, metrics, events,
-                 on_synced: Callable[[], None]):
+                 on_synced: Callable[[], None], kept: Optional[Callable[[], Reference]] = None):
         self.loop, self.node, self.run_id, self.diloco = loop, node, run_id, diloco
         self.rounds, self.announcer, self.metrics, self.events = rounds, announcer, metrics, events
-        self.on_synced = on_synced
+        self.on_synced, self.kept = on_synced, kept
 
     def join(self) -> None:
-        """At start-up: take the swarm's state if it is newer than ours, or other params at our round."""
+        """At start-up: take the swarm's state if it is newer than ours, or other params at our round. A pipeline
+        stage that no other live peer trains (all its hosts left), or whose state we could not take from them, takes
+        the state its keepers vouch for (`kept`, swarm/peer/pipeline/keeper.py) where that is newer than ours."""
         reference = self.announcer.swarm_reference()
         if reference.holders and (self.diloco.round < reference.round or (
                 self.diloco.round == reference.round and reference.digest != self.diloco.digest())):
-            self.resync(reference.holders, reference.digest, reason="joining")
+            if self.resync(reference.holders, reference.digest, reason="joining"):
+                return
+        elif reference.holders or self.announcer.live():
+            return  # we hold the swarm's state, or our stage's peers train on one we do not follow (yet)
+        kept = self.kept() if self.kept is not None else None
+        if kept is not None and kept.holders and kept.round > self.diloco.round:
+            logger.info("taking the state of round %d that our stage's keepers hold", kept.round)
+            self.resync(kept.holders, kept.digest, reason="the stage's backup")
 
     def behind(self) -> bool:
         """While training: re-sync if the swarm is at a newer round than ours (unless a failed try asks us to

@@ -82,7 +82,9 @@ async def download_state(node: SwarmNode, holders: list[str], run_id: str, diloc
     if tensors is None:
         raise StateSyncError(f"state from {', '.join(h[-8:] for h in tried)} does not match its sha256 or the "
                              f"state digest {digest}", moved_on=failed is not None and failed.moved_on)
-    diloco.load_state_tensors(tensors, header["round"], header["tokens_seen"])
+    # (off the event loop, as the checks before: at a billion parameters a copy of seconds, which heartbeats and a
+    # stage backup's service, swarm/peer/pipeline/keeper.py, must not wait for)
+    await asyncio.to_thread(diloco.load_state_tensors, tensors, header["round"], header["tokens_seen"])
     return Downloaded(header, time.monotonic() - started, served)
 
 
@@ -110,14 +112,14 @@ async def _fetch_verified(node: SwarmNode, sources: list[str], run_id: str, head
     nor from any alone (some source sent bytes other than it announced, and we cannot tell which)."""
     size, sha256, round_no = header["size"], header["sha256"], header["round"]
     payload, served = await _fetch(node, sources, run_id, size, sha256, stall, range_bytes)
-    tensors = _verified(payload, sha256, round_no, digest, diloco)
+    tensors = await asyncio.to_thread(_verified, payload, sha256, round_no, digest, diloco)
     if tensors is None and len(served) > 1:
         for holder in served:
             try:
                 payload, alone = await _fetch(node, [holder], run_id, size, sha256, stall, range_bytes)
             except StateSyncError:
                 continue
-            tensors = _verified(payload, sha256, round_no, digest, diloco)
+            tensors = await asyncio.to_thread(_verified, payload, sha256, round_no, digest, diloco)
             if tensors is not None:
                 return tensors, alone
     return tensors, served
