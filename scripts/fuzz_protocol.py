@@ -191,11 +191,12 @@ def record_seed() -> dict:
             "block_start": 0, "block_end": 2, "digest": DIGEST, "device": "cpu", "device_name": "cpu",
             "device_memory": 1 << 30, "tokens_per_s": 10.0, "capacity": 10.0, "bandwidth_up": 1e6,
             "bandwidth_down": 1e6, "loss": 5.0, "val_loss": None, "attempt": 0, "in_flight_tokens": None,
-            "data_shard": 1, "data_start": 1, "data_files": None, "data_fetched": None, "client": False,
-            "updated": 1.7e9}
+            "data_shard": 1, "data_start": 1, "data_files": None, "data_fetched": None, "kept_round": 2,
+            "kept_digest": DIGEST, "client": False, "updated": 1.7e9}
 
 
-RECORD_RULES = {**{name: printable(256) for name in ("version", "run_id", "digest", "device", "device_name")},
+RECORD_RULES = {**{name: printable(256) for name in ("version", "run_id", "digest", "device", "device_name",
+                                                     "kept_digest")},
                 "state": lambda x: x in ("joining", "training", "averaging", "syncing", "offline", "stopping"),
                 **{name: integer(0, 1 << 62) for name in ("round", "tokens_in_round", "attempt")},
                 "block_start": integer(0, 2), "block_end": integer(1, 3),
@@ -204,7 +205,7 @@ RECORD_RULES = {**{name: printable(256) for name in ("version", "run_id", "diges
                 **{name: within(0, 1e13) for name in ("bandwidth_up", "bandwidth_down")},
                 "loss": optional(number), "val_loss": optional(number),
                 **{name: optional(integer(0, 1 << 62)) for name in ("in_flight_tokens", "data_shard", "data_start",
-                                                                    "data_files", "data_fetched")},
+                                                                    "data_files", "data_fetched", "kept_round")},
                 "client": is_bool, "updated": within(0, math.inf)}
 
 

@@ -15,7 +15,8 @@ import torch
 from swarm.config import OuterRecipe
 from swarm.dht.records import InvalidRecord, PeerRecord
 from swarm.peer.diloco import DiLoCo
-from swarm.peer.pipeline.keeper import keepers_of, kept_reference, kept_stage
+from swarm.dht.view import kept_reference
+from swarm.peer.pipeline.keeper import keepers_of, kept_stage
 
 
 def _record(peer: str, kept_round, kept_digest: str, updated: float = 100.0, client: bool = False,
@@ -122,3 +123,29 @@ def test_a_stage_whose_only_peer_is_sigkilled_goes_on_from_its_keepers_backup(sw
         peer.process.send_signal(signal.SIGTERM)
     for peer in (peers[0], peers[1], peers[3], replacement):
         assert peer.wait(90) == 0, peer.output()[-3000:]
+
+
+def test_operators_see_each_stage_s_backup_round_until_its_keepers_leave():
+    """`swarm-peer status` and the bootstrap's gauge show the round of each stage's state its keepers (the stage
+    before's peers, the first's the last's) vouch for; none where they keep nothing or disagree, and the gauge's
+    series goes when the backup does."""
+    from prometheus_client import CollectorRegistry
+
+    from swarm.dht.view import summarize_stages
+    from swarm.monitoring.swarm_status import SwarmExporter, render_status
+
+    now = 100.0
+    stage0 = [_record("a", 6, "d6"), _record("b", 6, "d6")]  # (they keep stage 1)
+    stage1 = [_record("c", 5, "e5"), _record("d", 9, "lie")]  # (they keep stage 0, and disagree)
+    summary = summarize_stages([stage0, stage1], [(0, 1), (1, 2)], 0, 2, read_at=now)
+    assert [t.backup_round for t in summary.stages] == [None, 6]
+    text = render_status(summary, "r", "f" * 64)
+    assert "backup of round 6" in next(line for line in text.splitlines() if "stage 1 blocks" in line)
+    assert "backup" not in next(line for line in text.splitlines() if "stage 0 blocks" in line)
+    registry = CollectorRegistry()
+    exporter = SwarmExporter(registry)
+    exporter.update(summary)
+    assert registry.get_sample_value("swarm_stage_backup_round", {"stage": "1"}) == 6
+    assert registry.get_sample_value("swarm_stage_backup_round", {"stage": "0"}) is None
+    exporter.update(summarize_stages([[], stage1], [(0, 1), (1, 2)], 0, 2, read_at=now))
+    assert registry.get_sample_value("swarm_stage_backup_round", {"stage": "1"}) is None, "its keepers left"

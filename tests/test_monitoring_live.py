@@ -322,7 +322,8 @@ def test_join_on_a_terminal_draws_a_live_progress_line(live_swarm):
                     "installs it when run as root)")
 def test_status_page_shows_a_pipelined_runs_stages_in_headless_chromium(tmp_path):
     """The page of a run cut into two stages (from records, as the bootstrap would read them): a Pipeline stages
-    panel with a row per stage and the bottleneck marked, every peer listed, and a peer judged against its own
+    panel with a row per stage, the bottleneck marked and the round of the backup its keepers hold (stage 1's, kept
+    by stage 0's peers; none of stage 0), every peer listed, and a peer judged against its own
     stage's digest (stage 1 holds other params than stage 0: not divergent; a stage-1 peer off its stage's
     majority: divergent)."""
     from swarm.dht.records import PeerRecord
@@ -332,7 +333,8 @@ def test_status_page_shows_a_pipelined_runs_stages_in_headless_chromium(tmp_path
     def record(peer_id: str, start: int, end: int, digest: str, round_no: int) -> PeerRecord:
         return PeerRecord(peer_id=peer_id, state="training", version="0.1.0", run_id="run", round=round_no,
                           tokens_in_round=0, block_start=start, block_end=end, digest=digest,
-                          tokens_per_s=100.0 if start == 0 else 60.0)
+                          tokens_per_s=100.0 if start == 0 else 60.0,
+                          updated=time.time(), **({"kept_round": 3, "kept_digest": "dd" * 8} if start == 0 else {}))
 
     stage0 = [record(f"QmFirst{i}", 0, 2, "aa" * 8, 5) for i in range(3)]
     stage1 = [record("QmLastA", 2, 4, "bb" * 8, 4), record("QmLastB", 2, 4, "bb" * 8, 4),
@@ -351,6 +353,8 @@ def test_status_page_shows_a_pipelined_runs_stages_in_headless_chromium(tmp_path
     rows = dict(re.findall(r'<tr data-stage="(\d)">(.*?)</tr>', dom, re.S))
     # (three peers each: the stage with the fewer tokens/s is the bottleneck)
     assert sorted(rows) == ["0", "1"] and "bottleneck" not in rows["0"] and "bottleneck" in rows["1"], rows
+    backup = [re.findall(r'<td[^>]*title="the round of this stage[^"]*"[^>]*>([^<]*)</td>', rows[k]) for k in "01"]
+    assert backup == [["–"], ["3"]], backup
     peers = dict(re.findall(r'<tr class="[^"]*" data-peer-id="([^"]+)">(.*?)</tr>', dom, re.S))
     assert len(peers) == 6, sorted(peers)
     assert "≠" in peers["QmLastOff"] and "≠" not in peers["QmLastA"] and "≠" not in peers["QmFirst0"]

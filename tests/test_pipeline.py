@@ -618,8 +618,8 @@ def test_a_peer_moves_to_the_stage_that_holds_the_pipelines_back_or_lost_its_hos
     reason to move, but the pipelines run at A's pace: once C has hosted stage 0 for settle_seconds and the
     capacities are measured (operators see stage 1 as the bottleneck by capacity), C moves to stage 1, which lifts
     the pace. Then B, stage 0's only host, is SIGKILLed: the first stage cannot train, and C, free to move, goes
-    back after rebalance_seconds (starting stage 0 from the recipe's init: nobody held it), and both stages average
-    rounds again."""
+    back after rebalance_seconds (starting stage 0 from the backup stage 1's peers keep of it where they took one,
+    else from the recipe's init: pipeline/keeper.py), and both stages average rounds again."""
     recipe = Path(__file__).parent / "recipes" / "rebalance.yaml"
     _, maddr = swarm.bootstrap(recipe=recipe)
     a = swarm.peer(maddr, "--stage", "1", "--inject-fault", "slow@0", name="a")

@@ -199,6 +199,16 @@ def most_announced(records: Records, now: float, quorum: int = 1) -> Reference:
     return Reference(best[0], best[1], [p.peer_id for p in announced if (p.round, p.digest) == best and not p.client])
 
 
+def kept_reference(records: Records, now: float) -> Reference:
+    """The state of a pipeline stage that its keepers vouch for (swarm/peer/pipeline/keeper.py), from their
+    `records` (those of the stage before it): the (round, digest) the most live keepers announce as kept, if at
+    least the quorum of `quorum` does (two where two or more announce one); its holders are the keepers that
+    announce it. (0, "", []) when none has the quorum."""
+    kept = [replace(p, round=p.kept_round, digest=p.kept_digest) for p in records
+            if p.kept_round is not None and p.kept_digest and not p.client]
+    return most_announced(kept, now, quorum(1, vouchers(kept, now)))
+
+
 def stage_capacity(records: Records) -> Optional[float]:
     """What a stage's training peers compute when they never wait for another stage (their announced capacity),
     summed; None where one of them has not measured its own yet, or none trains."""
@@ -237,6 +247,9 @@ class StageSummary:
     # Tokens/s its training peers compute when they never wait for another stage, summed (None while one of them
     # has not measured its own): the pace the stage could keep.
     capacity: Optional[float] = None
+    # The round of the state that the peers of the stage before keep of it and vouch for (kept_reference), None if
+    # none: where the stage goes on from if every host of it leaves.
+    backup_round: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -299,12 +312,14 @@ def summarize_stages(per_stage: Sequence[list[PeerRecord]], bounds: Sequence[tup
     stages = []
     for k, (records, (start, end)) in enumerate(zip(per_stage, bounds)):
         part = summarize(records, 0, n_blocks, read_at)
+        kept = kept_reference(per_stage[k - 1], read_at)  # (by the stage before's peers; the first's by the last's)
         stages.append(StageSummary(
             stage=k, block_start=start, block_end=end, peers_online=part.peers_online,
             tokens_per_s=part.tokens_per_s, round=part.round, digests_agree=part.digests_agree,
             majority_digest=part.majority_digest,
             divergent_peers=sum(p.digest != part.majority_digest for p in at_round(online(records), part.round)),
-            bottleneck=False, capacity=stage_capacity(online(records))))
+            bottleneck=False, capacity=stage_capacity(online(records)),
+            backup_round=kept.round if kept.holders else None))
     if stages:
         measured = all(s.capacity for s in stages)
         slowest = min(stages, key=lambda s: (s.capacity, s.stage) if measured else

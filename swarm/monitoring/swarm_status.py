@@ -63,6 +63,10 @@ class SwarmExporter:
         self.stage_capacity = Gauge("swarm_stage_capacity_tokens_per_second", "Tokens/s each stage's training "
                                     "peers compute when they never wait for another stage (absent until measured)",
                                     ["stage"], registry=registry)
+        self.stage_backup = Gauge("swarm_stage_backup_round", "Round of the state of each stage that the peers of "
+                                  "the stage before keep and vouch for (absent while none does)", ["stage"],
+                                  registry=registry)
+        self.backed_up: set[str] = set()  # the stages whose backup round the gauge shows
         self.stage_divergent = Gauge("swarm_stage_divergent_peers", "Each stage's training peers whose digest is "
                                      "not the stage's majority's", ["stage"], registry=registry)
         self.bottleneck = _Bottleneck()
@@ -88,6 +92,12 @@ class SwarmExporter:
             self.stage_tokens.labels(stage=label).set(stage.tokens_per_s)
             if stage.capacity is not None:
                 self.stage_capacity.labels(stage=label).set(stage.capacity)
+            if stage.backup_round is not None:
+                self.stage_backup.labels(stage=label).set(stage.backup_round)
+                self.backed_up.add(label)
+            elif label in self.backed_up:  # (its keepers left: no backup, rather than the last one's round)
+                self.stage_backup.remove(label)
+                self.backed_up.discard(label)
             self.stage_divergent.labels(stage=label).set(stage.divergent_peers)
             if stage.bottleneck:
                 self.bottleneck.stage = stage.stage
@@ -138,7 +148,8 @@ def render_status(summary: SwarmSummary, run_id: str, recipe_digest: str) -> str
                      f"digests: {'agree within each stage' if s.digests_agree else 'DIFFER within a stage'}")
         lines.extend(f"  stage {t.stage} blocks [{t.block_start}, {t.block_end}): {t.peers_online} "
                      f"peer{'' if t.peers_online == 1 else 's'}, round {t.round}, {t.tokens_per_s:.0f} tokens/s"
-                     + ("" if t.capacity is None else f" (could compute {t.capacity:.0f})") + ", "
+                     + ("" if t.capacity is None else f" (could compute {t.capacity:.0f})")
+                     + ("" if t.backup_round is None else f", backup of round {t.backup_round}") + ", "
                      + ("no digest yet" if not t.majority_digest else f"digests agree ({t.majority_digest})"
                         if t.digests_agree else f"digests DIFFER (majority {t.majority_digest})")
                      + ("  <- bottleneck" if t.bottleneck else "") for t in s.stages)

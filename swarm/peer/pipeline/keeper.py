@@ -6,10 +6,10 @@ kept where a holder still logs them, else downloading; from the holders a quorum
 for, swarm/dht/view.py), announces the round and state digest it keeps in its own record (`kept_round`,
 `kept_digest`), and serves the state on that stage's state protocol, as the stage's own peers do.
 
-A peer that joins a stage none of whose live peers announces a state takes the state the stage's keepers vouch
-for (`kept_reference`), by the rule any reference follows: where two or more keepers announce one, two must agree,
-so one keeper's lie leads nobody while another keeper contradicts it (keepers take the same rounds, so honest ones
-agree); a lone keeper is followed as a lone peer is (view.quorum). The download checks what any download checks
+A peer that joins a stage no other live peer trains (or whose state it could not take from them) takes the state
+the stage's keepers vouch for (view.kept_reference), by the rule any reference follows: where two or more keepers
+announce one, two must agree, so one keeper's lie leads nobody while another keeper contradicts it (keepers take
+the same rounds, so honest ones agree); a lone keeper is followed as a lone peer is (view.quorum). The download checks what any download checks
 (the bytes' sha256, the tensors' state digest), and only a state newer than the joiner's own (its checkpoint's)
 replaces it.
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import replace
 from typing import Callable, Optional
 
 import torch
@@ -49,15 +48,6 @@ def kept_stage(stage: int, stages: int) -> int:
 def keepers_of(stage: int, stages: int) -> int:
     """The stage whose peers keep the state of `stage`."""
     return (stage - 1) % stages
-
-
-def kept_reference(records: list[PeerRecord], now: float) -> view.Reference:
-    """The state of a stage that its keepers' `records` (those of the stage before it) vouch for: the (round,
-    digest) the most live keepers announce, if at least the quorum of view.quorum does (two where two or more
-    announce one); its holders are the keepers that announce it. (0, "", []) when none has the quorum."""
-    kept = [replace(p, round=p.kept_round, digest=p.kept_digest) for p in records
-            if p.kept_round is not None and p.kept_digest and not p.client]
-    return view.most_announced(kept, now, view.quorum(1, view.vouchers(kept, now)))
 
 
 def stage_reference(records: list[PeerRecord], me: str, now: float) -> view.Reference:
@@ -145,7 +135,8 @@ class Keeper:
 
 
 async def backup_reference(node: SwarmNode, recipe: Recipe, stage: int) -> view.Reference:
-    """The state of our `stage` that its keepers vouch for now (kept_reference of the stage before it's records)."""
+    """The state of our `stage` that its keepers vouch for now (view.kept_reference of the records of the stage
+    before it)."""
     keepers = recipe.stage_run_id(keepers_of(stage, recipe.pipeline.stages))
     records, _ = parse_peer_records(await node.get(peers_key(keepers)))
-    return kept_reference(records, node.now())
+    return view.kept_reference(records, node.now())
