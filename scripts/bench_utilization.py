@@ -52,7 +52,8 @@ def recipe(args: argparse.Namespace, overlap: bool) -> dict:
         "data": {"vocab_size": 512, "seq_len": args.seq_len, "batch_size": args.batch},
         "inner": {"lr": 0.003, "warmup_tokens": 4 * tokens_per_step},
         "outer": {"overlap": overlap},
-        **({"pipeline": {"stages": args.stages, "bottleneck": args.bottleneck, "activations": args.activations}}
+        **({"pipeline": {"stages": args.stages, "bottleneck": args.bottleneck, "activations": args.activations,
+                         "keep_every": args.keep_every}}
            if args.stages > 1 else {}),
         "averaging": {"codec": "none", "min_group_size": min(2, args.peers // args.stages),  # (a lone stage peer)
                       "target_group_size": args.peers,
@@ -149,7 +150,7 @@ def _run(args: argparse.Namespace, overlap: bool, workdir: Path, spaces) -> dict
         target = recipe(args, overlap)["tokens_per_round"]
         return {"overlap": overlap, "peers": args.peers, "rounds": args.rounds, "mbit": args.mbit or "",
                 "stages": args.stages, "microbatches": args.microbatches if args.stages > 1 else None,
-                "bottleneck": args.bottleneck, "activations": args.activations,
+                "bottleneck": args.bottleneck, "activations": args.activations, "keep_every": args.keep_every,
                 "wire_bytes_per_token": wire, "busy_of_span": spans,
                 "allreduce_seconds": _mean(ALLREDUCE_SECONDS, peers),
                 "matchmaking_seconds": _mean(MATCHMAKING, peers), "utilization": values,
@@ -180,6 +181,8 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=2, help="with --stages: each batch as K in flight")
     parser.add_argument("--bottleneck", type=int, default=0, help="with --stages: pipeline.bottleneck, values a token")
     parser.add_argument("--activations", default="fp16", help="with --stages: pipeline.activations, fp16 or int8")
+    parser.add_argument("--keep-every", type=int, default=5, help="with --stages: pipeline.keep_every, rounds "
+                        "between the stage backups the peers of the stage before take (0: none)")
     parser.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "swarm-bench-cache"))
     parser.add_argument("--timeout", type=float, default=600.0, help="per mode")
     parser.add_argument("--log-dir", help="write every process's output there")
