@@ -149,3 +149,40 @@ def test_operators_see_each_stage_s_backup_round_until_its_keepers_leave():
     assert registry.get_sample_value("swarm_stage_backup_round", {"stage": "0"}) is None
     exporter.update(summarize_stages([[], stage1], [(0, 1), (1, 2)], 0, 2, read_at=now))
     assert registry.get_sample_value("swarm_stage_backup_round", {"stage": "1"}) is None, "its keepers left"
+
+
+class _Joiner:
+    """What CatchUp.join reads of a peer: the swarm's reference and live peers (its announcer), its state's round,
+    the keepers' reference; `resync` is recorded and answers `works`."""
+
+    def __init__(self, reference=(0, "", []), live=(), kept=(0, "", []), works=True, round_no=0):
+        from swarm.dht.view import Reference
+        from swarm.peer.state.catch_up import CatchUp
+
+        announcer = type("A", (), {"swarm_reference": lambda _: Reference(*reference), "live": lambda _: list(live)})()
+        diloco = type("D", (), {"round": round_no, "digest": lambda _: "ours"})()
+        self.calls = []
+        self.catch_up = CatchUp(loop=None, node=None, run_id="r", diloco=diloco, rounds=None, announcer=announcer,
+                                metrics=None, events=None, on_synced=lambda: None,
+                                kept=lambda: Reference(*kept))
+        self.catch_up.resync = lambda holders, digest, reason: self.calls.append((holders, digest, reason)) or works
+
+
+@pytest.mark.parametrize("case, expected", [
+    # Every host of the stage gone: the keepers' newer state is taken, an older or equal one is not.
+    (dict(kept=(4, "k4", ["a"])), [(["a"], "k4", "the stage's backup")]),
+    (dict(kept=(4, "k4", ["a"]), round_no=4), []),
+    (dict(kept=(0, "", [])), []),
+    # The stage's peers are there: their state, and the keepers' only if it could not be taken from them.
+    (dict(reference=(6, "s6", ["p"]), live=["p"], kept=(4, "k4", ["a"])), [(["p"], "s6", "joining")]),
+    (dict(reference=(6, "s6", ["p"]), live=["p"], kept=(4, "k4", ["a"]), works=False),
+     [(["p"], "s6", "joining"), (["a"], "k4", "the stage's backup")]),
+    # Peers train but vouch for no state we follow (no quorum yet): not the keepers' over theirs.
+    (dict(live=["p", "q"], kept=(4, "k4", ["a"])), []),
+    # We hold the stage's state already.
+    (dict(reference=(6, "ours", ["p"]), live=["p"], kept=(9, "k9", ["a"]), round_no=6), []),
+])
+def test_a_joiner_takes_the_keepers_state_only_when_its_stage_has_none_to_give(case, expected):
+    joiner = _Joiner(**case)
+    joiner.catch_up.join()
+    assert joiner.calls == expected
