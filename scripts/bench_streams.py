@@ -69,7 +69,8 @@ def main() -> None:
     result = {"streams": args.streams, "bytes": args.bytes, "wall_ms_per_stream": 1000 * wall / args.streams,
               "cpu_ms_per_stream": 1000 * cpu / args.streams, "opened": opened}
     print(f"{'streams':>8} {'bytes each way':>15} {'wall ms a stream':>17} {'CPU ms a stream (both ends)':>28}")
-    print(f"{args.streams:>8} {args.bytes:>15} {result['wall_ms_per_stream']:>17.2f} {result['cpu_ms_per_stream']:>28.2f}")
+    wall_ms, cpu_ms = result["wall_ms_per_stream"], result["cpu_ms_per_stream"]
+    print(f"{args.streams:>8} {args.bytes:>15} {wall_ms:>17.2f} {cpu_ms:>28.2f}")
     print(f"(streams opened: {opened})")
     print(json.dumps(result))
 
