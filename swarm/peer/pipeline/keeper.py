@@ -9,9 +9,9 @@ for, swarm/dht/view.py), announces the round and state digest it keeps in its ow
 A peer that joins a stage no other live peer trains (or whose state it could not take from them) takes the state
 the stage's keepers vouch for (view.kept_reference), by the rule any reference follows: where two or more keepers
 announce one, two must agree, so one keeper's lie leads nobody while another keeper contradicts it (keepers take
-the same rounds, so honest ones agree); a lone keeper is followed as a lone peer is (view.quorum). The download checks what any download checks
-(the bytes' sha256, the tensors' state digest), and only a state newer than the joiner's own (its checkpoint's)
-replaces it.
+the same rounds, so honest ones agree); a lone keeper is followed as a lone peer is (view.quorum). The download
+checks what any download checks (the bytes' sha256, the tensors' state digest), and only a state newer than the
+joiner's own (its checkpoint's) replaces it.
 
 The kept state lives in host memory, 8 bytes a parameter of the kept stage (no model, no replay log); a CPU peer
 keeps one only if it fits within --max-memory beside its own stage's training. A client-mode peer keeps none: it
@@ -65,7 +65,6 @@ class Keeper:
         self.run_id = recipe.stage_run_id(stage)
         self.diloco = DiLoCo.state_only(module, recipe.outer)
         self.kept = False  # whether we took the stage's state once (before: nothing to announce)
-        self.taken = 0  # states taken (replayed or downloaded)
 
     @classmethod
     def build(cls, node: SwarmNode, settings: PeerSettings, part, meta_model: Callable[[], torch.nn.Module],
@@ -128,7 +127,7 @@ class Keeper:
         await asyncio.to_thread(self.diloco.settle)  # (the replay reads our digest: never wait for its hash here)
         synced = await asyncio.wait_for(sync_state(self.node, reference.holders, self.run_id, self.diloco,
                                                    reference.digest), sync_deadline(8 * self.diloco.numel))
-        self.kept, self.taken = True, self.taken + 1
+        self.kept = True
         logger.info("pipeline: backup of stage %d: %s", self.stage,
                     await asyncio.to_thread(synced.describe, self.diloco))
         return True
