@@ -142,6 +142,7 @@ def test_bench_diloco_runs_on_the_corpus_it_is_given(tmp_path, cache_dir):
     assert missing.stderr.strip().splitlines()[-1].endswith(f"corpus path '{tmp_path / 'nowhere'}' does not exist")
 
 
+@pytest.mark.slow  # about 11 s on the 2-core machines: out of the quick subset
 def test_a_one_stage_pipeline_is_diloco_and_two_stages_learn_with_every_replica_fed(cache_dir):
     """simulate_pipeline (bench_pipeline.py's DiLoCo-SWARM): with one stage it is plain DiLoCo (same params); cut
     into 2 stages x 2 replicas with an fp16 wire, microbatches reach both second-stage replicas, the boundary
