@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 from swarm.config import OuterRecipe
 from swarm.dht.records import InvalidRecord, PeerRecord
 from swarm.peer.diloco import DiLoCo
-from swarm.dht.view import kept_reference
+from swarm.dht.view import FRESH_SECONDS, kept_reference
 from swarm.peer.pipeline.keeper import keepers_of, kept_stage
 
 
@@ -108,6 +109,8 @@ def test_a_stage_whose_only_peer_is_sigkilled_goes_on_from_its_keepers_backup(sw
     keeper.wait_for(r"pipeline: backup of stage 2: synced state of round ([2-9]|\d\d+), digest", 60)
     victim.process.kill()
     victim.wait(30)
+    # (its last record looks alive for FRESH_SECONDS: a peer placed meanwhile would count stage 2 as hosted)
+    time.sleep(FRESH_SECONDS + 1)
     last = {e["round"] + 1: e["digest"] for e in victim.events("averaged")}  # (its state after averaging round r)
     replacement = join("replacement")
     replacement.wait_for(r"pipeline: hosting stage 2 of 4", 120)
