@@ -5,6 +5,7 @@ and four real stage peers one of which is SIGKILLed and replaced."""
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import time
@@ -107,10 +108,17 @@ def test_a_stage_whose_only_peer_is_sigkilled_goes_on_from_its_keepers_backup(sw
         peer.wait_event("averaged", 240, where=lambda e: e["round"] >= 2)
     keeper, victim = peers[1], peers[2]
     keeper.wait_for(r"pipeline: backup of stage 2: synced state of round ([2-9]|\d\d+), digest", 60)
+    victim_id = victim.events("joined")[0]["peer_id"]
     victim.process.kill()
     victim.wait(30)
-    # (its last record looks alive for FRESH_SECONDS: a peer placed meanwhile would count stage 2 as hosted)
-    time.sleep(FRESH_SECONDS + 1)
+    deadline = time.monotonic() + 60
+    while True:  # (its last record looks alive for FRESH_SECONDS: a peer placed meanwhile would count stage 2 hosted)
+        result = swarm.run("status", "--initial-peers", maddr, "--json", timeout=60)
+        seen = [p["last_seen_s"] for p in json.loads(result.stdout)["peers"] if p["peer_id"] == victim_id]
+        if all(age > FRESH_SECONDS for age in seen):
+            break
+        assert time.monotonic() < deadline, seen
+        time.sleep(0.5)
     last = {e["round"] + 1: e["digest"] for e in victim.events("averaged")}  # (its state after averaging round r)
     replacement = join("replacement")
     replacement.wait_for(r"pipeline: hosting stage 2 of 4", 120)
