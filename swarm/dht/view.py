@@ -199,14 +199,19 @@ def most_announced(records: Records, now: float, quorum: int = 1) -> Reference:
     return Reference(best[0], best[1], [p.peer_id for p in announced if (p.round, p.digest) == best and not p.client])
 
 
+def joiner_reference(records: Records, now: float) -> Reference:
+    """The state a peer that averaged with none of `records`' peers follows: the one most of them announce
+    (most_announced), with the quorum of a peer that knows nobody (`quorum` of no group)."""
+    return most_announced(records, now, quorum(0, vouchers(records, now)))
+
+
 def kept_reference(records: Records, now: float) -> Reference:
     """The state of a pipeline stage that its keepers vouch for (swarm/peer/pipeline/keeper.py), from their
     `records` (those of the stage before it): the (round, digest) the most live keepers announce as kept, if at
-    least the quorum of `quorum` does (two where two or more announce one); its holders are the keepers that
-    announce it. (0, "", []) when none has the quorum."""
-    kept = [replace(p, round=p.kept_round, digest=p.kept_digest) for p in records
-            if p.kept_round is not None and p.kept_digest and not p.client]
-    return most_announced(kept, now, quorum(1, vouchers(kept, now)))
+    least the quorum of `quorum` does (two where two or more announce one): joiner_reference of the kept states;
+    its holders are the keepers that announce it. (0, "", []) when none has the quorum."""
+    return joiner_reference([replace(p, round=p.kept_round, digest=p.kept_digest) for p in records
+                             if p.kept_round is not None and p.kept_digest and not p.client], now)
 
 
 def stage_capacity(records: Records) -> Optional[float]:

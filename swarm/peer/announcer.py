@@ -104,11 +104,11 @@ class Announcer:
     def swarm_reference(self) -> Reference:
         """The state to follow: vouched for by a quorum of live peers (view.quorum of `last_group_size`, the size
         of the last group we averaged in) and by a majority of that group's other members (view.anchored); before
-        we averaged at all, the state most live peers announce (view.most_announced)."""
+        we averaged at all, the state most live peers announce (view.joiner_reference)."""
         others, now = self.others(), self.node.now()
-        quorum = view.quorum(self.last_group_size, view.vouchers(others, now))
         if not self.last_group_size:
-            return view.most_announced(others, now, quorum)
+            return view.joiner_reference(others, now)
+        quorum = view.quorum(self.last_group_size, view.vouchers(others, now))
         return view.reference(others, now, quorum, view.anchored(others, now, self.last_group))
 
     def others_still_in(self, round_no: int, failed: set[str], min_group_size: int, target_group_size: int) -> bool:
