@@ -37,7 +37,6 @@ from swarm.peer.state.sync import StateSyncError, serve_state, sync_deadline, sy
 from swarm.settings import PeerSettings
 
 logger = logging.getLogger(__name__)
-KEEPER_SECONDS = 2.0  # how often a keeper reads the kept stage's peers
 
 
 def kept_stage(stage: int, stages: int) -> int:
@@ -50,13 +49,6 @@ def keepers_of(stage: int, stages: int) -> int:
     return (stage - 1) % stages
 
 
-def stage_reference(records: list[PeerRecord], me: str, now: float) -> view.Reference:
-    """The state of a stage whose peers' `records` we read from outside it, by the rule a joiner follows (we
-    averaged with none of them)."""
-    others = view.others(records, me)
-    return view.most_announced(others, now, view.quorum(1, view.vouchers(others, now)))
-
-
 class Keeper:
     """The state of stage `stage` (the one after ours) that this peer keeps, serves and announces."""
 
@@ -65,6 +57,7 @@ class Keeper:
         self.run_id = recipe.stage_run_id(stage)
         self.diloco = DiLoCo.state_only(module, recipe.outer)
         self.kept = False  # whether we took the stage's state once (before: nothing to announce)
+        self._taking: Optional[asyncio.Task] = None  # the take under way, if any
 
     @classmethod
     def build(cls, node: SwarmNode, settings: PeerSettings, part, meta_model: Callable[[], torch.nn.Module],
@@ -90,9 +83,8 @@ class Keeper:
         return cls(node, recipe, stage, module)
 
     async def start(self) -> None:
-        """Serve the kept state on the stage's state protocol, and keep taking it (run)."""
+        """Serve the kept state on the stage's state protocol (Part._watch then offers the stage's records)."""
         await serve_state(self.node, self.run_id, self.diloco)
-        self.task = asyncio.create_task(self.run())
 
     def fields(self) -> dict:
         """What our record announces of the state we keep (kept_round, kept_digest): nothing before we took one."""
@@ -101,36 +93,32 @@ class Keeper:
         round_no, digest = self.diloco.identity()
         return {"kept_round": round_no, "kept_digest": digest}
 
-    async def run(self) -> None:
-        """Every KEEPER_SECONDS, read the kept stage's peers and take its state when it is at a multiple of
-        keep_every that we do not hold."""
-        while True:
-            try:
-                await self.take()
-            except asyncio.CancelledError:
-                raise
-            except StateSyncError as e:
-                logger.info("pipeline: could not take stage %d's state for its backup: %s", self.stage, e)
-            except Exception as e:  # noqa: BLE001 - the DHT hiccups, a holder leaves: the next read comes anyway
-                logger.debug("pipeline: reading stage %d for its backup failed: %r", self.stage, e)
-            await asyncio.sleep(KEEPER_SECONDS)
-
-    async def take(self) -> bool:
-        """Take the kept stage's state if its peers vouch for one at a round that is a multiple of keep_every, newer
-        than ours or other than ours at our round; True if we took one."""
-        records, _ = parse_peer_records(await self.node.get(peers_key(self.run_id)))
-        reference = stage_reference(records, self.node.peer_id, self.node.now())
+    def offer(self, records: list[PeerRecord]) -> None:
+        """The kept stage's records, as Part._watch reads them every few seconds: take the state its peers vouch for
+        (view.joiner_reference: we averaged with none of them) on a task of its own, where it is at a round that is
+        a multiple of keep_every, newer than ours or other than ours at our round, and no take is under way. Call it
+        on the event loop."""
+        if self._taking is not None and not self._taking.done():
+            return
+        reference = view.joiner_reference(records, self.node.now())
         round_no, digest = self.diloco.identity()
-        if not reference.holders or reference.round == 0 or reference.round % self.every or \
-                reference.round < round_no or (reference.round, reference.digest) == (round_no, digest):
-            return False
-        await asyncio.to_thread(self.diloco.settle)  # (the replay reads our digest: never wait for its hash here)
-        synced = await asyncio.wait_for(sync_state(self.node, reference.holders, self.run_id, self.diloco,
-                                                   reference.digest), sync_deadline(8 * self.diloco.numel))
+        if reference.holders and reference.round and not reference.round % self.every and \
+                reference.round >= round_no and (reference.round, reference.digest) != (round_no, digest):
+            self._taking = asyncio.create_task(self.take(reference))
+
+    async def take(self, reference: view.Reference) -> None:
+        """Bring the kept state to `reference` (sync_state); a failure is logged, and the next offer tries again."""
+        try:
+            await asyncio.to_thread(self.diloco.settle)  # (the replay reads our digest: never wait for its hash here)
+            synced = await asyncio.wait_for(sync_state(self.node, reference.holders, self.run_id, self.diloco,
+                                                       reference.digest), sync_deadline(8 * self.diloco.numel))
+        except Exception as e:  # noqa: BLE001 - no holder served it, or it took too long: the next offer tries again
+            logger.info("pipeline: could not take stage %d's state for its backup: %s", self.stage,
+                        e if isinstance(e, StateSyncError) else repr(e))
+            return
         self.kept = True
         logger.info("pipeline: backup of stage %d: %s", self.stage,
                     await asyncio.to_thread(synced.describe, self.diloco))
-        return True
 
 
 async def backup_reference(node: SwarmNode, recipe: Recipe, stage: int) -> view.Reference:

@@ -61,10 +61,8 @@ class Part:
         self.pinned = settings.stage is not None  # --stage: we stay there; otherwise we may move (rebalancing)
         self.move_to: Optional[int] = None  # the weaker stage we leave ours for, once decided (see _watch)
         self._upstream_rounds: list[int] = []  # the rounds the stage before's peers announce (see behind)
-        self.stages = recipe.pipeline.stages
-        self.index, self.bounds = 0, (0, n_blocks)
-        self.module: torch.nn.Module = model
-        self.run = recipe
+        self.stages, self.index, self.bounds = recipe.pipeline.stages, 0, (0, n_blocks)
+        self.module, self.run = model, recipe  # (a stage's own, and the recipe under its run id, once chosen below)
         self.stream: Optional[MicrobatchStream] = None  # a first stage's microbatches, a stream across batches
         self.work: Optional[Handoff] = None  # a serving stage's: microbatches the stage before sent, for us to run
         self.relay: Optional[Relay] = None  # a middle stage's microbatches in flight to the next stage
@@ -232,7 +230,7 @@ class Part:
 
     async def _watch(self) -> None:
         """Read every stage's peers every PEERS_SECONDS: keep `_next_peers` the live, non-client peers of the next
-        stage with their tokens/s, and decide whether to move to a weaker stage (see _weaker)."""
+        stage with their tokens/s, hand our keeper its stage's, and decide whether to move (see _weaker)."""
         weaker_since: Optional[tuple[int, float]] = None
         while self.move_to is None:
             try:
@@ -242,6 +240,8 @@ class Part:
                     hosts.append(view.live(records, self.node.now(), ONLINE_STATES))
                     if k == self.index - 1:  # (peers that stopped announce their last round as they go offline)
                         self._upstream_rounds = [p.round for p in records if p.state not in ("joining", "syncing")]
+                    if self.keeper is not None and k == self.keeper.stage:  # (the stage we keep a backup of)
+                        self.keeper.offer(records)
                     if k == 0 and self.index == 1:  # (those that can compute our senders' activations again)
                         self._first_peers = [(p.peer_id, p.client, p.round) for p in hosts[0]
                                              if p.state in TRAINING_STATES and p.peer_id != self.node.peer_id]
@@ -303,8 +303,8 @@ class Part:
 
     def kept(self) -> view.Reference:
         """Our stage's state that its keepers vouch for now (keeper.py); none for a whole model."""
-        return self.loop.run(backup_reference(self.node, self.recipe, self.index), 30) if not self.whole else \
-            view.Reference(0, "", [])
+        return view.Reference(0, "", []) if self.whole else \
+            self.loop.run(backup_reference(self.node, self.recipe, self.index), 30)
 
     def slow_down(self, factor: float) -> None:
         """Compute `factor` times slower from now on (a fault drill: a weaker device); a whole model ignores it."""
