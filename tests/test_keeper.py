@@ -117,8 +117,7 @@ def test_a_stage_whose_only_peer_is_sigkilled_goes_on_from_its_keepers_backup(sw
         seen = [p["last_seen_s"] for p in json.loads(result.stdout)["peers"] if p["peer_id"] == victim_id]
         if all(age > FRESH_SECONDS for age in seen):
             break
-        assert time.monotonic() < deadline, seen
-        time.sleep(0.5)
+        assert time.monotonic() < deadline, seen  # (each status call takes a second or more: no pause between)
     last = {e["round"] + 1: e["digest"] for e in victim.events("averaged")}  # (its state after averaging round r)
     replacement = join("replacement")
     replacement.wait_for(r"pipeline: hosting stage 2 of 4", 120)
