@@ -115,6 +115,17 @@ def alive(pid: int) -> bool:
             return False
 
 
+def gone(pid: int, within: float) -> bool:
+    """Whether `pid` is dead, or dies within `within` seconds. A process being SIGKILLed closes its files (which its
+    children see at once, as EOF) a moment before it is a zombie: alive() read at that EOF can still say it runs."""
+    deadline = time.monotonic() + within
+    while alive(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def identity_held_here(identity_path: str, wait: float = 0.0) -> Optional[str]:
     """Which local process holds this identity file (see `describe_holder`), or None. A peer that crashed a moment
     ago may still be taking its p2pd down (within 2 s): a holder is given `wait` seconds to exit first."""

@@ -217,7 +217,7 @@ class _NodeServer:
         if not self._orphaned.acquire(blocking=False):
             return  # the other watch got here first
         self.stopping = True
-        if not lifeline.alive(self.parent_pid):  # (not when only our end closed: its P2P shutdown removes them)
+        if lifeline.gone(self.parent_pid, 0.5):  # (not when only our end closed: its P2P shutdown removes them)
             for path in self.parents_sockets:  # (a dead process's socket files stayed in /tmp for good)
                 remove_socket_file(path)
         if self.node is not None:
