@@ -43,7 +43,7 @@ from swarm.peer.stop import Stop
 from swarm.peer.stream import DataStream
 from swarm.peer.report import Timeline, report_round, write_trace
 from swarm.peer.training import (StepClock, ValidationBudget, inner_for, learning_rate, make_inner_optimizer,
-                                 schedule_tokens, validation_loss)
+                                 schedule_tokens)
 from swarm.runtime import LoopThread
 
 logger = logging.getLogger("swarm.peer")
@@ -366,8 +366,8 @@ class Peer:
         self.last_group_size = max(result.group_size, group.swarm_size)
         self.announcer.averaged_with(group.members, group.swarm_size)  # its majority must hold any state we follow
         self.link.update(result.bytes_sent, result.bytes_received, result.seconds)
-        measured = self.validation.measure(lambda: validation_loss(self.model, self.eval_batches, self.device)) \
-            if self.part.whole else self.part.validation_loss(self.eval_batches, self.device)  # (a first stage's)
+        measured = self.validation.measure(lambda: self.part.validation_loss(self.eval_batches, self.device)) \
+            if self.part.whole or self.part.first else None  # (ValidationBudget: how often, for a pipeline too)
         self.val_loss = measured if measured is not None else self.val_loss  # (None: not measured this round)
         timeline.lap("validation")
         if progress is not None:

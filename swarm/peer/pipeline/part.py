@@ -38,7 +38,7 @@ from swarm.peer.pipeline.routing import Router, stage_protocol
 from swarm.peer.pipeline.server import LIES, MAX_WAITING_PER_PEER, Handoff, StageServer, unless_dropped
 from swarm.peer.pipeline.worker import PipelineError, StageWorker
 from swarm.peer.stream import peer_id_hash
-from swarm.peer.training import inner_step
+from swarm.peer.training import inner_step, validation_loss
 from swarm.runtime import LoopThread
 
 logger = logging.getLogger(__name__)
@@ -281,11 +281,11 @@ class Part:
                              self.recipe.pipeline.rebalance_seconds)
 
     def validation_loss(self, batches: list[torch.Tensor], device: torch.device) -> Optional[float]:
-        """The validation loss of the pipeline as its stages' params stand (the global params of ours, each other
-        stage's at its own round): a first stage sends each of `batches` through it, forward only; None on other
-        stages, or if the next stage took a batch nowhere."""
+        """The whole model's validation loss, or the pipeline's as its stages' params stand (the global params of
+        ours, each other stage's at its own round): a first stage sends each of `batches` through it, forward only;
+        None on other stages, or if the next stage took a batch nowhere."""
         if self.whole or not self.first:
-            return None
+            return validation_loss(self.model, batches, device) if self.whole else None
         # (in flight together, as many as a stage server holds of one sender: the pipeline's stages each compute
         # while the others do, where one at a time took four trips through the whole pipeline in a row)
         send, flight, losses = self.router.send(self.loop, evaluate=True), deque(), []
