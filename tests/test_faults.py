@@ -202,7 +202,7 @@ def test_sigkill_in_one_of_two_groups_leaves_no_survivor_behind(swarm):
     that round (it has nobody left to average with, and all-or-nothing forbids applying a part), so it re-syncs
     from the group that did; from then on the three survivors average as one group and end bit-identical."""
     rounds = 4
-    # Its rounds (about 10 s) are longer than a matchmaking timeout and a re-sync (real rounds take minutes): the
+    # Its rounds (10-20 s) are longer than a matchmaking timeout and a re-sync (real rounds take minutes): the
     # partner must be back before the others finish their last round and stop serving state.
     _, maddr = swarm.bootstrap(recipe=Path(__file__).parent / "recipes" / "moshpit.yaml")
     faulty = swarm.peer(maddr, "--until-round", str(rounds), "--inject-fault", "reduce@1", name="faulty")
