@@ -123,6 +123,7 @@ def worker(args: argparse.Namespace) -> None:
                             "peer_id": node.peer_id}, Path(args.save) / f"peer{args.index}-round{round_no}.pt")
             print(json.dumps({"index": args.index, "round": round_no, "attempt": attempt,
                               "seconds": done - started, "allreduce_seconds": done - matched,
+                              "verification_seconds": result.verification_seconds,
                               "bytes_sent": result.bytes_sent, "group": len(group.members),
                               "ring": allreduce.uses_ring(group),
                               "streams": dict(node.direct.opened) if node.direct else {}}), flush=True)
@@ -432,6 +433,7 @@ def summarize(result: dict, args: argparse.Namespace) -> dict:
     round_times = [max(times) for times in per_round.values()]  # a round ends when its slowest member ends
     seconds = statistics.median(round_times) if round_times else float("nan")
     transfer = [r["allreduce_seconds"] for r in warm if "allreduce_seconds" in r]  # after group formation
+    checking = [r["verification_seconds"] for r in warm if "verification_seconds" in r]  # of the all-reduce's
     size_bytes = args.numel * 4
     for error in errors[:3]:
         print(f"{result['engine']} peer {error['index']} round {error['round']}: {error['error']}", file=sys.stderr)
@@ -439,6 +441,7 @@ def summarize(result: dict, args: argparse.Namespace) -> dict:
             "netns": bool(args.netns), "mbit": args.mbit or "", "congestion_control": args.congestion_control or "",
             "rounds": len(round_times), "round_seconds": seconds,
             "allreduce_seconds": statistics.median(transfer) if transfer else None,
+            "verification_seconds": statistics.median(checking) if checking else None,
             "gb_per_s": size_bytes / seconds / 1e9 if round_times else None, "errors": len(errors),
             "ring_rounds": len({r["round"] for r in warm if r.get("ring")})}
 
