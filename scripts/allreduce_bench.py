@@ -95,7 +95,7 @@ def worker(args: argparse.Namespace) -> None:
         # A failed attempt (nothing applied anywhere) is redone at once under the next attempt number, as peers
         # do; every failure is still reported (and counted in the summary's errors).
         for attempt in range(ATTEMPTS):
-            started = time.monotonic()
+            started, cpu = time.monotonic(), time.process_time()
             # (weight and nonce commitment in the entry, as peers give them: centered_clip's reducers are verified)
             push.verified = allreduce.verifiable  # (each round's codec decides whether its reducers are checked)
             me_as = Candidate("0" * 16, bandwidth, False, weight=_weight(args.index),
@@ -124,6 +124,7 @@ def worker(args: argparse.Namespace) -> None:
             print(json.dumps({"index": args.index, "round": round_no, "attempt": attempt,
                               "seconds": done - started, "allreduce_seconds": done - matched,
                               "verification_seconds": result.verification_seconds,
+                              "cpu_seconds": time.process_time() - cpu,  # (every thread of this worker's process)
                               "bytes_sent": result.bytes_sent, "group": len(group.members),
                               "ring": allreduce.uses_ring(group),
                               "streams": dict(node.direct.opened) if node.direct else {}}), flush=True)
@@ -202,12 +203,13 @@ def _tcp_worker(args: argparse.Namespace) -> None:
             connection.sendall(b"R")
         for connection in connections.values():
             _read(connection, 1)
-        started = time.monotonic()
+        started, cpu = time.monotonic(), time.process_time()
         if args.engine == "tcp-ring":
             sent_bytes = _tcp_ring(connections, me, n, args.numel)
             seconds = time.monotonic() - started
             print(json.dumps({"index": me, "round": round_no, "attempt": 0, "seconds": seconds,
-                              "allreduce_seconds": seconds, "bytes_sent": sent_bytes, "group": n}), flush=True)
+                              "allreduce_seconds": seconds, "bytes_sent": sent_bytes, "group": n,
+                              "cpu_seconds": time.process_time() - cpu}), flush=True)
             continue
         volume = {j: int(size * (shares[me] + shares[j])) for j in connections}
 
@@ -225,7 +227,8 @@ def _tcp_worker(args: argparse.Namespace) -> None:
             thread.join()
         seconds = time.monotonic() - started
         print(json.dumps({"index": me, "round": round_no, "attempt": 0, "seconds": seconds,
-                          "allreduce_seconds": seconds, "bytes_sent": sum(volume.values()), "group": n}), flush=True)
+                          "allreduce_seconds": seconds, "bytes_sent": sum(volume.values()), "group": n,
+                          "cpu_seconds": time.process_time() - cpu}), flush=True)
     for connection in connections.values():
         connection.close()
     listener.close()
@@ -427,10 +430,16 @@ def summarize(result: dict, args: argparse.Namespace) -> dict:
     rows = [r for r in result["rows"] if "error" not in r]
     errors = [r for r in result["rows"] if "error" in r]
     warm = [r for r in rows if r["round"] > 0] or rows  # round 0 includes connection set-up
-    per_round = {}
+    per_round, cpu_per_round = {}, {}
     for row in warm:
         per_round.setdefault(row["round"], []).append(row["seconds"])
+        if "cpu_seconds" in row:
+            cpu_per_round.setdefault(row["round"], []).append(row["cpu_seconds"])
     round_times = [max(times) for times in per_round.values()]  # a round ends when its slowest member ends
+    # The CPU every worker spent on a round (its process's every thread, p2pd's not counted), over what the machine's
+    # cores could give in that round: near 1, a run whose workers share one machine is bound by it, not the links.
+    cpu = [sum(cpu_per_round[r]) for r in cpu_per_round]
+    busy = [sum(cpu_per_round[r]) / (os.cpu_count() * max(per_round[r])) for r in cpu_per_round]
     seconds = statistics.median(round_times) if round_times else float("nan")
     transfer = [r["allreduce_seconds"] for r in warm if "allreduce_seconds" in r]  # after group formation
     checking = [r["verification_seconds"] for r in warm if "verification_seconds" in r]  # of the all-reduce's
@@ -442,6 +451,8 @@ def summarize(result: dict, args: argparse.Namespace) -> dict:
             "rounds": len(round_times), "round_seconds": seconds,
             "allreduce_seconds": statistics.median(transfer) if transfer else None,
             "verification_seconds": statistics.median(checking) if checking else None,
+            "workers_cpu_seconds": statistics.median(cpu) if cpu else None,
+            "machine_busy": statistics.median(busy) if busy else None, "cores": os.cpu_count(),
             "gb_per_s": size_bytes / seconds / 1e9 if round_times else None, "errors": len(errors),
             "ring_rounds": len({r["round"] for r in warm if r.get("ring")})}
 
@@ -522,12 +533,14 @@ def main() -> None:
                                                                                           (args.engine,))
     summaries = [summarize(run(args, engine), args) for engine in engines]
     print(f"{'engine':<10}{'peers':>6}{'MB':>8}{'codec':>7}{'links (Mbit/s)':>18}{'round s':>10}"
-          f"{'all-reduce s':>14}{'GB/s':>8}{'errors':>8}")
+          f"{'all-reduce s':>14}{'GB/s':>8}{'errors':>8}{'CPU s a round':>15}{'machine busy':>14}")
     for s in summaries:
         gbps = f"{s['gb_per_s']:.3f}" if s["gb_per_s"] else "-"
         transfer = f"{s['allreduce_seconds']:.2f}" if s["allreduce_seconds"] is not None else "-"
+        cpu = f"{s['workers_cpu_seconds']:.2f}" if s.get("workers_cpu_seconds") is not None else "-"
+        busy = f"{s['machine_busy']:.0%}" if s.get("machine_busy") is not None else "-"
         print(f"{s['engine']:<10}{s['peers']:>6}{s['size_mb']:>8.1f}{s['codec']:>7}{s['mbit'] or 'loopback':>18}"
-              f"{s['round_seconds']:>10.2f}{transfer:>14}{gbps:>8}{s['errors']:>8}")
+              f"{s['round_seconds']:>10.2f}{transfer:>14}{gbps:>8}{s['errors']:>8}{cpu:>15}{busy:>14}")
     print(json.dumps(summaries))
 
 
