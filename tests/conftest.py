@@ -244,6 +244,46 @@ def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("swarm-cache")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--cpu-account", action="store_true",
+                     help="after the run, the machine's CPU time during the tests (from /proc/stat: every process, the "
+                          "peers the tests start included) against their wall time, by file")
+
+
+_CPU_ACCOUNT: list[tuple[str, float, float]] = []  # (test id, wall seconds, the machine's busy CPU seconds)
+
+
+def _machine_busy_seconds() -> float:
+    with open("/proc/stat") as stat:  # the first line: every CPU's jiffies by state
+        jiffies = [int(x) for x in stat.readline().split()[1:]]
+    return (sum(jiffies[:8]) - jiffies[3] - jiffies[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not item.config.getoption("--cpu-account"):
+        yield
+        return
+    busy, started = _machine_busy_seconds(), time.monotonic()
+    yield
+    _CPU_ACCOUNT.append((item.nodeid, time.monotonic() - started, _machine_busy_seconds() - busy))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if not _CPU_ACCOUNT:
+        return
+    cores, files = os.cpu_count() or 1, {}
+    for nodeid, wall, cpu in _CPU_ACCOUNT:
+        spent = files.setdefault(nodeid.split("::")[0], [0.0, 0.0])
+        spent[0], spent[1] = spent[0] + wall, spent[1] + cpu
+    wall, cpu = sum(w for w, _ in files.values()), sum(c for _, c in files.values())
+    terminalreporter.section("CPU account (the machine's, during each test)")
+    terminalreporter.write_line(f"{len(_CPU_ACCOUNT)} tests: {wall:.0f} s of wall, {cpu:.0f} s of CPU, "
+                                f"{cpu / max(wall * cores, 1e-9):.0%} of {cores} cores")
+    for name, (w, c) in sorted(files.items(), key=lambda item: -item[1][0])[:25]:
+        terminalreporter.write_line(f"{w:8.1f} s wall {c:8.1f} s CPU {c / max(w * cores, 1e-9):5.0%}  {name}")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """When a test fails, attach the last lines of every swarm process it started (not just the one it waited
