@@ -366,8 +366,8 @@ class Peer:
         self.last_group_size = max(result.group_size, group.swarm_size)
         self.announcer.averaged_with(group.members, group.swarm_size)  # its majority must hold any state we follow
         self.link.update(result.bytes_sent, result.bytes_received, result.seconds)
-        measured = self.validation.measure(lambda: self.part.validation_loss(self.eval_batches, self.device)) \
-            if self.part.whole or self.part.first else None  # (ValidationBudget: how often, for a pipeline too)
+        # (the whole model's, or a first stage's through the pipeline, as often as ValidationBudget says)
+        measured = self.validation.measure(lambda: self.part.validation_loss(self.eval_batches, self.device))
         self.val_loss = measured if measured is not None else self.val_loss  # (None: not measured this round)
         timeline.lap("validation")
         if progress is not None:

@@ -271,9 +271,8 @@ class Part:
 
     def _weaker(self, hosts: list[list]) -> tuple[Optional[int], str, float]:
         """The stage we should move to, why, and how long it must stay so first (placement.move_decision); only an
-        unpinned peer moves, for throughput only once it has hosted its stage for the recipe's
-        pipeline.settle_seconds (its capacity, and the others', measured: a peer that just moved does not move on at
-        once)."""
+        unpinned peer moves, for throughput only once it has hosted its stage for pipeline.settle_seconds (its
+        capacity, and the others', measured: a peer that just moved does not move on at once)."""
         if self.pinned or self.settings.network.client_mode:
             return None, "", 0.0
         settled = time.monotonic() - self.started >= self.recipe.pipeline.settle_seconds
@@ -281,11 +280,12 @@ class Part:
                              self.recipe.pipeline.rebalance_seconds)
 
     def validation_loss(self, batches: list[torch.Tensor], device: torch.device) -> Optional[float]:
-        """The whole model's validation loss, or the pipeline's as its stages' params stand (the global params of
-        ours, each other stage's at its own round): a first stage sends each of `batches` through it, forward only;
-        None on other stages, or if the next stage took a batch nowhere."""
-        if self.whole or not self.first:
-            return validation_loss(self.model, batches, device) if self.whole else None
+        """The whole model's validation loss, or a first stage's of the pipeline as its stages' params stand (ours
+        just averaged, each other's at its own round; forward only); None on other stages or if a batch went nowhere."""
+        if self.whole:
+            return validation_loss(self.model, batches, device)
+        if not self.first:
+            return None
         # (in flight together, as many as a stage server holds of one sender: the pipeline's stages each compute
         # while the others do, where one at a time took four trips through the whole pipeline in a row)
         send, flight, losses = self.router.send(self.loop, evaluate=True), deque(), []
