@@ -5,6 +5,9 @@ matching the in-process simulation is in test_simulation.py.)"""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -14,7 +17,7 @@ import yaml
 from swarm.config import RecipeError, load_recipe, parse_recipe, recipe_from_json
 from swarm.model.build import build_model
 from swarm.model.stages import even_bounds, make_stages
-from swarm.peer.training import Optimizers, inner_for, inner_step, make_inner_optimizer
+from swarm.peer.training import Optimizers, eager, inner_for, inner_step, make_inner_optimizer
 
 TINY = Path(__file__).parent / "recipes" / "tiny.yaml"
 
@@ -105,3 +108,51 @@ def test_a_config_files_width_sizes_the_default_lr(tmp_path):
     model = build_model(ModelRecipe(config_file=str(tmp_path / "config.json")), 300, meta=True)
     assert inner_for(InnerRecipe(), model).lr == 1.5e-3
     assert inner_for(InnerRecipe(optimizer="muon", lr=2e-2), model).lr == 2e-2
+
+
+EAGER = """
+import sys, torch
+from swarm.config import load_recipe
+from swarm.model.build import build_model
+from swarm.peer.diloco import DiLoCo
+from swarm.peer.training import inner_step, make_inner_optimizer
+
+recipe = load_recipe(sys.argv[1])
+for name in ("adamw", "muon"):
+    inner = recipe.inner.model_copy(update={"optimizer": name}).resolved(64)
+    model = build_model(recipe.model, 512)
+    optimizer = make_inner_optimizer(model, inner)
+    DiLoCo(model, recipe.outer)
+    batch = torch.randint(0, 512, (8, 33), generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        inner_step(model, optimizer, batch, torch.device("cpu"), 1e-3, 1.0)
+    for each in getattr(optimizer, "optimizers", [optimizer]):
+        each.load_state_dict(each.state_dict())
+print("torch._dynamo", "loaded" if "torch._dynamo" in sys.modules else "not loaded")
+"""
+
+
+def test_a_peers_optimizers_step_as_torchs_without_importing_its_compiler():
+    """torch's optimizers import torch._dynamo (2.4 s of CPU, 70 MB) at their first add_param_group or step, for
+    torch.compile, which a peer never runs: a peer's inner optimizers (AdamW, Muon) and outer SGD, built by
+    swarm.peer.training.eager, train and round-trip their state without it, and step bit for bit as torch's own."""
+    out = subprocess.run([sys.executable, "-c", EAGER, str(TINY)], capture_output=True, text=True)
+    assert out.stdout.split() == ["torch._dynamo", "not", "loaded"], out.stdout + out.stderr
+    for cls, kwargs in ((torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "betas": (0.8, 0.95)}),
+                        (torch.optim.SGD, {"lr": 0.7, "momentum": 0.9, "nesterov": True}),
+                        (torch.optim.Muon, {"lr": 1e-2, "adjust_lr_fn": "match_rms_adamw"})):
+        trained = []
+        for build in (cls, partial(eager, cls)):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(16, 32, bias=False), torch.nn.Linear(32, 4, bias=False))
+            before = [p.detach().clone() for p in model.parameters()]
+            optimizer = build(model.parameters(), **kwargs)
+            for step in range(4):
+                model(torch.randn(8, 16, generator=torch.Generator().manual_seed(step))).pow(2).mean().backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                if step == 1:
+                    optimizer.load_state_dict(optimizer.state_dict())
+            trained.append(list(model.parameters()))
+            assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters())), cls.__name__
+        assert all(torch.equal(a, b) for a, b in zip(*trained)), cls.__name__

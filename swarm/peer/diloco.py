@@ -31,6 +31,7 @@ import torch
 from swarm.config import REPLAY_LOG_BYTES_PER_PARAM, OuterRecipe
 from swarm.peer.digest import state_digest
 from swarm.peer.outer import OuterStep, fragment_bounds, momenta, outer_update
+from swarm.peer.training import eager
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +45,8 @@ class DiLoCo:
         self.names = [name for name, _ in model.named_parameters()]
         self.local_params = [param for _, param in model.named_parameters()]
         self.global_params = [param.detach().to("cpu", torch.float32).clone() for param in self.local_params]
-        self.outer_optimizer = torch.optim.SGD(self.global_params, lr=outer.lr, momentum=outer.momentum,
-                                               nesterov=outer.nesterov and outer.momentum > 0)
+        self.outer_optimizer = eager(torch.optim.SGD, self.global_params, lr=outer.lr, momentum=outer.momentum,
+                                     nesterov=outer.nesterov and outer.momentum > 0)
         self.numel = sum(p.numel() for p in self.global_params)
         self.fragments = fragment_bounds([p.numel() for p in self.global_params], outer.fragments)
         self._sizes = [sum(p.numel() for p in self.global_params[a:b]) for a, b in self.fragments]
@@ -231,7 +232,7 @@ class DiLoCo:
             tokens_seen = self.tokens_seen
             params = [p.clone() for p in self.global_params]
             buffers = momenta(self.global_params, self.outer_optimizer)
-            optimizer = torch.optim.SGD(params, **self.outer_optimizer.defaults)
+            optimizer = eager(torch.optim.SGD, params, **self.outer_optimizer.defaults)
             for param, buffer in zip(params, buffers):
                 if buffer is not None:
                     optimizer.state[param]["momentum_buffer"] = buffer.clone()

@@ -3,14 +3,18 @@ learning-rate schedule over the run's tokens, validation loss, and the clock of 
 
 from __future__ import annotations
 
+import functools
 import math
+import sys
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, TypeVar
 
 import torch
 
 from swarm.config import InnerRecipe
 from swarm.model.build import hidden_size, lm_loss
+
+O = TypeVar("O", bound=torch.optim.Optimizer)
 
 
 def learning_rate(inner: InnerRecipe, tokens: int, total_tokens: int) -> float:
@@ -51,13 +55,52 @@ def make_inner_optimizer(model: torch.nn.Module, inner: InnerRecipe) -> "torch.o
     taken = {id(p) for p in matrices}
     decay = [p for p in model.parameters() if p.ndim >= 2 and id(p) not in taken]
     no_decay = [p for p in model.parameters() if p.ndim < 2]  # norms and biases are not decayed
-    adamw = torch.optim.AdamW([{"params": decay, "weight_decay": inner.weight_decay},
+    adamw = eager(torch.optim.AdamW, [{"params": decay, "weight_decay": inner.weight_decay},
                                {"params": no_decay, "weight_decay": 0.0}],
                               lr=_peak(inner), betas=(inner.beta1, inner.beta2))
     if not matrices:
         return adamw
-    muon = torch.optim.Muon(matrices, lr=_peak(inner), weight_decay=inner.weight_decay, adjust_lr_fn="match_rms_adamw")
+    muon = eager(torch.optim.Muon, matrices, lr=_peak(inner), weight_decay=inner.weight_decay,
+                 adjust_lr_fn="match_rms_adamw")
     return Optimizers([muon, adamw])
+
+
+def eager(optimizer_class: type[O], *args, **kwargs) -> O:
+    """`optimizer_class(*args, **kwargs)`, which never imports torch._dynamo. torch guards an optimizer for
+    torch.compile, which a peer never runs: its add_param_group, zero_grad, state_dict and load_state_dict are marked
+    not to be compiled, and most classes' step runs inside a wrapper that breaks a compiled graph; both import
+    torch._dynamo at their first call, 2.4 s of CPU and 70 MB in every peer process (docs/measured.md#start-up).
+    The marks are resolved ahead to the methods themselves (what they are outside a compiled graph), and the step
+    runs torch's own step function under no_grad, as the wrapper does for an optimizer that is not differentiable.
+    Where torch's wrapping is not the one known here, it is left as it is."""
+    if "torch._dynamo" not in sys.modules:
+        for name in ("add_param_group", "zero_grad", "state_dict", "load_state_dict"):
+            marked = getattr(torch.optim.Optimizer, name, None)
+            code = getattr(marked, "__code__", None)
+            method = getattr(marked, "__wrapped__", None)
+            if code is not None and code.co_name == "inner" and "fn" in code.co_freevars and callable(method):
+                setattr(method, "__dynamo_disable", method)  # (torch._compile._disable_dynamo's cache of its wrapper)
+    optimizer = optimizer_class(*args, **kwargs)
+    step = _unguarded_step(type(optimizer).step)
+    if step is not None and not optimizer.defaults.get("differentiable"):
+        optimizer.step = functools.partial(_step_without_grad, step, optimizer)  # (an instance attribute)
+    return optimizer
+
+
+def _unguarded_step(step: Callable) -> Optional[Callable]:
+    """The function under torch's step wrapper for torch.compile (torch.optim.optimizer's _use_grad, itself under the
+    profiling hook's wrapper), or None where `step` has no such wrapper."""
+    while step is not None:
+        code = getattr(step, "__code__", None)
+        if code is not None and code.co_name == "_use_grad":
+            return getattr(step, "__wrapped__", None)
+        step = getattr(step, "__wrapped__", None)
+    return None
+
+
+def _step_without_grad(step: Callable, optimizer: torch.optim.Optimizer, closure: Optional[Callable] = None):
+    with torch.no_grad():
+        return step(optimizer, closure)
 
 
 def muon_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
