@@ -18,11 +18,14 @@ from typing import Callable
 import pytest
 
 from swarm.events import read_events
+from zygote import Template, reap_orphans
 
 TESTS = Path(__file__).parent
 TINY_RECIPE = TESTS / "recipes" / "tiny.yaml"
 # The join command a bootstrap prints for its users (tests read its address from the `listening` event).
 MADDR = re.compile(r"--initial-peers (\S+)")
+# Peers are forked from one template process per test session, which has imported what a peer imports (zygote.py).
+PEER_TEMPLATE = Template()
 
 
 class EventReader:
@@ -82,9 +85,10 @@ class SwarmProcess(EventReader):
         self.events_path = log_dir / f"{name}.events.jsonl" if events else None
         if self.events_path is not None:
             argv = [*argv, "--events-file", str(self.events_path)]
-        self.process = subprocess.Popen([sys.executable, "-m", "swarm", *argv], stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        forked = PEER_TEMPLATE.start(argv, env) if argv[0] == "join" else None
+        self.process = forked or subprocess.Popen([sys.executable, "-m", "swarm", *argv], stdout=subprocess.PIPE,
+                                                  stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -382,4 +386,9 @@ def stop_all(processes: list[SwarmProcess]) -> list[str]:
                 process.process.wait(10)
             except subprocess.TimeoutExpired:
                 pass
+    reap_orphans({process.pid for process in processes})
     return leaks
+
+
+def pytest_sessionfinish(session, exitstatus):
+    PEER_TEMPLATE.close()
