@@ -8,9 +8,10 @@ CLI's own `python -m swarm` code (swarm/__main__.py), in a session of its own, i
 its environment and working directory the test's. Forked twice, it is re-parented to the pytest process (a child
 subreaper, Linux's PR_SET_CHILD_SUBREAPER), so the test waits on it and reads its exit status as a child's.
 
-What a fork does not give as a fresh interpreter would: environment variables read at start-up or import (the
-template falls back to a fresh interpreter for a request whose environment differs from its own), and a module
-imported only for the template's sake. `SWARM_TEST_FRESH_PEERS=1` starts every peer fresh.
+What a fork does not give as a fresh interpreter would: environment variables read at start-up or import (a peer
+whose environment differs from the template's in one of START_UP_VARIABLES starts fresh; the others it gets, and
+what the template's imports set in theirs, as a fresh one would), and a module imported only for the template's
+sake. `SWARM_TEST_FRESH_PEERS=1` starts every peer fresh.
 """
 
 from __future__ import annotations
@@ -30,14 +31,22 @@ from typing import Optional
 
 PR_SET_CHILD_SUBREAPER = 36  # from <linux/prctl.h>
 
+# Environment variables read before a peer's own code runs (by the interpreter, glibc, or the libraries the
+# template imports): a peer whose environment differs from the template's in one of them starts fresh.
+START_UP_VARIABLES = ("PYTHON", "LD_", "MALLOC_", "GLIBC_", "THP_", "TORCH", "PYTORCH", "OMP_", "MKL_", "OPENBLAS_",
+                      "CUDA", "NPY_", "HIVEMIND", "TOKENIZERS", "HF_", "TRANSFORMERS")
+
 TEMPLATE = r"""
 import json, os, socket, struct, sys
+launched = dict(os.environ)
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as swarm.cli.main sets it, before torch loads
 from swarm.cli import import_hivemind_without_torch
 import_hivemind_without_torch()
 import swarm.cli, swarm.peer.peer  # what every peer loads: torch, the model layer, the averager, the DHT client
+# (what those imports set where it was not set: a peer's environment gets them as a fresh interpreter's would)
+added = {key: value for key, value in os.environ.items() if key not in launched}
 channel = socket.socket(fileno=int(sys.argv[1]))
-channel.sendall(b"ready")
+channel.sendall(b"ready" + json.dumps(added).encode())
 while True:
     message, fds, _, _ = socket.recv_fds(channel, 1 << 20, 1)
     if not message:
@@ -58,6 +67,8 @@ while True:
             os.chdir(request["cwd"])
             os.environ.clear()
             os.environ.update(request["env"])
+            for key, value in added.items():
+                os.environ.setdefault(key, value)
             os.write(ready_w, struct.pack("<i", os.getpid()))
             os.close(ready_w)
             sys.argv = [request["main"], *request["argv"]]
@@ -123,19 +134,30 @@ class Template:
 
     def __init__(self):
         self._lock = threading.Lock()
+        self.forked = self.fresh = 0  # peers started each way, for the session's summary
         self._channel: Optional[socket.socket] = None
         self._process: Optional[subprocess.Popen] = None
-        self._env: dict[str, str] = {}
+        self._added: dict[str, str] = {}  # what the template's imports added to its environment
+        self._start_up: dict[str, str] = {}  # the template's START_UP_VARIABLES after its imports
 
     def start(self, argv: list[str], env: dict[str, str]) -> Optional[ForkedProcess]:
         """A peer running `python -m swarm *argv` with `env`, its stdout and stderr on a pipe; None where it must
         start fresh instead (SWARM_TEST_FRESH_PEERS, another environment than the template's, no subreaper)."""
+        process = self._fork(argv, env)
+        with self._lock:
+            if process is None:
+                self.fresh += 1
+            else:
+                self.forked += 1
+        return process
+
+    def _fork(self, argv: list[str], env: dict[str, str]) -> Optional[ForkedProcess]:
         if os.environ.get("SWARM_TEST_FRESH_PEERS") == "1" or not sys.platform.startswith("linux"):
             return None
         with self._lock:
             if self._channel is None and not self._launch(env):
                 return None
-            if _settings(env) != _settings(self._env):
+            if self._start_up_of(env) != self._start_up:
                 return None
             read, write = os.pipe()
             try:
@@ -161,10 +183,17 @@ class Template:
                                          pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
         theirs.close()
-        if ours.recv(16) != b"ready":
+        ready = ours.recv(1 << 16)
+        if not ready.startswith(b"ready"):
             raise RuntimeError(f"the peer template exited with {self._process.wait()}")
-        self._channel, self._env = ours, dict(env)
+        self._channel, self._added = ours, json.loads(ready[len(b"ready"):])
+        self._start_up = self._start_up_of(env)
         return True
+
+    def _start_up_of(self, env: dict[str, str]) -> dict[str, str]:
+        """The START_UP_VARIABLES of `env` as a peer forked with it has them."""
+        env = {**self._added, **env}
+        return {key: value for key, value in env.items() if key.startswith(START_UP_VARIABLES)}
 
     def close(self) -> None:
         with self._lock:
@@ -172,11 +201,6 @@ class Template:
                 self._channel.close()  # (the template exits at the end of its channel)
                 self._process.wait(30)
                 self._channel = None
-
-
-def _settings(env: dict[str, str]) -> dict[str, str]:
-    """An environment but the variable pytest sets for each test it runs (PYTEST_CURRENT_TEST)."""
-    return {key: value for key, value in env.items() if key != "PYTEST_CURRENT_TEST"}
 
 
 def reap_orphans(sessions: set[int]) -> None:
