@@ -276,7 +276,9 @@ def pytest_runtest_protocol(item, nextitem):
 def pytest_terminal_summary(terminalreporter, config):
     if PEER_TEMPLATE.forked or PEER_TEMPLATE.fresh:
         terminalreporter.write_line(f"peers: {PEER_TEMPLATE.forked} forked from the template (tests/zygote.py), "
-                                    f"{PEER_TEMPLATE.fresh} started fresh")
+                                    f"{PEER_TEMPLATE.fresh} started fresh"
+                                    + (f" (their environment differed in {', '.join(sorted(PEER_TEMPLATE.fresh_because))})"
+                                       if PEER_TEMPLATE.fresh_because else ""))
     if not _CPU_ACCOUNT:
         return
     cores, files = os.cpu_count() or 1, {}

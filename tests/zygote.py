@@ -31,10 +31,12 @@ from typing import Optional
 
 PR_SET_CHILD_SUBREAPER = 36  # from <linux/prctl.h>
 
-# Environment variables read before a peer's own code runs (by the interpreter, glibc, or the libraries the
-# template imports): a peer whose environment differs from the template's in one of them starts fresh.
-START_UP_VARIABLES = ("PYTHON", "LD_", "MALLOC_", "GLIBC_", "THP_", "TORCH", "PYTORCH", "OMP_", "MKL_", "OPENBLAS_",
-                      "CUDA", "NPY_", "HIVEMIND", "TOKENIZERS", "HF_", "TRANSFORMERS")
+# Environment variables read before a peer's own code runs, by the interpreter, glibc, or the libraries the
+# template loads (torch's allocator, OpenMP and BLAS read theirs as they load): a peer whose environment differs
+# from the template's in one of them starts fresh. Others (torch's TORCHINDUCTOR_CACHE_DIR, which importing its
+# compiler sets in pytest's own environment) are read later, in the peer, which has the test's.
+START_UP_VARIABLES = ("PYTHON", "LD_", "MALLOC_", "GLIBC_", "THP_MEM_ALLOC_ENABLE", "OMP_", "KMP_", "MKL_",
+                      "OPENBLAS_", "NPY_", "HIVEMIND")
 
 TEMPLATE = r"""
 import json, os, socket, struct, sys
@@ -135,6 +137,7 @@ class Template:
     def __init__(self):
         self._lock = threading.Lock()
         self.forked = self.fresh = 0  # peers started each way, for the session's summary
+        self.fresh_because: set[str] = set()  # the variables that made peers start fresh
         self._channel: Optional[socket.socket] = None
         self._process: Optional[subprocess.Popen] = None
         self._added: dict[str, str] = {}  # what the template's imports added to its environment
@@ -157,7 +160,10 @@ class Template:
         with self._lock:
             if self._channel is None and not self._launch(env):
                 return None
-            if self._start_up_of(env) != self._start_up:
+            wanted = self._start_up_of(env)
+            if wanted != self._start_up:
+                self.fresh_because |= {key for key in {*wanted, *self._start_up}
+                                       if wanted.get(key) != self._start_up.get(key)}
                 return None
             read, write = os.pipe()
             try:
