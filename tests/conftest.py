@@ -274,11 +274,11 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_terminal_summary(terminalreporter, config):
-    if PEER_TEMPLATE.forked or PEER_TEMPLATE.fresh:
-        terminalreporter.write_line(f"peers: {PEER_TEMPLATE.forked} forked from the template (tests/zygote.py), "
-                                    f"{PEER_TEMPLATE.fresh} started fresh"
-                                    + (f" (their environment differed in {', '.join(sorted(PEER_TEMPLATE.fresh_because))})"
-                                       if PEER_TEMPLATE.fresh_because else ""))
+    template = PEER_TEMPLATE
+    if template.forked or template.fresh:
+        because = f" (their environment differed in {', '.join(sorted(template.fresh_because))})"
+        terminalreporter.write_line(f"peers: {template.forked} forked from the template (tests/zygote.py), "
+                                    f"{template.fresh} started fresh" + (because if template.fresh_because else ""))
     if not _CPU_ACCOUNT:
         return
     cores, files = os.cpu_count() or 1, {}
