@@ -132,6 +132,7 @@ print("torch._dynamo", "loaded" if "torch._dynamo" in sys.modules else "not load
 """
 
 
+@pytest.mark.slow  # (a fresh interpreter importing torch and the peer: about 11 s on 2 cores)
 def test_a_peers_optimizers_step_as_torchs_without_importing_its_compiler():
     """torch's optimizers import torch._dynamo (2.4 s of CPU, 70 MB) at their first add_param_group or step, for
     torch.compile, which a peer never runs: a peer's inner optimizers (AdamW, Muon) and outer SGD, built by
