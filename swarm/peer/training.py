@@ -56,8 +56,8 @@ def make_inner_optimizer(model: torch.nn.Module, inner: InnerRecipe) -> "torch.o
     decay = [p for p in model.parameters() if p.ndim >= 2 and id(p) not in taken]
     no_decay = [p for p in model.parameters() if p.ndim < 2]  # norms and biases are not decayed
     adamw = eager(torch.optim.AdamW, [{"params": decay, "weight_decay": inner.weight_decay},
-                               {"params": no_decay, "weight_decay": 0.0}],
-                              lr=_peak(inner), betas=(inner.beta1, inner.beta2))
+                                      {"params": no_decay, "weight_decay": 0.0}],
+                  lr=_peak(inner), betas=(inner.beta1, inner.beta2))
     if not matrices:
         return adamw
     muon = eager(torch.optim.Muon, matrices, lr=_peak(inner), weight_decay=inner.weight_decay,
@@ -69,7 +69,7 @@ def eager(optimizer_class: type[O], *args, **kwargs) -> O:
     """`optimizer_class(*args, **kwargs)`, which never imports torch._dynamo. torch guards an optimizer for
     torch.compile, which a peer never runs: its add_param_group, zero_grad, state_dict and load_state_dict are marked
     not to be compiled, and most classes' step runs inside a wrapper that breaks a compiled graph; both import
-    torch._dynamo at their first call, 2.4 s of CPU and 70 MB in every peer process (docs/measured.md#start-up).
+    torch._dynamo at their first call: 1.4-2.4 s of CPU and 50-70 MB in every peer (docs/measured.md#start-up).
     The marks are resolved ahead to the methods themselves (what they are outside a compiled graph), and the step
     runs torch's own step function under no_grad, as the wrapper does for an optimizer that is not differentiable.
     Where torch's wrapping is not the one known here, it is left as it is."""
