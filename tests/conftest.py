@@ -18,7 +18,7 @@ from typing import Callable
 import pytest
 
 from swarm.events import read_events
-from zygote import Template, reap_orphans
+from zygote import Template
 
 TESTS = Path(__file__).parent
 TINY_RECIPE = TESTS / "recipes" / "tiny.yaml"
@@ -350,7 +350,25 @@ def session_members(session: int) -> list[str]:
 
 def session_processes(session: int) -> dict[int, str]:
     """The live (not zombie) processes of a session, pid -> name, read from /proc."""
-    members = {}
+    return {pid: name for pid, name, state, _, in_session in _processes() if in_session == session
+            and state not in "ZX"}
+
+
+def reap_orphans(sessions: set[int]) -> None:
+    """Reap the zombies re-parented to this process (a child subreaper once a peer was forked: zygote.py) from the
+    sessions of processes the tests started: a killed peer's helpers that exited after it. Their leaders are left
+    to their own wait()."""
+    me = os.getpid()
+    for pid, _, state, parent, session in _processes():
+        if state == "Z" and parent == me and session in sessions and pid not in sessions:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+
+
+def _processes():
+    """(pid, name, state, parent pid, session) of every process, read from /proc."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -359,9 +377,7 @@ def session_processes(session: int) -> dict[int, str]:
         except OSError:
             continue
         name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
-        if int(fields[3]) == session and fields[0] not in "ZX":  # fields: state, ppid, pgrp, session, ...
-            members[int(entry)] = name
-    return members
+        yield int(entry), name, fields[0], int(fields[1]), int(fields[3])  # fields: state, ppid, pgrp, session, ...
 
 
 def stop_all(processes: list[SwarmProcess]) -> list[str]:

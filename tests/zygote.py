@@ -29,6 +29,8 @@ import threading
 import time
 from typing import Optional
 
+import swarm
+
 PR_SET_CHILD_SUBREAPER = 36  # from <linux/prctl.h>
 
 # Environment variables read before a peer's own code runs, by the interpreter, glibc, or the libraries the
@@ -168,7 +170,7 @@ class Template:
             read, write = os.pipe()
             try:
                 request = {"argv": argv, "env": env, "cwd": os.getcwd(),
-                           "main": os.path.join(os.path.dirname(__import__("swarm").__file__), "__main__.py")}
+                           "main": os.path.join(os.path.dirname(swarm.__file__), "__main__.py")}
                 socket.send_fds(self._channel, [json.dumps(request).encode()], [write])
                 reply = self._channel.recv(4)
             finally:
@@ -208,23 +210,3 @@ class Template:
                 self._process.wait(30)
                 self._channel = None
 
-
-def reap_orphans(sessions: set[int]) -> None:
-    """Reap the zombies re-parented to this process (the subreaper) from the sessions of processes the tests
-    started: a killed peer's helpers that exited after it. Their leaders are left to their own wait()."""
-    me = os.getpid()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, session, ...
-        pid = int(entry)
-        if fields[0] == "Z" and int(fields[1]) == me and int(fields[3]) in sessions and pid not in sessions:
-            try:
-                os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
