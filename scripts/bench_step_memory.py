@@ -10,7 +10,7 @@ scripts/bench_scale.py's sizes (vocab 8192) on the CPU, AdamW as the recipe buil
     MALLOC_MMAP_THRESHOLD_=65536 python scripts/bench_step_memory.py --size 92m   # resident = live
     THP_MEM_ALLOC_ENABLE=0 python scripts/bench_step_memory.py --size 92m         # no huge pages
     python scripts/bench_step_memory.py --size 92m --fresh-memory                 # what fresh pages cost
-    python scripts/bench_step_memory.py --size 92m --recompute-activations --trim  # malloc_trim after each step
+    python scripts/bench_step_memory.py --size 92m --recompute-activations --step free   # as before 2026-12-01
 
 glibc keeps freed memory in its heap (it is resident, and reused by the next step); with every allocation above
 64 KiB mapped on its own (the variable above), what is resident is what is live, at a cost in speed. Like a peer
@@ -35,6 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+STEPS = ("peer", "free", "trim")
 
 
 def resident() -> int:
@@ -78,8 +79,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--recompute-activations", action="store_true")
     parser.add_argument("--fresh-memory", action="store_true", help="time writing fresh memory instead of steps")
-    parser.add_argument("--trim", action="store_true",
-                        help="after every step, hand the heap's free memory back to the kernel (glibc's malloc_trim)")
+    parser.add_argument("--step", choices=STEPS, default="peer",
+                        help="peer: a peer's inner step (on the CPU the gradients stay, zeroed in place, and the "
+                             "heap's free pages go back to the kernel: glibc's malloc_trim); free: the gradients "
+                             "freed and nothing trimmed (a peer's step before 2026-12-01); trim: freed and trimmed")
     args = parser.parse_args()
 
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # (before torch loads, as a peer does)
@@ -101,11 +104,18 @@ def main() -> None:
     rows = {"model": (resident() - base) / n}
     optimizer = make_inner_optimizer(model, inner_for(InnerRecipe(), model))
     batch = torch.randint(0, 8192, (args.batch, args.seq_len + 1), generator=torch.Generator().manual_seed(0))
-    trim = ctypes.CDLL(None).malloc_trim if args.trim else lambda _: None
-
     def step() -> None:
-        inner_step(model, optimizer, batch, torch.device("cpu"), 1e-4, 1.0)
-        trim(0)
+        if args.step == "peer":
+            inner_step(model, optimizer, batch, torch.device("cpu"), 1e-4, 1.0)
+            return
+        for group in optimizer.param_groups:
+            group["lr"] = 1e-4
+        lm_loss(model, batch, torch.device("cpu")).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if args.step == "trim":
+            ctypes.CDLL(None).malloc_trim(0)
 
     step()
     rows["after the first step (AdamW's state)"] = (resident() - base) / n
@@ -126,14 +136,14 @@ def main() -> None:
     print(f"{args.size}: {n / 1e6:.1f}M parameters, batch {args.batch} x {args.seq_len}, {args.threads} thread(s), "
           f"recomputed activations: {args.recompute_activations}, MALLOC_MMAP_THRESHOLD_="
           f"{os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}, THP_MEM_ALLOC_ENABLE="
-          f"{os.environ.get('THP_MEM_ALLOC_ENABLE')}, malloc_trim after every step: {args.trim}")
+          f"{os.environ.get('THP_MEM_ALLOC_ENABLE')}, step: {args.step}")
     for what, value in rows.items():
         print(f"  {what:<60}{value:>8.1f} bytes a parameter")
     print(f"  {'seconds a step':<60}{seconds:>8.2f}")
     print(json.dumps({"size": args.size, "parameters": n, "batch": args.batch, "seq_len": args.seq_len,
                       "recompute_activations": args.recompute_activations,
                       "mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"), "seconds_a_step": seconds,
-                      "thp": os.environ.get("THP_MEM_ALLOC_ENABLE"), "trim": args.trim,
+                      "thp": os.environ.get("THP_MEM_ALLOC_ENABLE"), "step": args.step,
                       "bytes_a_parameter": rows}))
 
 

@@ -60,7 +60,7 @@ def test_a_muon_run_takes_the_schedules_lr_and_learns():
     assert all(group["lr"] == 2e-3 for group in optimizer.param_groups) and len(optimizer.param_groups) == 3
     assert losses[-1] < losses[0] - 1.0, losses
     assert all(not torch.equal(before[name], p) for name, p in model.named_parameters()), "every param trained"
-    assert all(p.grad is None for p in model.parameters()), "zero_grad reaches both optimizers"
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters()), "zero_grad reaches both"
 
 
 def test_the_option_keeps_every_adamw_recipes_digest_and_names_a_bad_value():
@@ -157,3 +157,34 @@ def test_a_peers_optimizers_step_as_torchs_without_importing_its_compiler():
             trained.append(list(model.parameters()))
             assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters())), cls.__name__
         assert all(torch.equal(a, b) for a, b in zip(*trained)), cls.__name__
+
+
+def test_a_cpu_step_keeps_its_gradients_and_trains_bit_for_bit_as_one_that_frees_them(monkeypatch):
+    """On the CPU, inner_step zeroes the gradients in place instead of freeing them and hands the heap's free pages
+    back (issue 39's bytes a parameter): the same params after every step as torch's loop that frees them."""
+    import swarm.peer.training as training
+
+    trims = []
+    monkeypatch.setattr(training, "_trim", lambda pad: trims.append(pad) or 0)
+    recipe = _recipe("adamw")
+    trained = []
+    for ours in (True, False):
+        torch.manual_seed(0)
+        model = build_model(recipe.model, 64)
+        optimizer = make_inner_optimizer(model, inner_for(recipe.inner, model))
+        for step in range(3):
+            batch = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(step))
+            if ours:
+                inner_step(model, optimizer, batch, torch.device("cpu"), 1e-2, 1.0)
+                assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+            else:
+                for group in optimizer.param_groups:
+                    group["lr"] = 1e-2
+                training.lm_loss(model, batch, torch.device("cpu")).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                assert all(p.grad is None for p in model.parameters())
+        trained.append([p.detach().clone() for p in model.parameters()])
+    assert trims == [0, 0, 0]
+    assert all(torch.equal(a, b) for a, b in zip(*trained))
