@@ -9,6 +9,7 @@ import hashlib
 import io
 import json
 import logging
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -17,8 +18,9 @@ import pytest
 import torch
 import zstandard
 
-from swarm.data.corpus import (Corpus, CorpusError, Document, load_corpus, plan_split, split_by_keys,
-                                split_documents)
+from swarm.data.corpus import (BUNDLED_CORPUS, Corpus, CorpusError, Document, _bundled_files, _without_hard_breaks,
+                                load_corpus, plan_split, split_by_keys, split_documents)
+from swarm.data.corpus_formats import read_documents
 from swarm.data.corpus_formats import cut_pieces, piece_chars
 from swarm.data.prepare import TokenDataset, load_tokenizer, prepare_run_data
 from swarm.data.token_store import MANIFEST, build_store, encoding_chunks, load_store
@@ -202,3 +204,14 @@ def test_the_bpe_trains_on_a_bounded_prefix_of_a_large_corpus(tmp_path, monkeypa
     monkeypatch.setattr(data_module, "BPE_SAMPLE_CHARS", len(ONE_FILE))
     sampled = tokenizer_digest(load_tokenizer("bpe", [first, other], 300, tmp_path / "sampled"))
     assert sampled == tokenizer_digest(load_tokenizer("bpe", [first], 300, tmp_path / "first")) != whole
+
+
+@pytest.mark.parametrize("text", ["", "\n", " \n", "a  \nb", "a \t \nb \n", "a \r\nb\t\n\n  ", "end  ", " \t", "x\n  y"])
+def test_the_bundled_corpus_loses_the_blanks_before_each_newline_and_nothing_else(text):
+    assert _without_hard_breaks(text) == re.sub(r"[ \t]+\n", "\n", text)
+
+
+def test_every_bundled_document_reads_as_the_regular_expression_would_clean_it():
+    expected = [re.sub(r"[ \t]+\n", "\n", text) for doc_id, path in _bundled_files()
+                for _, text in read_documents(doc_id, path, "text", False)]
+    assert [doc.text for doc in Corpus(BUNDLED_CORPUS)] == expected and len(expected) > 30
