@@ -243,7 +243,7 @@ def test_a_robust_aggregator_bounds_a_scaled_contribution_where_the_mean_takes_i
     assert all(torch.equal(c.average, p.average) for c, p in zip(clean, plain)), "no attacker: the mean, exactly"
 
 
-@pytest.mark.parametrize("codec, clients", [("none", ()), ("int8", ()), ("fp16", (False, False, True)),
+@pytest.mark.parametrize("codec, clients", [("none", ()), ("int8", ()), ("fp16", ()), ("fp16", (False, False, True)),
                                            ("sparse", ()), ("sparse", (False, False, True))])
 def test_verified_reducers_give_the_same_average_as_unverified_ones(codec, clients):
     """With every member's weight and nonce commitment in the group, members check each reducer's CenteredClip
@@ -254,13 +254,16 @@ def test_verified_reducers_give_the_same_average_as_unverified_ones(codec, clien
     _, unchecked, _ = _average(codec=codec, clients=clients, aggregator="centered_clip", exact_from=150_000,
                                verify=False)
     assert all(torch.equal(c.average, u.average) for c, u in zip(checked, unchecked))
+    # What the reducers decoded of each member's parts is kept whole only where error feedback needs it; the checks
+    # of a codec without (none, the default fp16) encode the member's chunks again (Run.delivered).
+    assert all((r.delivered is None) == (codec in ("none", "fp16")) for r in checked + unchecked)
     # The check's own time, reported apart (the round's `verification` phase), by every member that checks.
     servers = [r for r, client in zip(checked, clients or (False,) * len(checked)) if not client]
     assert all(0 < r.verification_seconds < r.seconds for r in servers), [r.verification_seconds for r in checked]
     assert all(r.verification_seconds == 0 for r in unchecked)
 
 
-@pytest.mark.parametrize("codec", ["int8", "sparse"])
+@pytest.mark.parametrize("codec", ["int8", "fp16", "sparse"])
 def test_a_lying_reducer_is_refused_by_every_honest_member_and_accused(codec):
     """peerC reduces its part x1000 and makes up its own verification term to cancel the rest as best it can: the
     honest members apply nothing and accuse it (their next attempt parts them from it). With the sparse codec too,

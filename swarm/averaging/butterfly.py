@@ -101,7 +101,8 @@ class Butterfly(Verifying, Run):
                     throttled = False  # it is gone or late: its stream (or receive_from) tells the rest
             codec = self.codec_at(a)
             payload = self.outgoing(self.vector[a:b], codec)
-            if (codec.name != "none" and self.bad in (None, "lying-reducer")) or self.bad in LYING_VALUES:
+            if self.delivered is not None and (codec.name != "none" and self.bad in (None, "lying-reducer")
+                                               or self.bad in LYING_VALUES):
                 # (a lying member's verification terms are of what it sent, as a careful liar's would be)
                 self.delivered[a:b] = codec.decode(payload)
             yield {}, payload
@@ -119,7 +120,7 @@ class Butterfly(Verifying, Run):
         rejected: list[str] = []
         for k, (a, b) in enumerate(self.chunking[self.index]):
             own_weight = self.group.weights[self.index] if self.group.weights else float(self.weight)
-            if self.codec_at(a).own_part_encoded:  # (as the others' parts come: the sparse codec's)
+            if self.codec_at(a).own_part_encoded and self.delivered is not None:  # (as the others' come: sparse)
                 self.delivered[a:b] = self.codec_at(a).decode(self.codec_at(a).encode(self.vector[a:b]))
             parts, weights, contributors = [self.mine_at(self.index, a, b)], [own_weight], [self.me]
             for sender in list(alive):

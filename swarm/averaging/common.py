@@ -63,7 +63,8 @@ class AllReduceError(RuntimeError):
 @dataclass
 class AllReduceResult:
     average: torch.Tensor  # flat fp32, identical on every member
-    delivered: torch.Tensor  # our vector as the reducers decoded it: what error feedback compares against
+    # our vector as the reducers decoded it: what error feedback compares against (None for a codec without it)
+    delivered: Optional[torch.Tensor]
     total_weight: float
     group_size: int
     bytes_sent: int

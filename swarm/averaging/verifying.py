@@ -69,8 +69,15 @@ class Verifying:
         return chunk_norms(result, [(0, b - a)])[0], rounding([self.average_codec_at(a)], result, [(0, b - a)])[0]
 
     def mine_at(self, j: int, a: int, b: int) -> torch.Tensor:
-        own_whole = j == self.index and not self.codec_at(a).own_part_encoded
-        return self.vector[a:b] if own_whole else self.delivered[a:b]
+        if j == self.index and not self.codec_at(a).own_part_encoded or a == b:
+            return self.vector[a:b]
+        if self.delivered is not None:
+            return self.delivered[a:b]
+        # What the reducer decoded: the same bytes, encoded again chunk by chunk, as they were sent (fp16's scale is
+        # its chunk's). [a, b) is a chunk of part j or the whole part.
+        return torch.cat([self.vector[c:d] if self.codec_at(c).name == "none" else
+                          self.codec_at(c).decode(self.codec_at(c).encode(self.vector[c:d]), max_numel=d - c)
+                          for c, d in self.chunking[j] if a <= c and d <= b])
 
     def relative(self, j: int) -> list[tuple[int, int]]:
         start = self.bounds[j][0]

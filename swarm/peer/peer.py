@@ -120,8 +120,7 @@ class Peer:
                          replay_log_bytes=self.diloco.log_bytes, inner_lr=self.inner.lr)
 
     def _start_services(self) -> None:
-        """The all-reduce and state servers, the announcer and its heartbeat, the metrics endpoint, and the round
-        machine with its averager."""
+        """The all-reduce and state servers, the announcer, its heartbeat, the metrics and the rounds' averager."""
         s, r = self.settings, self.part.run  # a stage's peers average, sync and announce under its own run id
         self.allreduce = GroupAllReduce(  # a mixing group averages pseudo-gradient, params and momentum: 3 x numel
             self.node, r.run_id, r.averaging.codec, 3 * self.diloco.numel,
@@ -352,7 +351,8 @@ class Peer:
         timeline = Timeline(averaged.phases | {"prepare": contribution.prepared_seconds})
         average, mixed_state = result.average[:n], result.average[n:] if group.mix else None
         timeline.add("checkpoint", self.diloco.settle())  # (the last checkpoint's write, if it is still going)
-        self.error_feedback[fragment].update(contribution.pseudo_gradient, result.delivered[:n])
+        if result.delivered is not None:  # (None for a codec without error feedback: Run.delivered)
+            self.error_feedback[fragment].update(contribution.pseudo_gradient, result.delivered[:n])
         global_before = self.diloco.flat_global() if self.settings.trace_dir else None
         progress = None if contribution.snapshot is None else self.diloco.progress(contribution.snapshot, fragment)
         if mixed_state is not None:
