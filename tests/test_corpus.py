@@ -206,7 +206,8 @@ def test_the_bpe_trains_on_a_bounded_prefix_of_a_large_corpus(tmp_path, monkeypa
     assert sampled == tokenizer_digest(load_tokenizer("bpe", [first], 300, tmp_path / "first")) != whole
 
 
-@pytest.mark.parametrize("text", ["", "\n", " \n", "a  \nb", "a \t \nb \n", "a \r\nb\t\n\n  ", "end  ", " \t", "x\n  y"])
+@pytest.mark.parametrize("text", ["", "\n", " \n", "a  \nb", "a \t \nb \n", "a \r\nb\t\n\n  ", "end  ", " \t",
+                                  "x\n  y"])
 def test_the_bundled_corpus_loses_the_blanks_before_each_newline_and_nothing_else(text):
     assert _without_hard_breaks(text) == re.sub(r"[ \t]+\n", "\n", text)
 
