@@ -101,9 +101,9 @@ def check_disk(directory: Optional[str], checkpoint: int, keep: int) -> Check:
     details = {"directory": directory, "free": free, "need": need, "checkpoint": checkpoint}
     if free >= need:
         return Check("disk", True, f"{fmt_bytes(free)} free for checkpoints of {fmt_bytes(checkpoint)}", details)
-    return Check("disk", False, f"{fmt_bytes(free)} free in {directory} but {keep} checkpoints and the one being written "
-                                f"need {fmt_bytes(need)}: free space there, pass a --checkpoint-dir on a larger disk, or "
-                                "lower --keep-checkpoints", details)
+    return Check("disk", False, f"{fmt_bytes(free)} free in {directory} but {keep} checkpoints and the one being "
+                                f"written need {fmt_bytes(need)}: free space there, pass a --checkpoint-dir on a larger "
+                                "disk, or lower --keep-checkpoints", details)
 
 
 def check_memory(need: int, free: Optional[int], replay: Optional[float]) -> Check:
@@ -113,8 +113,8 @@ def check_memory(need: int, free: Optional[int], replay: Optional[float]) -> Che
     if free >= need:
         return Check("memory", True, f"{fmt_bytes(free)} available, about {fmt_bytes(need)} needed", details)
     log = f"--replay-log-mb {replay:g}" if replay is not None else "--replay-log-mb, one state's size by default"
-    return Check("memory", False, f"{fmt_bytes(free)} of memory available but this peer needs about {fmt_bytes(need)}: close "
-                                  f"other programs, or lower {log}", details)
+    return Check("memory", False, f"{fmt_bytes(free)} of memory available but this peer needs about "
+                                  f"{fmt_bytes(need)}: close other programs, or lower {log}", details)
 
 
 def check_device_memory(name: str, *, need: int, free: int) -> Check:

@@ -94,8 +94,9 @@ def _own_address(ip: str) -> bool:
 
 async def map_node_ports(node: SwarmNode) -> Check:
     """Ask the router by NAT-PMP, or UPnP IGD where it does not speak that, to forward the node's libp2p and
-    direct-stream ports at the same external ports (swarm/dht/portmap.py, upnp.py); what it grants goes to `node.port_mappings`, renewed until the node shuts down. Always
-    ok: what the router says is only a claim, and the dial-back that follows says whether the swarm can dial us."""
+    direct-stream ports at the same external ports (swarm/dht/portmap.py, upnp.py); what it grants goes to
+    `node.port_mappings`, renewed until the node shuts down. Always ok: what the router says is only a claim, and the
+    dial-back that follows says whether the swarm can dial us."""
     await node.p2p()  # (starts the direct-stream server: its port is known from here on)
     ports: dict[int, str] = {}
     for target in map(tcp_target, (m.rsplit("/p2p/", 1)[0] for m in node.visible_maddrs())):

@@ -98,14 +98,14 @@ def bandwidth_class(bandwidth: float) -> int:
 
 def plan_groups(candidates: dict[str, Candidate], target_size: int, min_size: int, round_no: int,
                 attempt: int = 0, min_servers: int = 1) -> list[list[str]]:
-    """Split this attempt's candidates into groups; a pure function, so every peer with the same view computes the
-    same groups. Up to `target_size` candidates: one group, as `choose_members`; too few for two groups of
-    `min_size`: one group of all of them (over the target by less than `min_size`). Otherwise all candidates,
-    whatever their digest, in k = ceil(n / target_size) groups of nearly equal size. Even rounds: consecutive runs
-    of the bandwidth order, so similar links average together. Odd rounds: every k-th peer in the order of (digest, bandwidth), so each group takes its members from as many
-    of the previous round's groups (digests) as it can, and what each group learned spreads through the swarm:
-    with n = k * g the two layouts are the rows and columns of a grid. Each group then gets `min_servers` members
-    that accept connections where the others can spare them (_give_every_group_reducers)."""
+    """Split this attempt's candidates into groups; a pure function, so every peer with the same view computes the same
+    groups. Up to `target_size` candidates: one group, as `choose_members`; too few for two groups of `min_size`: one
+    group of all of them (over the target by less than `min_size`). Otherwise all candidates, whatever their digest, in
+    k = ceil(n / target_size) groups of nearly equal size. Even rounds: consecutive runs of the bandwidth order, so
+    similar links average together. Odd rounds: every k-th peer in the order of (digest, bandwidth), so each group takes
+    its members from as many of the previous round's groups (digests) as it can, and what each group learned spreads
+    through the swarm: with n = k * g the two layouts are the rows and columns of a grid. Each group then gets
+    `min_servers` members that accept connections where the others can spare them (_give_every_group_reducers)."""
     salt = attempt_salt(round_no, attempt)
     candidates = settled(candidates, salt)
     n = len(candidates)

@@ -1,13 +1,13 @@
 """Direct streams: the bulk bytes of a stream go over a TLS connection between the two peers' own processes
 instead of through both p2pd daemons.
 
-Through p2pd every byte is copied by two daemons (yamux, noise) and two unix sockets: on the mixed-link benchmark
-a round took 11.6 s that way and 9.8 s direct (plain TCP: 9.6 s), and on loopback it kept both cores busy. A direct stream is one TCP
-connection per stream, TLS 1.3 with an ephemeral certificate that we never check against a CA: the opener pins the
-certificate's SHA-256 fingerprint, which it got from the receiver over a libp2p stream (authenticated by the
+Through p2pd every byte is copied by two daemons (yamux, noise) and two unix sockets: on the mixed-link benchmark a
+round took 11.6 s that way and 9.8 s direct (plain TCP: 9.6 s), and on loopback it kept both cores busy. A direct stream
+is one TCP connection per stream, TLS 1.3 with an ephemeral certificate that we never check against a CA: the opener
+pins the certificate's SHA-256 fingerprint, which it got from the receiver over a libp2p stream (authenticated by the
 receiver's peer id). The opener then proves its own peer id by signing the fingerprint with its RSA identity key, the
-key its libp2p peer id is the hash of. So both ends know who the other is, as over libp2p, and a signature seen on
-one connection is worth nothing on any other (another receiver has another certificate).
+key its libp2p peer id is the hash of. So both ends know who the other is, as over libp2p, and a signature seen on one
+connection is worth nothing on any other (another receiver has another certificate).
 
 Any failure to reach a peer this way (it listens on no address we can reach, e.g. behind NAT or a firewall, or it
 restarted with a new certificate) falls back to a libp2p stream; the next stream tries directly again (a first

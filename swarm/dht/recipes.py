@@ -30,12 +30,12 @@ async def fetch_recipe(node: SwarmNode, timeout: float, trusted_wait: float = TR
 
 async def fetch_run(node: SwarmNode, timeout: float,
                     trusted_wait: float = TRUSTED_WAIT) -> tuple[Recipe, Optional[str]]:
-    """The run recipe, and the id of the dataset its owner shares (None if it shares none), as its owner signed it: the owner among our --initial-peers, or, once none of them has
-    published one for `trusted_wait` seconds (they may be ordinary peers, not the bootstrap), the only one
-    published (see records.choose_recipe): anyone can publish a recipe, so a lone one is not followed at once.
-    RecipeError if none appears within `timeout`, or it is invalid or ambiguous. From then on this node protects
-    the run's keys, and in a private run admits only the owner and its invitees (node.admission; a peer then
-    takes its own invite with Admission.join_with)."""
+    """The run recipe, and the id of the dataset its owner shares (None if it shares none), as its owner signed it: the
+    owner among our --initial-peers, or, once none of them has published one for `trusted_wait` seconds (they may be
+    ordinary peers, not the bootstrap), the only one published (see records.choose_recipe): anyone can publish a recipe,
+    so a lone one is not followed at once. RecipeError if none appears within `timeout`, or it is invalid or ambiguous.
+    From then on this node protects the run's keys, and in a private run admits only the owner and its invitees
+    (node.admission; a peer then takes its own invite with Admission.join_with)."""
     started = time.monotonic()
     deadline = started + timeout
     while True:

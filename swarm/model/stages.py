@@ -114,10 +114,10 @@ class Stage(torch.nn.Module):
             self.init_boundaries(seed)
 
     def init_boundaries(self, seed: int) -> None:
-        """Initialise the boundary modules from the recipe's `seed`, the same on every peer: a boundary's encoder (the stage before it) and
-        decoder (the stage after) start as Q^T and Q for one orthonormal Q (hidden x bottleneck) drawn from the
-        boundary's seed, so at first the pair passes on the projection of the residual stream onto Q's columns
-        (the low-rank identity path); the token embedding is drawn as the family draws its own (normal, std
+        """Initialise the boundary modules from the recipe's `seed`, the same on every peer: a boundary's encoder (the
+        stage before it) and decoder (the stage after) start as Q^T and Q for one orthonormal Q (hidden x bottleneck)
+        drawn from the boundary's seed, so at first the pair passes on the projection of the residual stream onto Q's
+        columns (the low-rank identity path); the token embedding is drawn as the family draws its own (normal, std
         initializer_range)."""
         for module, cut, transpose in ((self.encode, self.end, True), (self.decode, self.start, False)):
             if module is None:
