@@ -75,8 +75,7 @@ class Verifying:
             return self.delivered[a:b]
         # What the reducer decoded: the same bytes, encoded again chunk by chunk as they were sent (each chunk with
         # its own codec: a mixing group's lossless tail; its own scale: fp16's). [a, b) is a chunk of part j or all.
-        return torch.cat([self.vector[c:d] if self.codec_at(c).name == "none" else
-                          self.codec_at(c).decode(self.codec_at(c).encode(self.vector[c:d]), max_numel=d - c)
+        return torch.cat([self.codec_at(c).round_trip(self.vector[c:d])
                           for c, d in self.chunking[j] if a <= c and d <= b])
 
     def relative(self, j: int) -> list[tuple[int, int]]:

@@ -94,6 +94,12 @@ class Codec(abc.ABC):
             raise CodecError(f"payload was encoded with codec {header.codec!r}, this decoder is {self.name!r}")
         return self._decode_body(payload, header)
 
+    def round_trip(self, tensor: torch.Tensor) -> torch.Tensor:
+        """decode(encode(tensor)), bit for bit: what a receiver holds of `tensor` (flat float32 on the CPU). Codecs
+        that can compute it without the bytes do (a butterfly member's checks read its own chunks so: Run.delivered).
+        Raises CodecError for the inputs `encode` refuses."""
+        return self.decode(self.encode(tensor))
+
     @abc.abstractmethod
     def error_bound(self, tensor: torch.Tensor) -> torch.Tensor:
         """Returns a flat float32 CPU tensor b with |x - decode(encode(x))| <= b elementwise, x = tensor as float32.
