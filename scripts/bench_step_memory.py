@@ -104,6 +104,7 @@ def main() -> None:
     rows = {"model": (resident() - base) / n}
     optimizer = make_inner_optimizer(model, inner_for(InnerRecipe(), model))
     batch = torch.randint(0, 8192, (args.batch, args.seq_len + 1), generator=torch.Generator().manual_seed(0))
+
     def step() -> None:
         if args.step == "peer":
             inner_step(model, optimizer, batch, torch.device("cpu"), 1e-4, 1.0)

@@ -121,7 +121,7 @@ class Butterfly(Verifying, Run):
         for k, (a, b) in enumerate(self.chunking[self.index]):
             own_weight = self.group.weights[self.index] if self.group.weights else float(self.weight)
             if self.codec_at(a).own_part_encoded and self.delivered is not None:  # (as the others' come: sparse)
-                self.delivered[a:b] = self.codec_at(a).decode(self.codec_at(a).encode(self.vector[a:b]))
+                self.delivered[a:b] = self.codec_at(a).round_trip(self.vector[a:b])
             parts, weights, contributors = [self.mine_at(self.index, a, b)], [own_weight], [self.me]
             for sender in list(alive):
                 if not await self.came(self.mailbox.slot("part", sender, k), sender):

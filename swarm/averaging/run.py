@@ -68,9 +68,9 @@ class Run(abc.ABC):
         self.bad = bad  # the kind of bad data fault injection makes us send, if any
         self.result = torch.empty_like(self.vector)
         # Our vector as the reducers decode it, for error feedback and the checks: kept whole only for a codec with
-        # error feedback or a member that sends made-up values (fault injection). Else each chunk is encoded and
-        # decoded again where it is read (delivered_at): fp16's and none's encoding is a function of the values
-        # alone, and a round spares a vector's worth of memory (issue 39; 4 bytes a parameter a whole-model sync).
+        # error feedback or a member that sends made-up values (fault injection). Else the checks encode each chunk
+        # again where they read it (Verifying.mine_at, Codec.round_trip): fp16's and none's encoding is a function of
+        # the values alone, and a round spares a vector's worth of memory (4 bytes a parameter a whole-model sync).
         self.delivered = self.vector.clone() if context.codec.error_feedback or bad is not None else None
         # Chunk start -> (start, end, the bytes its average travelled as); None where averages travel as fp32.
         self.wire: Optional[dict[int, tuple[int, int, bytes]]] = None
