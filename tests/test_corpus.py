@@ -20,8 +20,7 @@ import zstandard
 
 from swarm.data.corpus import (BUNDLED_CORPUS, Corpus, CorpusError, Document, _bundled_files, _without_hard_breaks,
                                 load_corpus, plan_split, split_by_keys, split_documents)
-from swarm.data.corpus_formats import read_documents
-from swarm.data.corpus_formats import cut_pieces, piece_chars
+from swarm.data.corpus_formats import cut_pieces, piece_chars, read_documents
 from swarm.data.prepare import TokenDataset, load_tokenizer, prepare_run_data
 from swarm.data.token_store import MANIFEST, build_store, encoding_chunks, load_store
 

@@ -150,23 +150,19 @@ def inner_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     # (docs/measured.md#scale). The same steps bit for bit (test_inner_optimizer.py).
     optimizer.zero_grad(set_to_none=not on_cpu)
     if on_cpu:
-        release_free_memory()
+        _trim(0)
     return float(loss.detach())
 
 
 def _malloc_trim() -> Callable[[int], int]:
+    """glibc's malloc_trim: hands the C heap's free pages back to the kernel."""
     try:
-        return ctypes.CDLL(None).malloc_trim  # glibc's
+        return ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):  # another C library (musl, macOS): its heap is its own business
         return lambda pad: 0
 
 
 _trim = _malloc_trim()
-
-
-def release_free_memory() -> None:
-    """Hand the C heap's free pages back to the kernel."""
-    _trim(0)
 
 
 # Of a whole-model peer's wall time, at most, spent on validation losses (issue 39: a round's overhead a few
