@@ -440,6 +440,8 @@ def run_size(args: argparse.Namespace, size: str, workdir: Path, deadline: float
             checkpoints = ["--checkpoint-dir", str(base / f"peer{index}" / "checkpoints")] if args.checkpoints else []
             if args.recompute_activations:
                 checkpoints.append("--recompute-activations")
+            if args.outer_state_on_disk:
+                checkpoints += ["--outer-state-dir", str(base / f"peer{index}" / "outer")]
             peers.append(Child(["join", "--initial-peers", found.group(1), "--device", args.device, "--num-threads",
                                 str(threads), "--cache-dir", str(base / f"peer{index}" / "cache"), "--until-round",
                                 str(args.rounds), "--events-file", str(base / f"peer{index}.events"), *checkpoints],
@@ -471,6 +473,7 @@ def run_size(args: argparse.Namespace, size: str, workdir: Path, deadline: float
                 "checkpoints": args.checkpoints, "rounds_asked": args.rounds, "timed_out": timed_out,
                 "fragments": args.fragments, "overlap": args.overlap,
                 "recompute_activations": args.recompute_activations,
+                "outer_state_on_disk": args.outer_state_on_disk,
                 "all": aggregate(summaries), "peers": summaries}
     finally:
         stop_children(children[::-1], STOP_GRACE if not memory else 10.0)
@@ -505,6 +508,8 @@ def main() -> None:
     parser.add_argument("--overlap", action="store_true", help="the recipe's outer.overlap")
     parser.add_argument("--recompute-activations", action="store_true",
                         help="start the peers with --recompute-activations (gradient checkpointing)")
+    parser.add_argument("--outer-state-on-disk", action="store_true",
+                        help="give each peer an --outer-state-dir beside its checkpoints (the run's directory)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--num-threads", type=int, help="torch threads a peer (default: cores / peers)")
     parser.add_argument("--skip-rounds", type=int, default=1, help="rounds left out of the means at the start")

@@ -93,17 +93,32 @@ def check_checkpoint_dir(directory: Optional[str]) -> Check:
 def check_disk(directory: Optional[str], checkpoint: int, keep: int) -> Check:
     if directory is None:
         return Check("disk", True, "no --checkpoint-dir: this peer writes no checkpoints")
-    existing = Path(directory).expanduser().absolute()
-    while not existing.exists():  # the file system the directory will be made on
-        existing = existing.parent
-    free = shutil.disk_usage(existing).free
+    free = _free_space(directory)
     need = checkpoint * (keep + 1)  # a new checkpoint is written before the oldest is removed
     details = {"directory": directory, "free": free, "need": need, "checkpoint": checkpoint}
     if free >= need:
         return Check("disk", True, f"{fmt_bytes(free)} free for checkpoints of {fmt_bytes(checkpoint)}", details)
     return Check("disk", False, f"{fmt_bytes(free)} free in {directory} but {keep} checkpoints and the one being "
-                                f"written need {fmt_bytes(need)}: free space there, pass a --checkpoint-dir on a larger "
-                                "disk, or lower --keep-checkpoints", details)
+                                f"written need {fmt_bytes(need)}: free space there, pass a --checkpoint-dir on a "
+                                "larger disk, or lower --keep-checkpoints", details)
+
+
+def check_outer_state_disk(directory: str, need: int) -> Check:
+    free = _free_space(directory)
+    details = {"directory": directory, "free": free, "need": need}
+    if free >= need:
+        return Check("outer state", True, f"{fmt_bytes(free)} free in {directory} for the outer state's "
+                                          f"{fmt_bytes(need)}", details)
+    return Check("outer state", False, f"{fmt_bytes(free)} free in {directory} but the outer state needs "
+                                       f"{fmt_bytes(need)}: free space there or give --outer-state-dir on a larger "
+                                       "disk", details)
+
+
+def _free_space(directory: str) -> int:
+    existing = Path(directory).expanduser().absolute()
+    while not existing.exists():  # the file system the directory will be made on
+        existing = existing.parent
+    return shutil.disk_usage(existing).free
 
 
 def check_memory(need: int, free: Optional[int], replay: Optional[float]) -> Check:
@@ -114,7 +129,8 @@ def check_memory(need: int, free: Optional[int], replay: Optional[float]) -> Che
         return Check("memory", True, f"{fmt_bytes(free)} available, about {fmt_bytes(need)} needed", details)
     log = f"--replay-log-mb {replay:g}" if replay is not None else "--replay-log-mb, one state's size by default"
     return Check("memory", False, f"{fmt_bytes(free)} of memory available but this peer needs about "
-                                  f"{fmt_bytes(need)}: close other programs, or lower {log}", details)
+                                  f"{fmt_bytes(need)}: close other programs, lower {log}, or keep the outer "
+                                  "state on disk (--outer-state-dir)", details)
 
 
 def check_device_memory(name: str, *, need: int, free: int) -> Check:
@@ -137,7 +153,7 @@ def resource_checks(recipe: Recipe, settings: PeerSettings, shared: bool = False
         model = recipe.model.model_copy(update={"config_file": config_file}) if config_file else \
             local_files(recipe, settings.data_dir or settings.cache_dir)[2]  # where join reads config_file
         needs = estimate_needs(recipe.model_copy(update={"model": model}), device, settings.replay_log_mb,
-                               settings.recompute_activations)
+                               settings.recompute_activations, outer_on_disk=settings.outer_state_dir is not None)
     except RuntimeError as e:  # --device cuda without a GPU
         return [Check("device", False, str(e), fatal=True)]
     except (RecipeError, OSError, ValueError) as e:
@@ -145,6 +161,8 @@ def resource_checks(recipe: Recipe, settings: PeerSettings, shared: bool = False
                                           "model.config_file or --data-dir")]
     checks = [check_disk(settings.checkpoints.dir, needs.checkpoint, settings.checkpoints.keep),
               check_memory(needs.host, available_memory(), settings.replay_log_mb)]
+    if settings.outer_state_dir is not None:
+        checks.append(check_outer_state_disk(settings.outer_state_dir, 8 * needs.params))
     if settings.max_memory is not None:
         checks.append(check_max_memory(recipe.model_copy(update={"model": model}), settings.max_memory))
     gpu = device_memory(device)

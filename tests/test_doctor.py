@@ -21,7 +21,7 @@ from swarm.dht.dialback import (BURST, DIALBACK_PROTOCOL, MAX_TARGETS, DialBack,
                                 DialBackServer, _parse, dial_back, forwarded, reachable, request_dialback)
 from swarm.checks import Check, check_device_memory
 from swarm.dht.frames import send_frame
-from swarm.model.memory import estimate_needs
+from swarm.model.memory import estimate_needs, fmt_bytes
 from swarm.doctor import check_clock, check_identity, diagnose
 from swarm.reachability import announcing, check_reachability, to_announce
 
@@ -298,6 +298,31 @@ def test_the_memory_estimate_follows_the_codec_the_fragments_and_recomputed_acti
     assert base.host - streamed.host == 8 * n - 8 * n // 4 and streamed.device == base.device
     recomputed = estimate_needs(recipe, "cuda", replay_log_mb=0, recompute=True)
     assert recomputed.host == base.host and 16 * n < recomputed.device < base.device
+    on_disk = estimate_needs(recipe.model_copy(update={"outer": outer}), "cuda", replay_log_mb=0, outer_on_disk=True)
+    assert streamed.host - on_disk.host == 8 * n - 8 * n // 4  # (a fragment's outer state paged in at a time)
+
+
+def test_the_outer_state_directory_is_checked_for_room(monkeypatch, tmp_path):
+    """--outer-state-dir: the disk under it must hold the outer state (8 bytes a parameter), and the memory
+    check counts all but a fragment's of it off the host's need."""
+    import swarm.checks
+    from swarm.checks import resource_checks
+
+    recipe = load_recipe(TINY)
+    recipe = recipe.model_copy(update={"outer": recipe.outer.model_copy(update={"fragments": 4})})
+    n = estimate_needs(recipe, "cpu", replay_log_mb=None).params
+    settings = PeerSettings(initial_peers=(_dead_bootstrap(),), device="cpu", cache_dir=str(tmp_path),
+                            outer_state_dir=str(tmp_path / "outer" / "deeper"))
+    in_memory = _by_name(resource_checks(recipe, settings.model_copy(update={"outer_state_dir": None})))
+    assert "outer state" not in in_memory
+    checks = _by_name(resource_checks(recipe, settings))
+    assert checks["outer state"].ok and checks["outer state"].details["need"] == 8 * n
+    assert in_memory["memory"].details["need"] - checks["memory"].details["need"] == 8 * n - 8 * n // 4
+    monkeypatch.setattr(swarm.checks, "_free_space", lambda directory: 100)
+    short = _by_name(resource_checks(recipe, settings))["outer state"]
+    assert not short.ok and short.message == (f"100 B free in {tmp_path}/outer/deeper but the outer state needs "
+                                              f"{fmt_bytes(8 * n)}: free space there or give --outer-state-dir on "
+                                              "a larger disk")
 
 
 def test_join_and_doctor_compare_a_gpus_free_memory_with_what_training_needs(monkeypatch, tmp_path):

@@ -96,7 +96,8 @@ def test_two_peers_train_three_rounds_with_exact_averages(swarm):
 def test_overlapping_rounds_keep_peers_identical(swarm, fragments):
     """With outer.overlap the all-reduce of round t runs while round t+1 trains: every peer must still apply the
     exact average, hold the same global params, and keep its local progress made meanwhile. With 2 fragments
-    (Streaming DiLoCo with overlap) each round averages half the model, rounds as long as before."""
+    (Streaming DiLoCo with overlap) each round averages half the model, rounds as long as before, and one of the
+    peers keeps its outer state in a file (--outer-state-dir): the same bits."""
     recipe = Path(__file__).parent / "recipes" / "overlap.yaml"
     if fragments > 1:
         fields = yaml.safe_load(recipe.read_text())
@@ -104,11 +105,14 @@ def test_overlapping_rounds_keep_peers_identical(swarm, fragments):
         recipe = swarm.workdir / "fragments.yaml"
         recipe.write_text(yaml.safe_dump(fields))
     _, maddr = swarm.bootstrap(recipe=recipe)
+    on_disk = ("--outer-state-dir", str(swarm.workdir / "outer")) if fragments > 1 else ()
     peers = [swarm.peer(maddr, "--until-round", str(ROUNDS), "--trace-dir", str(swarm.workdir / f"trace{i}"),
-                        name=f"peer{i}") for i in range(2)]
+                        *(on_disk if i else ()), name=f"peer{i}") for i in range(2)]
     for peer in peers:
         assert peer.wait(240) == 0, peer.output()[-3000:]
         assert peer.events("training", overlap=True)
+    if on_disk:
+        assert "outer state: 0." in peers[1].output() and not any((swarm.workdir / "outer").iterdir())
     traces = [_traces(swarm.workdir / f"trace{i}") for i in range(2)]
     assert sorted(traces[0]) == sorted(traces[1]) == list(range(ROUNDS))
     for round_no in range(ROUNDS):

@@ -15,6 +15,9 @@ with blake3 over the tensors' memory (no copy), so the training thread trains on
 which announces the digest, never waits for it: `identity()` is the last (round, digest) known, `digest()` waits
 for the current one. Whatever reads the state in the background (that hash, a checkpoint being written) holds off
 the next change of it (`settle`), so nothing copies the state to read it.
+
+With `outer_state_dir` the global params and outer momentum live in a file there (OuterStore), each page of it in
+memory only while something reads or writes it: after each such use `release` drops them again.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 from swarm.config import REPLAY_LOG_BYTES_PER_PARAM, OuterRecipe
 from swarm.peer.digest import state_digest
 from swarm.peer.outer import OuterStep, fragment_bounds, momenta, outer_update
+from swarm.peer.outer_store import OuterStore
 from swarm.peer.training import eager
 
 logger = logging.getLogger(__name__)
@@ -40,11 +44,22 @@ class DiLoCo:
     """Global params + outer optimizer of one peer. Thread-safe snapshots for serving state to other peers."""
 
     def __init__(self, model: torch.nn.Module, outer: OuterRecipe, log_bytes: Optional[int] = None,
-                 log_bytes_per_param: float = REPLAY_LOG_BYTES_PER_PARAM):
+                 log_bytes_per_param: float = REPLAY_LOG_BYTES_PER_PARAM, outer_state_dir: Optional[str] = None):
         self.model = model
         self.names = [name for name, _ in model.named_parameters()]
         self.local_params = [param for _, param in model.named_parameters()]
-        self.global_params = [param.detach().to("cpu", torch.float32).clone() for param in self.local_params]
+        self.store, self._slots = None, None
+        if outer_state_dir is None:
+            self.global_params = [param.detach().to("cpu", torch.float32).clone() for param in self.local_params]
+        else:
+            shapes = [param.shape for param in self.local_params]
+            self.store = OuterStore(outer_state_dir, sum(param.numel() for param in self.local_params))
+            self.global_params, self._slots = self.store.params(shapes), self.store.momentum_slots(shapes)
+            with torch.no_grad():
+                for mine, param in zip(self.global_params, self.local_params):
+                    mine.copy_(param.detach())
+            logger.info("outer state: %.2f GB in a file in %s, paged in for a sync", 8 * self.store.numel / 1e9,
+                        outer_state_dir)
         self.outer_optimizer = eager(torch.optim.SGD, self.global_params, lr=outer.lr, momentum=outer.momentum,
                                      nesterov=outer.nesterov and outer.momentum > 0)
         self.numel = sum(p.numel() for p in self.global_params)
@@ -140,7 +155,8 @@ class DiLoCo:
         self.settle()
         before, round_before = self.digest() if log else "", self.round
         with self.lock, torch.no_grad():
-            outer_update(self.global_params[start:end], self.outer_optimizer, average)
+            outer_update(self.global_params[start:end], self.outer_optimizer, average,
+                         None if self._slots is None else self._slots[start:end])
             self.round += 1
             self.tokens_seen += int(tokens)
             kept = None if wire or not log else average.to(torch.float32).clone()
@@ -148,6 +164,7 @@ class DiLoCo:
                 [OuterStep(round_before, before, after, int(tokens), kept, tuple(wire) if wire else None)]),
                 changed=fragment)
         self.reset_local(fragment)
+        self.release()
 
     def _log(self, steps: list[OuterStep]) -> None:
         with self._log_lock:
@@ -195,6 +212,7 @@ class DiLoCo:
                                   self.fragments, self._parts)
             self.digest_seconds = time.monotonic() - started
             self._digest, self._identity = digest, (round_no, digest)
+            self.release()
             if then is not None:
                 then(digest)
 
@@ -252,31 +270,48 @@ class DiLoCo:
         if (self.round, self.digest()) != start:
             raise ValueError("our state changed while replaying")
         with self.lock, torch.no_grad():
-            for mine, new in zip(self.global_params, params):
+            for k, (mine, new) in enumerate(zip(self.global_params, params)):
                 mine.copy_(new)
-                buffer = optimizer.state.get(new, {}).get("momentum_buffer")
-                if buffer is not None:
-                    self.outer_optimizer.state[mine]["momentum_buffer"] = buffer
-                else:
-                    self.outer_optimizer.state.pop(mine, None)
+                self._keep_momentum(k, optimizer.state.get(new, {}).get("momentum_buffer"))
             self.round, self.tokens_seen, self._parts = round_no, tokens_seen, parts
             self._digest, self._identity = digest, (round_no, digest)  # (checked above: no need to hash again)
         self._log(steps)  # so we can pass them on
         self.reset_local()
+        self.release()
+
+    def _keep_momentum(self, k: int, buffer: Optional[torch.Tensor]) -> None:
+        """Global param `k`'s outer momentum := a copy of `buffer` (None: none yet), in its slot where the state
+        lives in a file."""
+        param = self.global_params[k]
+        if buffer is None:
+            self.outer_optimizer.state.pop(param, None)
+        elif self._slots is None:
+            self.outer_optimizer.state[param]["momentum_buffer"] = buffer.to(torch.float32).clone()
+        else:
+            self.outer_optimizer.state[param]["momentum_buffer"] = self._slots[k].copy_(buffer)
+
+    def release(self) -> None:
+        """Where the outer state lives in a file: drop its pages from memory (after anything read it)."""
+        if self.store is not None:
+            self.store.release()
 
     def flat_global(self) -> torch.Tensor:
         """A copy of the global params, flat (parameter order)."""
         with self.lock:
-            return torch.cat([p.view(-1) for p in self.global_params]).clone()
+            flat = torch.cat([p.view(-1) for p in self.global_params])
+        self.release()
+        return flat
 
     def flat_state(self) -> torch.Tensor:
         """Global params then outer momentum (zeros before the first outer step, which torch's SGD treats the
         same), flat fp32: what a mixing group averages besides the pseudo-gradients."""
         with self.lock:
             momentum = momenta(self.global_params, self.outer_optimizer)
-            return torch.cat([p.view(-1) for p in self.global_params] +
+            flat = torch.cat([p.view(-1) for p in self.global_params] +
                              [(torch.zeros_like(p) if m is None else m).view(-1)
                               for p, m in zip(self.global_params, momentum)])
+        self.release()
+        return flat
 
     def load_flat_state(self, state: torch.Tensor) -> None:
         """Set global params and outer momentum from a `flat_state()` layout (a mixing group's average of them),
@@ -286,11 +321,11 @@ class DiLoCo:
         self.settle()
         with self.lock, torch.no_grad():
             offset = 0
-            for param in self.global_params:
+            for k, param in enumerate(self.global_params):
                 param.copy_(state[offset:offset + param.numel()].view_as(param))
                 momentum = state[self.numel + offset:self.numel + offset + param.numel()].view_as(param)
                 if self.outer_optimizer.defaults["momentum"] > 0:
-                    self.outer_optimizer.state[param]["momentum_buffer"] = momentum.to(torch.float32).clone()
+                    self._keep_momentum(k, momentum)
                 offset += param.numel()
             with self._log_lock:
                 self.replay_log.clear()  # a mixed state is nobody's to replay from
@@ -332,6 +367,7 @@ class DiLoCo:
         if self._digest is None:  # (its hash failed: say why here)
             self._digest = state_digest(self.global_params, momenta(self.global_params, self.outer_optimizer),
                                         self.round, self.fragments, [None] * len(self.fragments))
+            self.release()
         return self._digest
 
     def state_views(self) -> dict[str, torch.Tensor]:
@@ -352,7 +388,8 @@ class DiLoCo:
                 buffer = self.outer_optimizer.state.get(param, {}).get("momentum_buffer")
                 if buffer is not None:
                     tensors[f"momentum.{name}"] = buffer.clone()
-            return tensors
+        self.release()
+        return tensors
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor], round_no: int, tokens_seen: int) -> None:
         """Replace global params and outer momentum; raises ValueError if names or shapes do not match."""
@@ -362,15 +399,16 @@ class DiLoCo:
                 raise ValueError(f"state has no tensor params.{name} of shape {tuple(param.shape)}")
         self.settle()
         with self.lock, torch.no_grad():
-            for name, param in zip(self.names, self.global_params):
+            for k, (name, param) in enumerate(zip(self.names, self.global_params)):
                 param.copy_(tensors[f"params.{name}"])
                 buffer = tensors.get(f"momentum.{name}")
                 if buffer is not None and buffer.shape == param.shape:
-                    self.outer_optimizer.state[param]["momentum_buffer"] = buffer.to(torch.float32).clone()
+                    self._keep_momentum(k, buffer)
                 else:
-                    self.outer_optimizer.state.pop(param, None)
+                    self._keep_momentum(k, None)
             self.round, self.tokens_seen = int(round_no), int(tokens_seen)
             with self._log_lock:
                 self.replay_log.clear()
             self._rehash()
         self.reset_local()
+        self.release()

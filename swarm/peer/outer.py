@@ -78,24 +78,27 @@ def momenta(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> lis
     return [optimizer.state.get(p, {}).get("momentum_buffer") for p in params]
 
 
-def outer_update(params: list[torch.Tensor], optimizer: torch.optim.SGD, average: torch.Tensor) -> None:
+def outer_update(params: list[torch.Tensor], optimizer: torch.optim.SGD, average: torch.Tensor,
+                 slots: Optional[list[torch.Tensor]] = None) -> None:
     """One outer step of `optimizer` (torch's SGD, Nesterov or not) on `params` along the flat averaged
     pseudo-gradient, one parameter at a time: the same arithmetic as SGD.step on the CPU (bit for bit), without
-    a whole model's worth of gradients set first. The momentum buffers stay in `optimizer.state`."""
+    a whole model's worth of gradients set first. The momentum buffers stay in `optimizer.state`; a parameter's
+    first one is a copy of its gradient, as torch's, made in `slots` (one a param, where given) if not anew."""
     hyper = optimizer.param_groups[0]
     lr, momentum, dampening, nesterov = hyper["lr"], hyper["momentum"], hyper["dampening"], hyper["nesterov"]
     if hyper["weight_decay"] or hyper.get("maximize"):
         raise ValueError("the outer optimizer takes neither weight decay nor maximize")
     offset = 0
     with torch.no_grad():
-        for param in params:
+        for k, param in enumerate(params):
             grad = average[offset:offset + param.numel()].view_as(param).to(torch.float32)
             offset += param.numel()
             if momentum:
                 state = optimizer.state[param]
                 buffer = state.get("momentum_buffer")
                 if buffer is None:
-                    buffer = state["momentum_buffer"] = torch.clone(grad).detach()
+                    buffer = state["momentum_buffer"] = \
+                        torch.clone(grad).detach() if slots is None else slots[k].copy_(grad)
                 else:
                     buffer.mul_(momentum).add_(grad, alpha=1 - dampening)
                 grad = grad.add(buffer, alpha=momentum) if nesterov else buffer

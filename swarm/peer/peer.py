@@ -107,8 +107,8 @@ class Peer:
                                self.move_to)  # the whole model, or a stage of it
         self.model, self.n_blocks = self.part.model, self.part.n_blocks
         self.settings = s = self.part.settings  # (a stage's checkpoints go in a directory of their own)
-        self.diloco = DiLoCo(self.part.module, r.outer, log_bytes=None if s.replay_log_mb is None else
-                             int(s.replay_log_mb * 1e6), log_bytes_per_param=r.averaging.replay_bytes_per_param)
+        self.diloco = DiLoCo(self.part.module, r.outer, None if s.replay_log_mb is None else int(s.replay_log_mb * 1e6),
+                             r.averaging.replay_bytes_per_param, s.outer_state_dir)
         self.error_feedback = FragmentFeedback.for_codec(self.diloco.fragment_sizes(), r.averaging.codec)
         self.inner = inner_for(r.inner, self.model)  # (its lr, where the recipe leaves it to the width)
         self.inner_optimizer = make_inner_optimizer(self.part.module, self.inner)

@@ -22,7 +22,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from safetensors.torch import load_file
@@ -62,10 +62,11 @@ DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", to
           torch.bool: "BOOL"}
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], each: Callable[[], None] = lambda: None) -> str:
     """Write `tensors` in the safetensors format (what safetensors' load_file reads), straight from their memory
     (safetensors' own save_file makes a bytes copy of every tensor first: the whole state once more), hashing
-    as it writes, and fsync; returns the file's sha256."""
+    as it writes, and fsync; returns the file's sha256. `each` is called after each tensor is written (DiLoCo's
+    release: a state kept in a file is paged in a tensor at a time)."""
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in sorted(tensors.items())}
     header, offset = {}, 0
     for name, tensor in tensors.items():
@@ -87,6 +88,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
                 data = tensor.view(-1).view(torch.uint8).numpy()
                 digest.update(data)
                 file.write(data)
+                each()
         file.flush()
         os.fsync(file.fileno())
     return digest.hexdigest()
@@ -101,7 +103,8 @@ def _fsync_dir(path: Path) -> None:
 
 
 def save_checkpoint(directory: str | Path, round_no: int, tokens_seen: int, tensors: dict[str, torch.Tensor],
-                    meta: dict, keep: int = 3, series_every: int = 0) -> Path:
+                    meta: dict, keep: int = 3, series_every: int = 0,
+                    each: Callable[[], None] = lambda: None) -> Path:
     """Write `round-NNNNNNNN/` atomically; keep the newest `keep` checkpoints plus the series (see in_series);
     returns its path."""
     directory = Path(directory)
@@ -111,7 +114,7 @@ def save_checkpoint(directory: str | Path, round_no: int, tokens_seen: int, tens
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     tensor_path = staging / "state.safetensors"
-    sha256 = write_safetensors(tensor_path, tensors)
+    sha256 = write_safetensors(tensor_path, tensors, each)
     full_meta = {**meta, "round": round_no, "tokens_seen": tokens_seen, "sha256": sha256}
     with open(staging / "meta.json", "w") as file:
         json.dump(full_meta, file, indent=1, sort_keys=True)
@@ -154,7 +157,7 @@ class CheckpointWriter:
             started = time.monotonic()
             try:
                 path = save_checkpoint(self.directory, round_no, tokens_seen, tensors, meta, keep=self.keep,
-                                       series_every=self.series_every)
+                                       series_every=self.series_every, each=diloco.release)
             except Exception as e:  # noqa: BLE001 - a full disk must not take the peer down
                 logger.error("checkpoint of round %d not written (%s); the previous one stays: free space in %s or "
                              "pass another --checkpoint-dir", round_no, e, self.directory)

@@ -1,0 +1,88 @@
+"""DiLoCo's outer state (global params and outer momentum, 8 bytes a parameter) in a file instead of the peer's
+memory (`--outer-state-dir`). A CPU peer touches it once a sync, a fragment at a time (the pseudo-gradient, the
+outer step, the state's hash), and at a checkpoint or a state download; in between it is 8 bytes a parameter of
+the peer's memory that nothing reads.
+
+The file is mapped shared (`torch.from_file`), and unlinked at once: it lives as long as the peer's mapping, so a
+peer that dies by any signal leaves no file behind. After each use `release` drops the pages from the peer's
+memory (madvise MADV_DONTNEED, which on a shared file mapping keeps their contents in the kernel's page cache, dirty
+ones included); the kernel writes them out and frees that memory when it needs it, and a later read pages them in
+again. The values are those of memory: every computation on them is the same, bit for bit."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MADV_DONTNEED = 4
+
+
+def _madvise() -> Optional[Callable[[int, int, int], int]]:
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return madvise
+
+
+class OuterStore:
+    """`numel` fp32 global params then `numel` fp32 momentum slots, in an unlinked file under `directory`."""
+
+    def __init__(self, directory: str | Path, numel: int):
+        directory = Path(directory).expanduser()
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            fd, path = tempfile.mkstemp(prefix="outer-state-", suffix=".f32", dir=directory)
+            os.close(fd)
+            try:
+                self.flat = torch.from_file(path, shared=True, size=2 * numel, dtype=torch.float32)
+            finally:
+                os.unlink(path)  # (the mapping keeps the file while the peer lives)
+        except (OSError, RuntimeError) as e:
+            raise RuntimeError(f"--outer-state-dir {directory}: cannot keep the outer state there ({e}); give a "
+                          f"writable directory on a disk with {8 * numel / 1e9:.2f} GB free") from e
+        self.numel = numel
+        self._madvise = _madvise()
+        if self._madvise is None:
+            logger.warning("no madvise here: the outer state in %s stays in memory once read", directory)
+
+    def params(self, shapes: list[torch.Size]) -> list[torch.Tensor]:
+        """Views of the global params' part, one a shape, in order."""
+        return self._views(0, shapes)
+
+    def momentum_slots(self, shapes: list[torch.Size]) -> list[torch.Tensor]:
+        """Views of the momentum part, one a shape, in order (what a slot holds before the first outer step is
+        never read: DiLoCo puts a buffer in it then)."""
+        return self._views(self.numel, shapes)
+
+    def _views(self, at: int, shapes: list[torch.Size]) -> list[torch.Tensor]:
+        views = []
+        for shape in shapes:
+            size = int(torch.Size(shape).numel())
+            views.append(self.flat[at:at + size].view(shape))
+            at += size
+        return views
+
+    def release(self) -> None:
+        """Drop the whole file's pages from the peer's memory (their contents stay: see the module's docstring).
+        Safe at any moment, beside readers and writers on other threads: a page they touch after it is paged
+        in again."""
+        if self._madvise is None:
+            return
+        start = self.flat.data_ptr()
+        length = self.flat.numel() * 4
+        length += -length % mmap.PAGESIZE
+        if self._madvise(start, length, MADV_DONTNEED) != 0:
+            logger.warning("madvise on the outer state failed (errno %d): it stays in memory once read",
+                           ctypes.get_errno())
+            self._madvise = None
