@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+from swarm.compression import decode, get_codec
 from swarm.config import OuterRecipe
 from swarm.peer.diloco import DiLoCo
 from swarm.peer.outer import momenta
@@ -18,10 +19,12 @@ def _model():
     return torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])  # 8 params, 16,640 values
 
 
-def _pair(tmp_path, fragments=1, **outer):
+def _pair(tmp_path, fragments=1, log_bytes_per_param=2.5):
     model = _model()
-    recipe = OuterRecipe(fragments=fragments, **outer)
-    return DiLoCo(model, recipe), DiLoCo(copy.deepcopy(model), recipe, outer_state_dir=str(tmp_path / "outer"))
+    recipe = OuterRecipe(fragments=fragments)
+    return (DiLoCo(model, recipe, log_bytes_per_param=log_bytes_per_param),
+            DiLoCo(copy.deepcopy(model), recipe, log_bytes_per_param=log_bytes_per_param,
+                   outer_state_dir=str(tmp_path / "outer")))
 
 
 def _bits(tensors):
@@ -53,6 +56,17 @@ def _resident_bytes(tensor: torch.Tensor) -> int:
     return rss
 
 
+def _mapped_from(address: int) -> str:
+    """The path /proc/self/maps gives for the mapping `address` lies in ('' for anonymous memory)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < end:
+                return fields[5].strip() if len(fields) > 5 else ""
+    raise AssertionError(f"{address:#x} is in no mapping")
+
+
 def _train(diloco: DiLoCo, step: int) -> None:
     with torch.no_grad():
         for k, param in enumerate(diloco.local_params):
@@ -79,6 +93,38 @@ def test_the_outer_state_in_a_file_steps_and_hashes_bit_for_bit_as_in_memory(tmp
     assert any(torch.signbit(m).any() for m in buffers)
     in_file = disk.store.flat.untyped_storage().data_ptr()
     assert len(buffers) == 8 and all(m.untyped_storage().data_ptr() == in_file for m in buffers + disk.global_params)
+
+
+def test_the_replay_log_keeps_its_bytes_in_files_and_a_peer_behind_replays_from_them(tmp_path):
+    memory, disk = _pair(tmp_path, fragments=2, log_bytes_per_param=12)
+    codec = get_codec("fp16")
+    for step in range(3):
+        for diloco in (memory, disk):
+            _train(diloco, step)
+        wire = [(0, 8320, codec.encode(memory.pseudo_gradient(memory.fragment())))]
+        for diloco in (memory, disk):
+            diloco.outer_step(decode(wire[0][2]), tokens=1, wire=wire)
+    fp32 = memory.pseudo_gradient(memory.fragment())  # (an average that never travelled encoded: the ring's)
+    for diloco in (memory, disk):
+        diloco.outer_step(fp32.clone(), tokens=1)
+    _same_state(memory, disk)
+    memory.hashed(), disk.hashed()
+    assert len(disk.replay_log) == len(memory.replay_log) == 4
+    for kept, spilled in zip(memory.replay_log, disk.replay_log):
+        assert (kept.round, kept.digest, kept.after, kept.nbytes) == (spilled.round, spilled.digest, spilled.after,
+                                                                     spilled.nbytes)
+        if kept.wire is not None:
+            [(a, b, payload)] = spilled.wire
+            assert (a, b) == kept.wire[0][:2] and bytes(payload) == kept.wire[0][2]
+            address = torch.frombuffer(payload, dtype=torch.uint8).data_ptr()
+        else:
+            assert torch.equal(spilled.average, kept.average)
+            address = spilled.average.data_ptr()
+        assert _mapped_from(address).startswith(str(tmp_path / "outer")), "the step's bytes are in a file there"
+    assert list((tmp_path / "outer").iterdir()) == []
+    behind = DiLoCo(_model(), OuterRecipe(fragments=2))
+    behind.replay(disk.steps_since(0, behind.digest()))
+    assert (behind.round, behind.digest()) == (4, disk.digest())
 
 
 def test_its_pages_leave_the_peers_memory_after_each_use(tmp_path):

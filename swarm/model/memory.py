@@ -28,15 +28,15 @@ class Needs:
 def estimate_needs(recipe: Recipe, device: str, replay_log_mb: Optional[float], recompute: bool = False,
                    outer_on_disk: bool = False) -> Needs:
     """Counts the model's parameters on the meta device (nothing allocated). The host holds the global params and
-    outer momentum (a fragment's at a time, `outer_on_disk`: --outer-state-dir), the replay log, error feedback's
-    residual (for the codecs that keep one), and a sync's buffers (its fragment's pseudo-gradient and average);
-    `recompute`: the peer recomputes activations in the backward pass. Raises RecipeError for a model the recipe
-    cannot build."""
+    outer momentum and the replay log (with `outer_on_disk`, --outer-state-dir, a fragment's outer state at a time
+    and no log: it is on disk), error feedback's residual (for the codecs that keep one), and a sync's buffers (its
+    fragment's pseudo-gradient and average); `recompute`: the peer recomputes activations in the backward pass.
+    Raises RecipeError for a model the recipe cannot build."""
     n = sum(params for params, _, _ in part_params(recipe))
     training = training_bytes(recipe, n, recipe.model.num_layers, last=True, recompute=recompute)
     replay = int(recipe.averaging.replay_bytes_per_param * n) if replay_log_mb is None else int(replay_log_mb * 1e6)
     residual = 4 * n if get_codec(recipe.averaging.codec).error_feedback else 0
-    outer = 8 * n // recipe.outer.fragments if outer_on_disk else 8 * n
+    outer, replay = (8 * n // recipe.outer.fragments, 0) if outer_on_disk else (8 * n, replay)
     host = outer + replay + residual + 8 * n // recipe.outer.fragments + (training if device == "cpu" else 0)
     return Needs(n, 8 * n + residual, host, training if device != "cpu" else 0)
 

@@ -17,12 +17,14 @@ for the current one. Whatever reads the state in the background (that hash, a ch
 the next change of it (`settle`), so nothing copies the state to read it.
 
 With `outer_state_dir` the global params and outer momentum live in a file there (OuterStore), each page of it in
-memory only while something reads or writes it: after each such use `release` drops them again.
+memory only while something reads or writes it: after each such use `release` drops them again; the replay log's
+steps keep their bytes in files there too.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -167,10 +169,19 @@ class DiLoCo:
         self.release()
 
     def _log(self, steps: list[OuterStep]) -> None:
+        if self.store is not None:  # (the steps' bytes in files: read only when a peer behind asks for them)
+            steps = [self._spilled(step) if step.nbytes <= self.log_bytes else step for step in steps]
         with self._log_lock:
             self.replay_log.extend(steps)
             while sum(s.nbytes for s in self.replay_log) > self.log_bytes:
                 self.replay_log.popleft()
+
+    def _spilled(self, step: OuterStep) -> OuterStep:
+        if step.wire is not None:
+            views = self.store.spill([payload for _, _, payload in step.wire])
+            return dataclasses.replace(step, wire=tuple((a, b, view) for (a, b, _), view in zip(step.wire, views)))
+        [view] = self.store.spill([memoryview(step.average.to(torch.float32).contiguous().numpy()).cast("B")])
+        return dataclasses.replace(step, average=torch.frombuffer(view, dtype=torch.float32))
 
     # ---- background readers: the state's hash, checkpoints -----------------------------------------------------
     def settle(self) -> float:

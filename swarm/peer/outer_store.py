@@ -1,5 +1,5 @@
 """DiLoCo's outer state (global params and outer momentum, 8 bytes a parameter) in a file instead of the peer's
-memory (`--outer-state-dir`). A CPU peer touches it once a sync, a fragment at a time (the pseudo-gradient, the
+memory (`--outer-state-dir`), and its replay log's averages (2.5 bytes a parameter by default) in files beside it. A CPU peer touches it once a sync, a fragment at a time (the pseudo-gradient, the
 outer step, the state's hash), and at a checkpoint or a state download; in between it is 8 bytes a parameter of
 the peer's memory that nothing reads.
 
@@ -7,7 +7,11 @@ The file is mapped shared (`torch.from_file`), and unlinked at once: it lives as
 peer that dies by any signal leaves no file behind. After each use `release` drops the pages from the peer's
 memory (madvise MADV_DONTNEED, which on a shared file mapping keeps their contents in the kernel's page cache, dirty
 ones included); the kernel writes them out and frees that memory when it needs it, and a later read pages them in
-again. The values are those of memory: every computation on them is the same, bit for bit."""
+again. The values are those of memory: every computation on them is the same, bit for bit.
+
+The replay log's steps are read only when a peer behind the swarm asks for them: each step's bytes go to a file of
+their own (`spill`, unlinked from the start), mapped, and the step holds views of that mapping; the file goes
+with the step."""
 
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ class OuterStore:
     """`numel` fp32 global params then `numel` fp32 momentum slots, in an unlinked file under `directory`."""
 
     def __init__(self, directory: str | Path, numel: int):
-        directory = Path(directory).expanduser()
+        directory = self.directory = Path(directory).expanduser()
         try:
             directory.mkdir(parents=True, exist_ok=True)
             fd, path = tempfile.mkstemp(prefix="outer-state-", suffix=".f32", dir=directory)
@@ -53,6 +57,7 @@ class OuterStore:
                           f"writable directory on a disk with {8 * numel / 1e9:.2f} GB free") from e
         self.numel = numel
         self._madvise = _madvise()
+        self._spill_failed = False
         if self._madvise is None:
             logger.warning("no madvise here: the outer state in %s stays in memory once read", directory)
 
@@ -71,6 +76,30 @@ class OuterStore:
             size = int(torch.Size(shape).numel())
             views.append(self.flat[at:at + size].view(shape))
             at += size
+        return views
+
+    def spill(self, parts: list) -> list[memoryview]:
+        """`parts` (bytes-like) written one after the other to a new unlinked file here, and read back as views of
+        its mapping (writable, copy on write: nothing writes to them), one a part; parts as they were where
+        writing fails (a full disk: the log stays in memory, said once)."""
+        size = sum(len(part) for part in parts)
+        if size == 0:
+            return [memoryview(part) for part in parts]
+        try:
+            with tempfile.TemporaryFile(dir=self.directory) as file:  # (no name: O_TMPFILE, or unlinked at once)
+                for part in parts:
+                    file.write(part)
+                file.flush()
+                view = memoryview(mmap.mmap(file.fileno(), size, access=mmap.ACCESS_COPY))
+        except (OSError, ValueError) as e:
+            if not self._spill_failed:
+                logger.warning("the replay log stays in memory: cannot write it to %s (%s)", self.directory, e)
+                self._spill_failed = True
+            return [memoryview(part) for part in parts]
+        views, at = [], 0
+        for part in parts:
+            views.append(view[at:at + len(part)])
+            at += len(part)
         return views
 
     def release(self) -> None:
