@@ -319,8 +319,8 @@ class DiLoCo:
         with self.lock:
             momentum = momenta(self.global_params, self.outer_optimizer)
             flat = torch.cat([p.view(-1) for p in self.global_params] +
-                             [(torch.zeros_like(p) if m is None else m).view(-1)
-                              for p, m in zip(self.global_params, momentum)])
+                           [(torch.zeros_like(p) if m is None else m).view(-1)
+                            for p, m in zip(self.global_params, momentum)])
         self.release()
         return flat
 
@@ -413,10 +413,7 @@ class DiLoCo:
             for k, (name, param) in enumerate(zip(self.names, self.global_params)):
                 param.copy_(tensors[f"params.{name}"])
                 buffer = tensors.get(f"momentum.{name}")
-                if buffer is not None and buffer.shape == param.shape:
-                    self._keep_momentum(k, buffer)
-                else:
-                    self._keep_momentum(k, None)
+                self._keep_momentum(k, buffer if buffer is not None and buffer.shape == param.shape else None)
             self.round, self.tokens_seen = int(round_no), int(tokens_seen)
             with self._log_lock:
                 self.replay_log.clear()
