@@ -184,3 +184,20 @@ def test_a_directory_it_cannot_use_is_refused_in_one_line(tmp_path):
     with pytest.raises(RuntimeError, match=r"--outer-state-dir .*a-file/outer: cannot keep the outer state there "
                                            r"\(.*\); give a writable directory on a disk with 0.00 GB free"):
         DiLoCo(_model(), OuterRecipe(), outer_state_dir=str(blocker / "outer"))
+
+
+def test_a_directory_in_memory_is_said_to_be_so(caplog):
+    """A tmpfs (/dev/shm, some systems' /tmp) holds the file in memory: the peer says so, and runs on."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("this system has no /dev/shm to try a tmpfs with")
+    in_memory = tempfile.mkdtemp(dir="/dev/shm")
+    try:
+        with caplog.at_level("WARNING"):
+            DiLoCo(_model(), OuterRecipe(), outer_state_dir=in_memory)
+        assert f"--outer-state-dir {in_memory} is in memory (a tmpfs)" in caplog.text
+    finally:
+        shutil.rmtree(in_memory, ignore_errors=True)

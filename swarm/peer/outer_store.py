@@ -40,6 +40,20 @@ def _madvise() -> Optional[Callable[[int, int, int], int]]:
     return madvise
 
 
+def _file_system(directory: Path) -> str:
+    """The type of the file system `directory` lies on, from /proc/mounts ('' where that cannot be read)."""
+    try:
+        mounts = [line.split()[1:3] for line in Path("/proc/mounts").read_text().splitlines()]
+    except OSError:
+        return ""
+    path, found, longest = str(directory.resolve()), "", -1
+    for point, kind in mounts:
+        point = point.replace("\\040", " ")
+        if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) > longest:
+            found, longest = kind, len(point)
+    return found
+
+
 class OuterStore:
     """`numel` fp32 global params then `numel` fp32 momentum slots, in an unlinked file under `directory`."""
 
@@ -57,6 +71,9 @@ class OuterStore:
             raise RuntimeError(f"--outer-state-dir {directory}: cannot keep the outer state there ({e}); give a "
                           f"writable directory on a disk with {8 * numel / 1e9:.2f} GB free") from e
         self.numel = numel
+        if _file_system(directory) in ("tmpfs", "ramfs"):
+            logger.warning("--outer-state-dir %s is in memory (a %s): the outer state takes as much memory there as "
+                           "in the peer; give a directory on a disk", directory, _file_system(directory))
         self._madvise = _madvise()
         self._spill_failed = False
         if self._madvise is None:
