@@ -1,4 +1,4 @@
-"""DiLoCo's outer state in a file (`--outer-state-dir`, swarm/peer/outer_store.py): the same state, digests and
+"""DiLoCo's outer state in a file (`--outer-state-dir`, swarm/peer/outer.py): the same state, digests and
 replay log bit for bit as in memory, through outer steps, replays, state loads, mixing and checkpoints; its pages
 out of the process's memory after each use; no file left behind; a directory it cannot use refused in one line."""
 

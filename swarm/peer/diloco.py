@@ -35,8 +35,7 @@ import torch
 
 from swarm.config import REPLAY_LOG_BYTES_PER_PARAM, OuterRecipe
 from swarm.peer.digest import state_digest
-from swarm.peer.outer import OuterStep, fragment_bounds, momenta, outer_update
-from swarm.peer.outer_store import OuterStore
+from swarm.peer.outer import OuterStep, OuterStore, fragment_bounds, momenta, outer_update
 from swarm.peer.training import eager
 
 logger = logging.getLogger(__name__)
