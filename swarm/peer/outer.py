@@ -4,9 +4,9 @@ the record of an applied step (OuterStep) that a peer behind replays.
 
 OuterStore keeps DiLoCo's outer state (global params and outer momentum, 8 bytes a parameter) in a file instead of
 the peer's memory (`--outer-state-dir`), and its replay log's averages (2.5 bytes a parameter by default) in files
-beside it. A CPU peer touches the state once a sync, a fragment at a time (the pseudo-gradient, the outer step, the state's
-hash), and at a checkpoint or a state download; in between it is 8 bytes a parameter of the peer's memory that
-nothing reads.
+beside it. A CPU peer touches the state once a sync, a fragment at a time (the pseudo-gradient, the outer step,
+the state's hash), and at a checkpoint or a state download; in between it is 8 bytes a parameter of the peer's
+memory that nothing reads.
 
 The file is mapped shared (`torch.from_file`), and unlinked at once: it lives as long as the peer's mapping, so a
 peer that dies by any signal leaves no file behind. After each use `release` drops the pages from the peer's
