@@ -105,9 +105,10 @@ class PeerSettings(_Section):
                     "downloading the state (default: 2.5 bytes a param, a round of fp16 averages; 0 keeps none)")
     outer_state_dir: Optional[str] = Field(
         None, json_schema_extra={"metavar": "DIR"},
-        description="keep the global params and outer momentum (8 bytes a param) in a file in DIR instead of in "
-                    "memory: paged in a fragment at a time for a sync, then left to the kernel, which writes them out "
-                    "when memory is short (writes about a fragment's 8 bytes a param a sync; default: in memory)")
+        description="keep the global params and outer momentum (8 bytes a param) in a file in DIR on a disk instead "
+                    "of in memory, and the replay log in files beside it: paged in a fragment at a time for a sync, "
+                    "then left to the kernel, which writes them out when memory is short (writes about a fragment's "
+                    "8 bytes a param a sync; default: in memory)")
     recompute_activations: bool = Field(
         False, description="keep each transformer block's input alone in the forward pass and compute the rest again "
                            "in the backward (gradient checkpointing): a block's activations in memory instead of "

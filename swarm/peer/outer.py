@@ -34,6 +34,8 @@ import torch
 from swarm.compression import decode
 from swarm.config import RecipeError
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class OuterStep:
@@ -127,8 +129,6 @@ def outer_update(params: list[torch.Tensor], optimizer: torch.optim.SGD, average
             param.add_(grad, alpha=-lr)
 
 
-logger = logging.getLogger(__name__)
-
 MADV_DONTNEED = 4
 
 
@@ -170,11 +170,12 @@ class OuterStore:
                 os.unlink(path)  # (the mapping keeps the file while the peer lives)
         except (OSError, RuntimeError) as e:
             raise RuntimeError(f"--outer-state-dir {directory}: cannot keep the outer state there ({e}); give a "
-                          f"writable directory on a disk with {8 * numel / 1e9:.2f} GB free") from e
+                               f"writable directory on a disk with {8 * numel / 1e9:.2f} GB free") from e
         self.numel = numel
-        if _file_system(directory) in ("tmpfs", "ramfs"):
+        kind = _file_system(directory)
+        if kind in ("tmpfs", "ramfs"):
             logger.warning("--outer-state-dir %s is in memory (a %s): the outer state takes as much memory there as "
-                           "in the peer; give a directory on a disk", directory, _file_system(directory))
+                           "in the peer; give a directory on a disk", directory, kind)
         self._madvise = _madvise()
         self._spill_failed = False
         if self._madvise is None:
