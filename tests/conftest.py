@@ -24,8 +24,11 @@ TESTS = Path(__file__).parent
 TINY_RECIPE = TESTS / "recipes" / "tiny.yaml"
 # The join command a bootstrap prints for its users (tests read its address from the `listening` event).
 MADDR = re.compile(r"--initial-peers (\S+)")
-# Peers are forked from one template process per test session, which has imported what a peer imports (zygote.py).
+# Peers are forked from one template process per test session, which has imported what a peer imports (zygote.py);
+# bootstraps from another, which has imported a bootstrap's modules and so no torch (as a fresh bootstrap).
 PEER_TEMPLATE = Template()
+BOOTSTRAP_TEMPLATE = Template("swarm.cli, swarm.bootstrap")
+TEMPLATES = {"join": PEER_TEMPLATE, "bootstrap": BOOTSTRAP_TEMPLATE}
 
 
 class EventReader:
@@ -86,7 +89,7 @@ class SwarmProcess(EventReader):
         if self.events_path is not None:
             argv = [*argv, "--events-file", str(self.events_path)]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        forked = PEER_TEMPLATE.start(argv, env) if argv[0] == "join" else None
+        forked = TEMPLATES[argv[0]].start(argv, env) if argv[0] in TEMPLATES else None
         self.process = forked or subprocess.Popen([sys.executable, "-m", "swarm", *argv], stdout=subprocess.PIPE,
                                                   stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -274,11 +277,11 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_terminal_summary(terminalreporter, config):
-    template = PEER_TEMPLATE
-    if template.forked or template.fresh:
-        because = f" (their environment differed in {', '.join(sorted(template.fresh_because))})"
-        terminalreporter.write_line(f"peers: {template.forked} forked from the template (tests/zygote.py), "
-                                    f"{template.fresh} started fresh" + (because if template.fresh_because else ""))
+    for kind, template in (("peers", PEER_TEMPLATE), ("bootstraps", BOOTSTRAP_TEMPLATE)):
+        if template.forked or template.fresh:
+            because = f" (their environment differed in {', '.join(sorted(template.fresh_because))})"
+            terminalreporter.write_line(f"{kind}: {template.forked} forked from the template (tests/zygote.py), "
+                                        f"{template.fresh} started fresh" + (because if template.fresh_because else ""))
     if not _CPU_ACCOUNT:
         return
     cores, files = os.cpu_count() or 1, {}
@@ -412,4 +415,5 @@ def stop_all(processes: list[SwarmProcess]) -> list[str]:
 
 
 def pytest_sessionfinish(session, exitstatus):
-    PEER_TEMPLATE.close()
+    for template in TEMPLATES.values():
+        template.close()

@@ -46,7 +46,7 @@ launched = dict(os.environ)
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as swarm.cli.main sets it, before torch loads
 from swarm.cli import import_hivemind_without_torch
 import_hivemind_without_torch()
-import swarm.cli, swarm.peer.peer  # what every peer loads: torch, the model layer, the averager, the DHT client
+import {modules}  # what every process of its kind loads (a peer's: torch, the model layer, the averager, DHT)
 # (what those imports set where it was not set: a peer's environment gets them as a fresh interpreter's would)
 added = {key: value for key, value in os.environ.items() if key not in launched}
 channel = socket.socket(fileno=int(sys.argv[1]))
@@ -134,9 +134,11 @@ class ForkedProcess:
 
 
 class Template:
-    """The template process, started at the first request; `start` forks a peer from it."""
+    """The template process, started at the first request; `start` forks a process from it. `modules` are what it
+    imports: a peer's by default; a bootstrap's load no torch (a fresh one does not, and test_footprint.py checks)."""
 
-    def __init__(self):
+    def __init__(self, modules: str = "swarm.cli, swarm.peer.peer"):
+        self.modules = modules
         self._lock = threading.Lock()
         self.forked = self.fresh = 0  # peers started each way, for the session's summary
         self.fresh_because: set[str] = set()  # the variables that made peers start fresh
@@ -187,7 +189,8 @@ class Template:
         if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
             return False
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._process = subprocess.Popen([sys.executable, "-c", TEMPLATE, str(theirs.fileno())],
+        self._process = subprocess.Popen([sys.executable, "-c", TEMPLATE.replace("{modules}", self.modules),
+                                          str(theirs.fileno())],
                                          pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
         theirs.close()

@@ -177,7 +177,9 @@ def describe_holder(pid: int) -> str:
         argv = ["?"]
     # `python -m swarm join ...`, `python swarm-peer bootstrap ...`: enough to tell which of one's peers it is
     words = [os.path.basename(a) for a in argv[:2]] + argv[2:4] + (["..."] if len(argv) > 4 else [])
-    return f"p2pd pid {pid} of process {owner} ({' '.join(words)}): stop that process (kill {owner})"
+    shown = " ".join(" ".join(words).split())  # one line, whatever its arguments hold (`python -c` code: newlines)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return f"p2pd pid {pid} of process {owner} ({shown}): stop that process (kill {owner})"
 
 
 def _parent(pid: Optional[int]) -> Optional[int]:
