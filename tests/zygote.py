@@ -1,4 +1,4 @@
-"""Peers for the multi-process tests, forked from a template that has imported what every peer imports.
+"""Peers (and bootstraps) for the multi-process tests, forked from a template that has imported what each imports.
 
 Every peer a test starts used to be a fresh `python -m swarm join`, and importing torch and the peer's modules cost
 each about 4.5 s of CPU before it did anything (docs/measured.md#start-up): a large share of the suite's time on 2
@@ -140,7 +140,7 @@ class Template:
     def __init__(self, modules: str = "swarm.cli, swarm.peer.peer"):
         self.modules = modules
         self._lock = threading.Lock()
-        self.forked = self.fresh = 0  # peers started each way, for the session's summary
+        self.forked = self.fresh = 0  # processes started each way, for the session's summary
         self.fresh_because: set[str] = set()  # the variables that made peers start fresh
         self._channel: Optional[socket.socket] = None
         self._process: Optional[subprocess.Popen] = None
